@@ -1,0 +1,38 @@
+# The two commands of README.md:
+#   make run    install dependencies, build, run the main job on its built-in default
+#   make test   install dependencies, build, run the test suites (and the sanitizer build's cpu tests)
+BUILD_DIR ?= build
+SANITIZE_DIR ?= build-sanitize
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+
+.PHONY: run test setup build build-sanitize test-sanitize format clean
+
+setup:
+	scripts/setup
+
+build: setup
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+run: build
+	$(BUILD_DIR)/moelora run
+
+test: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+	$(MAKE) test-sanitize
+
+# ASan + UBSan, CPU backend only, cpu-labelled tests.
+build-sanitize: setup
+	cmake -S . -B $(SANITIZE_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
+	  -DMOELORA_ENABLE_SANITIZERS=ON -DMOELORA_BUILD_BENCHMARKS=OFF
+	cmake --build $(SANITIZE_DIR) -j $(JOBS)
+
+test-sanitize: build-sanitize
+	ctest --test-dir $(SANITIZE_DIR) --output-on-failure -j $(JOBS) -L cpu -LE slow
+
+format:
+	find src tools tests bench -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD_DIR) $(SANITIZE_DIR)

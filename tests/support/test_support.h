@@ -1,0 +1,64 @@
+// Shared helpers for the test suites: seeded random inputs (seed printed, MOELORA_TEST_SEED
+// overrides), tolerance checks with readable failure reports, temporary directories and running
+// the moelora binary.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace moelora::test {
+
+// Directory of committed fixtures (tests/data).
+std::filesystem::path data_dir();
+// Build directory (holds the moelora binary).
+std::filesystem::path binary_dir();
+
+// Seed for a test: MOELORA_TEST_SEED if set, else `fallback`; printed through RecordProperty and
+// stdout so a failure can be replayed.
+uint64_t test_seed(uint64_t fallback);
+
+// Random fp32 tensor, normal(0, stddev).
+Tensor random_normal(const Shape& shape, std::mt19937_64& rng, float stddev = 1.0f);
+Tensor random_uniform(const Shape& shape, std::mt19937_64& rng, float lo, float hi);
+
+// A fresh empty directory under the system temp dir, removed when the object dies.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// |x - ref| <= atol + rtol * |ref| elementwise, no NaN/Inf anywhere. On failure: max abs error,
+// first bad index and up to 10 offending elements.
+::testing::AssertionResult all_close(const Tensor& actual, const Tensor& expected, float atol, float rtol);
+// PERF.md's bf16-vs-reference rule: |x - ref| <= 2e-2 |ref| + 2e-2 rms(ref), cosine >= min_cosine.
+::testing::AssertionResult close_bf16(const Tensor& actual, const Tensor& expected, double min_cosine = 0.9999);
+double cosine_similarity(const Tensor& a, const Tensor& b);
+double max_abs_diff(const Tensor& a, const Tensor& b);
+
+// Runs the moelora binary with `args` (shell-quoted by the caller), capturing stdout+stderr.
+struct CommandResult {
+  int exit_code;
+  std::string output;
+};
+CommandResult run_moelora(const std::string& args);
+CommandResult run_command(const std::string& command);
+
+void write_text_file(const std::filesystem::path& path, const std::string& text);
+std::string read_text_file(const std::filesystem::path& path);
+
+}  // namespace moelora::test

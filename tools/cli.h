@@ -1,0 +1,39 @@
+// Subcommand registry of the moelora tool. Each tools/<name>.cpp registers itself with
+// MOELORA_SUBCOMMAND; main.cpp builds the CLI11 app from the registry, so adding a subcommand
+// touches one file.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace moelora::cli {
+
+// Adds the subcommand's options to `app` and returns the function that runs it (exit code).
+using SetupFn = std::function<std::function<int()>(CLI::App& app)>;
+
+struct Subcommand {
+  std::string name;
+  std::string description;
+  int order;  // position in --help
+  SetupFn setup;
+};
+
+std::vector<Subcommand>& registry();
+
+struct Registrar {
+  Registrar(std::string name, std::string description, int order, SetupFn setup) {
+    registry().push_back({std::move(name), std::move(description), order, std::move(setup)});
+  }
+};
+
+// Parses "1,2,3" into token ids; throws moelora::Error naming `what` on a bad entry.
+std::vector<int32_t> parse_int_list(const std::string& text, const std::string& what);
+
+}  // namespace moelora::cli
+
+#define MOELORA_CLI_CONCAT_(a, b) a##b
+#define MOELORA_CLI_CONCAT(a, b) MOELORA_CLI_CONCAT_(a, b)
+#define MOELORA_SUBCOMMAND(name, description, order, setup) \
+  static ::moelora::cli::Registrar MOELORA_CLI_CONCAT(moelora_subcommand_, __LINE__)(name, description, order, setup)
