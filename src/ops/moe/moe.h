@@ -1,0 +1,77 @@
+// The MoE layer with multi-LoRA, CPU reference (DESIGN.md §3), fp32 with plain loops.
+//
+// Inputs: x [T, H]; slot [T] (-1 = base only); per-slot LoRA of this layer.
+//   1. route: logits = x Wg^T -> ids [T, k], w [T, k]            (ops/route)
+//   2. for each pair p = (t, j), e = ids[t, j]:
+//        h = x[t] W13[e]^T                                       [2I]  (gate rows [0, I), up [I, 2I))
+//        seam 1: h += s13 * (x[t] A13[slot, e]^T) B13[slot, e]^T  (slot >= 0 and the adapter has it)
+//        a = silu(h[:I]) * h[I:]                                  [I]
+//        y = a W2[e]^T                                            [H]
+//        seam 2: y += s2 * (a A2[slot, e]^T) B2[slot, e]^T
+//        out[t] += w[t, j] * y
+//   3. shared expert (with its own LoRA on gate/up/down), times sigmoid(x Wsg^T) when gated,
+//      added to out.
+// Optionally the expert input can be replaced by its FP8 round trip (per token per 128 columns)
+// so the reference sees exactly what an FP8 GEMM1 sees; the LoRA always sees bf16/fp32 x.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/lora.h"
+#include "core/tensor.h"
+#include "ops/route/route.h"
+
+namespace moelora::ops {
+
+struct MoeParams {
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I
+  RouteParams route;         // E, k, router kind
+  // Emulate FP8 activations at GEMM1 and GEMM2 (dynamic per-token 1x128 quantization).
+  bool fp8_activations = false;
+};
+
+struct MoeWeightsRef {
+  Tensor router;           // F32 [E, H]
+  Tensor correction_bias;  // F32 [E] or undefined
+  Tensor w13;              // F32 [E, 2I, H]
+  Tensor w2;               // F32 [E, H, I]
+  // shared expert (undefined when absent)
+  Tensor shared_w13;  // F32 [2Is, H] (gate rows then up rows)
+  Tensor shared_w2;   // F32 [H, Is]
+  Tensor shared_gate; // F32 [1, H] (Qwen sigmoid gate) or undefined
+};
+
+// LoRA of one slot for one MoE layer; null pointers = not targeted by that adapter.
+struct MoeLoraRef {
+  const LoraFactors* gate_up = nullptr;  // A [Ea, R, H], B [Eb, 2I, R]
+  const LoraFactors* down = nullptr;     // A [Ea, R, I], B [Eb, H, R]
+  const LoraFactors* shared_gate = nullptr;  // plain [1, R, H] / [1, Is, R]
+  const LoraFactors* shared_up = nullptr;
+  const LoraFactors* shared_down = nullptr;
+};
+
+struct MoeTrace {  // optional outputs for tests
+  Tensor logits;   // F32 [T, E]
+  RouteResult route;
+};
+
+// Returns out [T, H] F32. `router_logits`, when defined (F32 [T, E]), replaces x Wg^T (the
+// "routed experts only" configuration of the benchmarks).
+Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const MoeWeightsRef& weights,
+                       const std::vector<MoeLoraRef>& slots, const MoeParams& params, MoeTrace* trace = nullptr,
+                       const Tensor& router_logits = Tensor());
+
+// SwiGLU MLP with per-slot LoRA on gate/up/down (dense layers and the shared expert):
+//   out = (silu(x Wg^T + dg) * (x Wu^T + du)) Wd^T + dd
+// w_gate/w_up: F32 [I, H]; w_down: F32 [H, I]; lora[s] = {gate, up, down} of slot s.
+struct MlpLoraRef {
+  const LoraFactors* gate = nullptr;
+  const LoraFactors* up = nullptr;
+  const LoraFactors* down = nullptr;
+};
+Tensor mlp_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const Tensor& w_gate, const Tensor& w_up,
+                       const Tensor& w_down, const std::vector<MlpLoraRef>& lora);
+
+}  // namespace moelora::ops
