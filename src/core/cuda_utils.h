@@ -1,0 +1,115 @@
+// CUDA runtime helpers: error checking into moelora::Error, move-only RAII owners for device
+// memory, streams and events, and device properties. Included only by CUDA translation units
+// (*.cu) and GPU tests; the CPU build never sees this header.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "core/error.h"
+#include "core/tensor.h"
+
+// Throws moelora::Error(kCuda) with the failing expression, the CUDA error name and message.
+#define MOELORA_CUDA_CHECK(expr)                                                                \
+  do {                                                                                          \
+    cudaError_t moelora_cuda_status_ = (expr);                                                  \
+    if (moelora_cuda_status_ != cudaSuccess) {                                                  \
+      throw ::moelora::Error(::moelora::ErrorCode::kCuda,                                       \
+                             ::moelora::detail::concat(#expr, " failed: ",                      \
+                                                       cudaGetErrorName(moelora_cuda_status_), \
+                                                       " (", cudaGetErrorString(moelora_cuda_status_), ")"), \
+                             __FILE__, __LINE__);                                               \
+    }                                                                                           \
+  } while (0)
+
+// After a kernel launch: reports launch-configuration errors (not asynchronous faults).
+#define MOELORA_CUDA_CHECK_LAUNCH() MOELORA_CUDA_CHECK(cudaGetLastError())
+
+namespace moelora::cuda {
+
+// Number of visible CUDA devices; 0 when there is no driver or no device (never throws).
+int device_count();
+
+struct DeviceInfo {
+  int ordinal = 0;
+  std::string name;
+  int sm_major = 0, sm_minor = 0;
+  int num_sms = 0;
+  int l2_bytes = 0;
+  size_t max_smem_per_block_optin = 0;
+  size_t total_memory = 0;
+  int memory_clock_khz = 0;
+  int memory_bus_width_bits = 0;
+  int driver_version = 0, runtime_version = 0;
+};
+DeviceInfo device_info(int ordinal = 0);
+
+// Owned device allocation (cudaMalloc). Move-only. Allocation happens at construction only
+// (Workspace sizing), never inside a forward pass.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+  // Synchronous helpers for tests and set-up code (never used on the forward path).
+  void upload(const void* host, size_t bytes, size_t offset = 0);
+  void download(void* host, size_t bytes, size_t offset = 0) const;
+  void zero();
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Device copy of a host tensor (bytes as they are) and back.
+DeviceBuffer to_device(const Tensor& t);
+Tensor to_host(const DeviceBuffer& buf, DType dtype, const Shape& shape);
+
+class Stream {
+ public:
+  Stream();  // non-blocking stream
+  ~Stream();
+  Stream(Stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  Stream& operator=(Stream&& o) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return s_; }
+  void synchronize() const;
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class Event {
+ public:
+  explicit Event(bool timing = false);
+  ~Event();
+  Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  Event& operator=(Event&& o) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  cudaEvent_t get() const { return e_; }
+  void record(cudaStream_t stream) const;
+  // Milliseconds between two recorded timing events (synchronizes on `end`).
+  static float elapsed_ms(const Event& start, const Event& end);
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+}  // namespace moelora::cuda
