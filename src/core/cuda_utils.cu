@@ -111,3 +111,24 @@ float Event::elapsed_ms(const Event& start, const Event& end) {
 }
 
 }  // namespace moelora::cuda
+
+#include <cublas_v2.h>
+
+namespace moelora::cuda {
+
+CublasHandle::CublasHandle(size_t workspace_bytes) : workspace_(workspace_bytes) {
+  cublasHandle_t h = nullptr;
+  cublasStatus_t status = cublasCreate(&h);
+  MOELORA_CHECK(status == CUBLAS_STATUS_SUCCESS, ErrorCode::kCuda, "cublasCreate failed with status ",
+                static_cast<int>(status));
+  handle_ = h;
+  status = cublasSetWorkspace(h, workspace_.get(), workspace_bytes);
+  MOELORA_CHECK(status == CUBLAS_STATUS_SUCCESS, ErrorCode::kCuda, "cublasSetWorkspace failed with status ",
+                static_cast<int>(status));
+}
+
+CublasHandle::~CublasHandle() {
+  if (handle_) cublasDestroy(static_cast<cublasHandle_t>(handle_));
+}
+
+}  // namespace moelora::cuda

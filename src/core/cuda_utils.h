@@ -113,3 +113,44 @@ class Event {
 };
 
 }  // namespace moelora::cuda
+
+namespace moelora::cuda {
+
+// Sub-allocation of one device allocation: plan the regions first (offsets only), allocate
+// once, then hand out typed pointers. Used for Workspaces and weight/pool storage so that
+// nothing is allocated after construction.
+class DeviceArena {
+ public:
+  // Reserves `bytes` (256-byte aligned) and returns the region's offset.
+  size_t reserve(size_t bytes) {
+    const size_t offset = (size_ + 255) / 256 * 256;
+    size_ = offset + bytes;
+    return offset;
+  }
+  void allocate() { buffer_ = DeviceBuffer(size_ == 0 ? 256 : size_); }
+  template <typename T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(static_cast<char*>(buffer_.get()) + offset);
+  }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_ = 0;
+  DeviceBuffer buffer_;
+};
+
+// cuBLAS handle bound to a preallocated workspace (required for graph capture).
+class CublasHandle {
+ public:
+  explicit CublasHandle(size_t workspace_bytes = 32u << 20);
+  ~CublasHandle();
+  CublasHandle(const CublasHandle&) = delete;
+  CublasHandle& operator=(const CublasHandle&) = delete;
+  void* get() const { return handle_; }  // cublasHandle_t
+
+ private:
+  void* handle_ = nullptr;
+  DeviceBuffer workspace_;
+};
+
+}  // namespace moelora::cuda

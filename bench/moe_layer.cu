@@ -1,0 +1,455 @@
+// bench/moe_layer: op-level benchmark of one FP8 MoE layer with multi-LoRA on the GPU
+// (PERF.md "How to benchmark"). For each preset, batch size and LoRA configuration it checks the
+// layer once, then times CUDA-graph replays with CUDA events (warm-up, >= 50 repetitions, median
+// and min), rotating inputs and flushing L2 between repetitions so every replay streams its
+// experts from HBM. It reports the byte roofline of the experts actually touched, achieved TB/s,
+// % of the copy bandwidth measured in the same run, TFLOP/s for prefill, LoRA/no-LoRA time
+// ratios against the ideal byte ratio, and writes JSON + Markdown with the `targets` array.
+//
+//   bench_moe_layer [--preset NAME|all] [--decode 1,2,4,...] [--prefill 2048,4096] [--reps N]
+//                   [--routed-only] [--out DIR] [--quick]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/cuda_utils.h"
+#include "ops/moe/moe_layer_cuda.cuh"
+
+using namespace moelora;
+
+namespace {
+
+struct Preset {
+  std::string name;
+  int E, k, H, I, Is;
+  bool shared_gate;
+  RouterKind router;
+  int n_group, topk_group;
+  float scaling;
+};
+
+const std::vector<Preset> kPresets = {
+    {"qwen3.5-35b-a3b", 256, 8, 2048, 512, 512, true, RouterKind::kSoftmaxTopK, 1, 1, 1.0f},
+    {"kimi-k2.5", 384, 8, 7168, 2048, 2048, false, RouterKind::kSigmoidNoauxTc, 1, 1, 2.827f},
+    {"kimi-k2.5-ep8", 48, 8, 7168, 2048, 2048, false, RouterKind::kSigmoidNoauxTc, 1, 1, 2.827f},
+    {"qwen3-30b-a3b", 128, 8, 2048, 768, 0, false, RouterKind::kSoftmaxTopK, 1, 1, 1.0f},
+};
+
+struct LoraConfig {
+  std::string name;
+  int adapters;  // 0 = no LoRA
+  int rank;
+  bool shared_outer;
+};
+
+const std::vector<LoraConfig> kLoraConfigs = {
+    {"none", 0, 0, false},
+    {"1x r16", 1, 16, false},
+    {"1x r64", 1, 64, false},
+    {"8x r16", 8, 16, false},
+    {"1x r16 shared-outer", 1, 16, true},
+};
+
+struct Row {
+  std::string preset, mode, lora;
+  bool routed_only;
+  int tokens;
+  double us_median, us_min;
+  double bytes, ideal_us, tbps, pct_copy, tflops;
+  double lora_ratio = 0, ideal_ratio = 0, ratio_of_ideal = 0;  // for LoRA rows
+  int distinct_experts;
+};
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Device-to-device copy bandwidth (bytes read + written per second), 2 GB.
+double measure_copy_bandwidth() {
+  const size_t bytes = size_t(1) << 31;
+  cuda::DeviceBuffer a(bytes), b(bytes);
+  a.zero();
+  cuda::Event e0(true), e1(true);
+  for (int i = 0; i < 3; ++i) MOELORA_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
+  std::vector<float> ms;
+  for (int i = 0; i < 10; ++i) {
+    e0.record(nullptr);
+    MOELORA_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
+    e1.record(nullptr);
+    ms.push_back(cuda::Event::elapsed_ms(e0, e1));
+  }
+  return 2.0 * bytes / (median(ms) * 1e-3);
+}
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
+  return out;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    o += c;
+  }
+  return o;
+}
+
+struct Options {
+  std::vector<std::string> presets = {"qwen3.5-35b-a3b", "kimi-k2.5", "kimi-k2.5-ep8"};
+  std::vector<int> decode = {1, 2, 4, 8, 16, 32, 64, 128};
+  std::vector<int> prefill = {2048, 4096, 8192, 16384};
+  int reps = 60;
+  bool routed_only_too = true;
+  std::string out = "bench/results/h200";
+  bool quick = false;
+};
+
+// Per-forward LoRA bytes for the (slot, expert) pairs the batch touches.
+double lora_bytes(const Preset& p, const LoraConfig& lc, const std::vector<int32_t>& ids,
+                  const std::vector<int32_t>& slots, int k, bool shared) {
+  if (lc.adapters == 0) return 0;
+  std::map<std::pair<int, int>, int> pairs;
+  std::map<int, int> slots_used;
+  for (size_t t = 0; t < slots.size(); ++t) {
+    if (slots[t] < 0) continue;
+    slots_used[slots[t]] = 1;
+    for (int j = 0; j < k; ++j) pairs[{slots[t], ids[t * k + j]}] = 1;
+  }
+  const double r = lc.rank, H = p.H, I = p.I;
+  // per (slot, expert): gate_up A [r, H], B [2I, r]; down A [r, I], B [H, r] (bf16)
+  double per_pair = 2.0 * r * (H + 2 * I + I + H);
+  double per_slot = 0;
+  if (lc.shared_outer) {  // A13 and B2 are per slot, not per pair
+    per_pair = 2.0 * r * (2 * I + I);
+    per_slot = 2.0 * r * (H + H);
+  }
+  // shared expert: gate/up A [r, H] + B [2Is, r], down A [r, Is] + B [H, r], once per slot
+  if (shared && p.Is > 0) per_slot += 2.0 * r * (H + 2.0 * p.Is + p.Is + H);
+  return per_pair * pairs.size() + per_slot * slots_used.size();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "bench_moe_layer: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--preset") {
+      std::string v = next();
+      opt.presets.clear();
+      if (v == "all") {
+        for (auto& p : kPresets) opt.presets.push_back(p.name);
+      } else {
+        opt.presets.push_back(v);
+      }
+    } else if (a == "--decode") {
+      opt.decode = parse_list(next());
+    } else if (a == "--prefill") {
+      opt.prefill = parse_list(next());
+    } else if (a == "--reps") {
+      opt.reps = std::stoi(next());
+    } else if (a == "--out") {
+      opt.out = next();
+    } else if (a == "--no-routed-only") {
+      opt.routed_only_too = false;
+    } else if (a == "--quick") {
+      opt.quick = true;
+    } else if (a == "--help" || a == "-h") {
+      std::printf(
+          "bench_moe_layer: time one FP8 MoE layer with multi-LoRA on the GPU.\n"
+          "  --preset NAME|all   qwen3.5-35b-a3b, kimi-k2.5, kimi-k2.5-ep8, qwen3-30b-a3b (default: first three)\n"
+          "  --decode LIST       decode batch sizes (default 1,2,4,8,16,32,64,128)\n"
+          "  --prefill LIST      prefill token counts (default 2048,4096,8192,16384)\n"
+          "  --reps N            timed repetitions per configuration (default 60)\n"
+          "  --no-routed-only    skip the routed-experts-only rows (router logits given, no shared expert)\n"
+          "  --quick             fewer configurations (smoke run)\n"
+          "  --out DIR           results directory (default bench/results/h200)\n");
+      return 0;
+    } else {
+      std::fprintf(stderr, "bench_moe_layer: unknown option %s (see --help)\n", a.c_str());
+      return 2;
+    }
+  }
+  try {
+    if (cuda::device_count() == 0) {
+      std::fprintf(stderr, "bench_moe_layer: no CUDA device\n");
+      return 1;
+    }
+    const auto dev = cuda::device_info(0);
+    const double copy_bw = measure_copy_bandwidth();
+    std::printf("# %s, %d SMs, L2 %.0f MB, driver %d, runtime %d; copy bandwidth %.2f TB/s\n", dev.name.c_str(),
+                dev.num_sms, dev.l2_bytes / 1e6, dev.driver_version, dev.runtime_version, copy_bw / 1e12);
+
+    cuda::Stream main_stream, side_stream;
+    cuda::DeviceBuffer flush(size_t(200) << 20);  // larger than L2
+    std::vector<Row> rows;
+    std::mt19937_64 rng(1234);
+
+    for (const auto& pname : opt.presets) {
+      auto it = std::find_if(kPresets.begin(), kPresets.end(), [&](const Preset& p) { return p.name == pname; });
+      if (it == kPresets.end()) throw std::runtime_error("unknown preset " + pname);
+      const Preset& p = *it;
+      std::vector<std::pair<std::string, int>> modes;
+      for (int b : opt.decode) modes.push_back({"decode", b});
+      for (int t : opt.prefill) modes.push_back({"prefill", t});
+      const int max_tokens = std::max(*std::max_element(opt.decode.begin(), opt.decode.end()),
+                                      opt.prefill.empty() ? 0 : *std::max_element(opt.prefill.begin(), opt.prefill.end()));
+      ops::cuda::MoeLayerConfig c;
+      c.hidden = p.H;
+      c.inter = p.I;
+      c.num_experts = p.E;
+      c.top_k = p.k;
+      c.route.kind = p.router;
+      c.route.num_experts = p.E;
+      c.route.top_k = p.k;
+      c.route.renormalize = true;
+      c.route.n_group = p.n_group;
+      c.route.topk_group = p.topk_group;
+      c.route.routed_scaling_factor = p.scaling;
+      c.shared_inter = p.Is;
+      c.shared_gate = p.shared_gate;
+      c.max_tokens = max_tokens;
+      c.num_slots = 8;
+      c.max_rank = 64;
+      ops::cuda::MoeLayerCuda layer(c, ops::cuda::MoeLayerHostWeights{}, main_stream.get(), side_stream.get());
+      layer.randomize_weights(42);
+      std::fprintf(stderr, "[%s] weights %.2f GB, workspace %.2f GB\n", p.name.c_str(),
+                   (layer.expert_bytes() * double(p.E) + layer.router_bytes() + layer.shared_bytes()) / 1e9,
+                   layer.workspace_bytes() / 1e9);
+
+      for (const auto& [mode, T] : modes) {
+        // Inputs rotate over kSets sets so consecutive replays route differently.
+        const int kSets = mode == "prefill" ? 1 : 4;  // prefill touches every expert anyway
+        std::vector<cuda::DeviceBuffer> xs, logits, slotbufs;
+        std::vector<std::vector<int32_t>> slot_host(kSets);
+        for (int s = 0; s < kSets; ++s) {
+          std::vector<uint16_t> x(static_cast<size_t>(T) * p.H);
+          std::normal_distribution<float> nd(0.f, 1.f);
+          for (auto& v : x) v = f32_to_bf16_bits(nd(rng));
+          cuda::DeviceBuffer xb(x.size() * 2);
+          xb.upload(x.data(), x.size() * 2);
+          xs.push_back(std::move(xb));
+          std::vector<float> l(static_cast<size_t>(T) * p.E);
+          for (auto& v : l) v = nd(rng);
+          cuda::DeviceBuffer lb(l.size() * 4);
+          lb.upload(l.data(), l.size() * 4);
+          logits.push_back(std::move(lb));
+          slotbufs.emplace_back(static_cast<size_t>(T) * 4);
+        }
+        cuda::DeviceBuffer out(static_cast<size_t>(T) * p.H * 2), x_cur(static_cast<size_t>(T) * p.H * 2),
+            l_cur(static_cast<size_t>(T) * p.E * 4), s_cur(static_cast<size_t>(T) * 4);
+        std::map<std::string, double> base_us;  // routed_only flag -> no-LoRA median
+        for (bool routed_only : {false, true}) {
+          if (routed_only && !opt.routed_only_too) continue;
+          for (const auto& lc : kLoraConfigs) {
+            if (opt.quick && lc.name != "none" && lc.name != "1x r16") continue;
+            if (mode == "prefill" && lc.name != "none" && lc.name != "1x r16") continue;
+            for (int s = 0; s < 8; ++s) layer.clear_adapter(s);
+            for (int a = 0; a < lc.adapters; ++a) layer.randomize_adapter(a, lc.rank, lc.shared_outer, 100 + a);
+            // slots: adapters spread round-robin over tokens
+            for (int s = 0; s < kSets; ++s) {
+              slot_host[s].assign(T, -1);
+              for (int t = 0; t < T; ++t) slot_host[s][t] = lc.adapters ? t % lc.adapters : -1;
+              slotbufs[s].upload(slot_host[s].data(), T * 4);
+            }
+            ops::cuda::MoeForwardArgs f;
+            f.x = x_cur.as<__nv_bfloat16>();
+            f.slot = s_cur.as<int32_t>();
+            f.router_logits = routed_only ? l_cur.as<float>() : nullptr;
+            f.tokens = T;
+            f.lora = lc.adapters > 0;
+            f.shared = !routed_only;
+            f.out = out.as<__nv_bfloat16>();
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_stream.get(), cudaStreamCaptureModeGlobal));
+            layer.forward(f);
+            MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_stream.get(), &graph));
+            MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+            cuda::Event e0(true), e1(true);
+            std::vector<float> ms;
+            double bytes_sum = 0;
+            int distinct_sum = 0;
+            const int reps = mode == "prefill" ? std::max(10, opt.reps / 4) : opt.reps;
+            for (int rep = -5; rep < reps; ++rep) {
+              const int s = (rep + 5) % kSets;
+              MOELORA_CUDA_CHECK(cudaMemcpyAsync(x_cur.get(), xs[s].get(), x_cur.bytes(), cudaMemcpyDeviceToDevice, main_stream.get()));
+              MOELORA_CUDA_CHECK(cudaMemcpyAsync(l_cur.get(), logits[s].get(), l_cur.bytes(), cudaMemcpyDeviceToDevice, main_stream.get()));
+              MOELORA_CUDA_CHECK(cudaMemcpyAsync(s_cur.get(), slotbufs[s].get(), s_cur.bytes(), cudaMemcpyDeviceToDevice, main_stream.get()));
+              MOELORA_CUDA_CHECK(cudaMemsetAsync(flush.get(), rep & 0xff, flush.bytes(), main_stream.get()));
+              e0.record(main_stream.get());
+              MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_stream.get()));
+              e1.record(main_stream.get());
+              const float t_ms = cuda::Event::elapsed_ms(e0, e1);
+              if (rep < 0) continue;
+              ms.push_back(t_ms);
+              if (rep < kSets) {  // bytes of this routing (the sets repeat)
+                std::vector<int32_t> ids(static_cast<size_t>(T) * p.k);
+                MOELORA_CUDA_CHECK(cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
+                std::vector<char> seen(p.E, 0);
+                int distinct = 0;
+                for (int32_t e : ids)
+                  if (e >= 0 && !seen[e]) seen[e] = 1, ++distinct;
+                distinct_sum += distinct;
+                double b = distinct * double(layer.expert_bytes()) + (routed_only ? 0.0 : layer.router_bytes() + layer.shared_bytes());
+                b += lora_bytes(p, lc, ids, slot_host[s], p.k, !routed_only);
+                bytes_sum += b;
+              }
+            }
+            MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+            Row r;
+            r.preset = p.name;
+            r.mode = mode;
+            r.lora = lc.name;
+            r.routed_only = routed_only;
+            r.tokens = T;
+            r.us_median = median(ms) * 1e3;
+            r.us_min = *std::min_element(ms.begin(), ms.end()) * 1e3;
+            r.bytes = bytes_sum / kSets;
+            r.distinct_experts = distinct_sum / kSets;
+            r.ideal_us = r.bytes / copy_bw * 1e6;
+            r.tbps = r.bytes / (r.us_median * 1e-6) / 1e12;
+            r.pct_copy = 100.0 * r.ideal_us / r.us_median;
+            const double flops = 2.0 * T * p.k * (3.0 * p.H * p.I) + (routed_only ? 0 : 2.0 * T * (3.0 * p.H * p.Is + p.H * p.E));
+            r.tflops = flops / (r.us_median * 1e-6) / 1e12;
+            const std::string key = std::to_string(routed_only);
+            if (lc.adapters == 0) {
+              base_us[key] = r.us_median;
+              base_us[key + "bytes"] = r.bytes;
+            } else if (base_us.count(key)) {
+              r.lora_ratio = base_us[key] / r.us_median;  // throughput ratio LoRA / no-LoRA
+              r.ideal_ratio = base_us[key + "bytes"] / r.bytes;
+              r.ratio_of_ideal = r.lora_ratio / r.ideal_ratio;
+            }
+            rows.push_back(r);
+            std::printf("%-16s %-7s %6d %-22s %-6s %9.1f us  %6.2f TB/s  %5.1f%% roofline  %7.1f TF  ratio %.3f (ideal %.3f, %.3f)\n",
+                        p.name.c_str(), mode.c_str(), T, lc.name.c_str(), routed_only ? "routed" : "full", r.us_median,
+                        r.tbps, r.pct_copy, r.tflops, r.lora_ratio, r.ideal_ratio, r.ratio_of_ideal);
+            std::fflush(stdout);
+          }
+        }
+      }
+    }
+
+    // ---- targets (PERF.md L1, L2, L3, L4) ----
+    struct Target {
+      std::string id, config;
+      double value, target;
+      bool met;
+    };
+    std::vector<Target> targets;
+    for (const auto& r : rows) {
+      if (r.mode == "decode" && r.lora == "none") {
+        const double goal = r.tokens >= 16 ? 92 : r.tokens == 4 ? 85 : r.tokens == 1 ? 50 : -1;
+        if (goal > 0)
+          targets.push_back({"L1", r.preset + " B=" + std::to_string(r.tokens) + (r.routed_only ? " routed-only" : " full layer"),
+                             r.pct_copy, goal, r.pct_copy >= goal});
+      }
+      if (r.mode == "decode" && r.lora == "1x r16" && (r.tokens >= 16 || r.tokens <= 4)) {
+        const double goal = r.tokens >= 16 ? 0.98 : 0.90;
+        targets.push_back({"L2", r.preset + " B=" + std::to_string(r.tokens) + " r16 1 adapter" + (r.routed_only ? " routed-only" : " full layer"),
+                           r.ratio_of_ideal, goal, r.ratio_of_ideal >= goal});
+      }
+      if (r.mode == "decode" && r.lora == "8x r16" && r.tokens == 64)
+        targets.push_back({"L3", r.preset + " B=64 8 adapters r16" + std::string(r.routed_only ? " routed-only" : " full layer"),
+                           r.ratio_of_ideal, 0.95, r.ratio_of_ideal >= 0.95});
+      if (r.mode == "prefill" && r.tokens == 4096 && r.lora == "none") {
+        const double goal = r.preset == "kimi-k2.5-ep8" ? 1000 : 550;
+        targets.push_back({"L4", r.preset + " 4096 tokens TFLOP/s" + std::string(r.routed_only ? " routed-only" : " full layer"),
+                           r.tflops, goal, r.tflops >= goal});
+      }
+      if (r.mode == "prefill" && r.tokens == 4096 && r.lora == "1x r16") {
+        const double ratio = r.lora_ratio > 0 ? 1.0 / r.lora_ratio : 0;
+        targets.push_back({"L4", r.preset + " 4096 tokens LoRA/no-LoRA time" + std::string(r.routed_only ? " routed-only" : " full layer"),
+                           ratio, 1.07, ratio > 0 && ratio <= 1.07});
+      }
+    }
+
+    // ---- outputs ----
+    std::string commit = "unknown";
+    if (FILE* g = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+      char buf[64] = {0};
+      if (fgets(buf, sizeof buf, g)) commit = std::string(buf, strcspn(buf, "\n"));
+      pclose(g);
+    }
+    char date[32];
+    std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    std::string cmd = "mkdir -p '" + opt.out + "'";
+    if (std::system(cmd.c_str()) != 0) throw std::runtime_error("cannot create " + opt.out);
+    std::ofstream js(opt.out + "/moe_layer.json");
+    js << "{\n  \"benchmark\": \"moe_layer\",\n  \"gpu\": \"" << json_escape(dev.name) << "\",\n  \"sms\": " << dev.num_sms
+       << ",\n  \"l2_bytes\": " << dev.l2_bytes << ",\n  \"memory_clock_khz\": " << dev.memory_clock_khz
+       << ",\n  \"driver\": " << dev.driver_version << ",\n  \"cuda_runtime\": " << dev.runtime_version
+       << ",\n  \"commit\": \"" << commit << "\",\n  \"date\": \"" << date << "\",\n  \"ceilings\": {\"copy_bandwidth_bytes_per_s\": "
+       << copy_bw << "},\n  \"rows\": [\n";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& r = rows[i];
+      js << "    {\"preset\": \"" << r.preset << "\", \"mode\": \"" << r.mode << "\", \"tokens\": " << r.tokens
+         << ", \"lora\": \"" << r.lora << "\", \"routed_only\": " << (r.routed_only ? "true" : "false")
+         << ", \"us_median\": " << r.us_median << ", \"us_min\": " << r.us_min << ", \"bytes\": " << r.bytes
+         << ", \"distinct_experts\": " << r.distinct_experts << ", \"ideal_us\": " << r.ideal_us << ", \"tb_per_s\": " << r.tbps
+         << ", \"pct_of_copy_roofline\": " << r.pct_copy << ", \"tflops\": " << r.tflops << ", \"lora_ratio\": " << r.lora_ratio
+         << ", \"ideal_lora_ratio\": " << r.ideal_ratio << ", \"ratio_of_ideal\": " << r.ratio_of_ideal << "}"
+         << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    js << "  ],\n  \"targets\": [\n";
+    for (size_t i = 0; i < targets.size(); ++i) {
+      const auto& t = targets[i];
+      js << "    {\"id\": \"" << t.id << "\", \"config\": \"" << json_escape(t.config) << "\", \"value\": " << t.value
+         << ", \"target\": " << t.target << ", \"met\": " << (t.met ? "true" : "false") << "}"
+         << (i + 1 < targets.size() ? "," : "") << "\n";
+    }
+    js << "  ]\n}\n";
+    std::ofstream md(opt.out + "/moe_layer.md");
+    md << "# moe_layer on " << dev.name << " (commit " << commit << ", " << date << ")\n\n"
+       << "Copy bandwidth measured in the same run: " << copy_bw / 1e12 << " TB/s (read + write).\n\n"
+       << "| preset | mode | tokens | LoRA | layer | µs (median) | µs (min) | experts | TB/s | % roofline | TFLOP/s | LoRA/no-LoRA | ideal | of ideal |\n"
+       << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const auto& r : rows) {
+      char line[512];
+      std::snprintf(line, sizeof line, "| %s | %s | %d | %s | %s | %.1f | %.1f | %d | %.2f | %.1f | %.1f | %s | %s | %s |\n",
+                    r.preset.c_str(), r.mode.c_str(), r.tokens, r.lora.c_str(), r.routed_only ? "routed only" : "full",
+                    r.us_median, r.us_min, r.distinct_experts, r.tbps, r.pct_copy, r.tflops,
+                    r.lora_ratio > 0 ? std::to_string(r.lora_ratio).substr(0, 5).c_str() : "",
+                    r.ideal_ratio > 0 ? std::to_string(r.ideal_ratio).substr(0, 5).c_str() : "",
+                    r.ratio_of_ideal > 0 ? std::to_string(r.ratio_of_ideal).substr(0, 5).c_str() : "");
+      md << line;
+    }
+    md << "\n## Targets\n\n| id | config | value | target | met |\n|---|---|---|---|---|\n";
+    for (const auto& t : targets)
+      md << "| " << t.id << " | " << t.config << " | " << t.value << " | " << t.target << " | " << (t.met ? "yes" : "no") << " |\n";
+    std::printf("wrote %s/moe_layer.json and moe_layer.md\n", opt.out.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_moe_layer: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,50 @@
+// Element-wise kernels of the MoE layer on the GPU (docs/gpu_moe.md §1):
+//   activation: a = silu(h_gate + d_gate) * (h_up + d_up) per sorted pair row; writes the bf16
+//               copy for the down LoRA and the FP8 codes + scales for GEMM2, in one pass.
+//   finalize:   out[t] = sum_j w[t, j] (y + d2)[pair_pos(t, j)] + gate(t) * (shared[t] + ds[t]),
+//               gate(t) = sigmoid(x[t] . wsg) for Qwen's gated shared expert, else 1.
+// Deltas are read only for rows whose token has a slot >= 0 (the LoRA expand wrote them).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moelora::ops::cuda {
+
+struct MoeActivationArgs {
+  const __nv_bfloat16* h = nullptr;      // [rows, 2I] gate columns [0, I), up [I, 2I)
+  const __nv_bfloat16* delta = nullptr;  // [rows, 2I] or nullptr
+  const int32_t* delta_row = nullptr;    // [rows] row of `delta` holding row r's delta, nullptr = r
+  const int32_t* row_token = nullptr;    // [rows] token of each row (to look up its slot), or nullptr
+  const int32_t* slot = nullptr;         // [T] or nullptr (no LoRA)
+  const int32_t* num_rows = nullptr;     // [1] valid rows (device), or nullptr = max_rows
+  int max_rows = 0;
+  int inter = 0;          // I
+  int inter_padded = 0;   // I rounded up to 128 (the GEMM2 K)
+  __nv_bfloat16* a16 = nullptr;  // [rows, I]
+  uint8_t* aq = nullptr;         // [rows, inter_padded] e4m3, or nullptr (bf16 output only)
+  float* sa = nullptr;           // [rows, inter_padded / 128]
+};
+void launch_moe_activation(const MoeActivationArgs& args, cudaStream_t stream);
+
+struct MoeFinalizeArgs {
+  const __nv_bfloat16* y = nullptr;        // [P, H] expert outputs in sorted order
+  const __nv_bfloat16* delta = nullptr;    // [P, H] seam-2 deltas or nullptr
+  const int32_t* topk_ids = nullptr;       // [T, k]
+  const float* topk_weights = nullptr;     // [T, k]
+  const int32_t* pair_pos = nullptr;       // [T * k]
+  const int32_t* slot = nullptr;           // [T] or nullptr
+  const __nv_bfloat16* shared = nullptr;   // [T, H] shared expert output or nullptr
+  const __nv_bfloat16* shared_delta = nullptr;  // [T', H] shared down LoRA delta rows or nullptr
+  const int32_t* shared_delta_row = nullptr;    // [T] row of token t in shared_delta (token_pos)
+  const __nv_bfloat16* shared_gate = nullptr;   // [H] Qwen sigmoid gate weight or nullptr
+  const __nv_bfloat16* x = nullptr;        // [T, H] layer input (for the gate)
+  const int32_t* num_tokens = nullptr;     // [1] or nullptr
+  int max_tokens = 0, top_k = 0, hidden = 0;
+  __nv_bfloat16* out = nullptr;            // [T, H]
+};
+void launch_moe_finalize(const MoeFinalizeArgs& args, cudaStream_t stream);
+
+}  // namespace moelora::ops::cuda

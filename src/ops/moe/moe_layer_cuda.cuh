@@ -1,0 +1,118 @@
+// One MoE layer with multi-LoRA on the GPU: FP8 block-scaled routed experts, an optional bf16
+// shared expert (with Qwen's sigmoid gate), LoRA at both seams and on the shared expert, on a
+// main and a side stream (docs/gpu_moe.md §1). Owns its device weights, its slice of the adapter
+// pool and a Workspace sized at construction from (max tokens, slots, max rank): forward()
+// allocates nothing and never synchronizes, so it can be captured into a CUDA graph and replayed
+// with other routing, other slot maps and other adapters written into the pool.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/cuda_utils.h"
+#include "core/lora.h"
+#include "core/tensor.h"
+#include "ops/route/route.h"
+
+namespace moelora::ops::cuda {
+
+struct MoeLayerConfig {
+  int hidden = 0;        // H
+  int inter = 0;         // I (multiple of 128 for FP8 experts)
+  int num_experts = 0;   // E
+  int top_k = 0;         // k
+  RouteParams route;     // router kind, renormalize, groups, routed scaling
+  int shared_inter = 0;  // Is, 0 = no shared expert
+  bool shared_gate = false;
+  // capacities (fixed at construction)
+  int max_tokens = 0;    // T
+  int num_slots = 0;     // S, adapter slots in the pool (0 = no LoRA)
+  int max_rank = 0;      // R (multiple of 8)
+  bool per_expert_pool = true;  // pool keeps Ea = Eb = E; false: shared-outer only (Ea = 1 for gate_up A, Eb = 1 for down B)
+};
+
+// Host weights of one layer, as loaded (fp32 where not quantized). FP8 tensors use the canonical
+// layouts of DESIGN.md §2. Leave w13 undefined to only allocate (then call randomize_weights).
+struct MoeLayerHostWeights {
+  Tensor router;           // [E, H] any float dtype (uploaded as bf16)
+  Tensor correction_bias;  // [E] f32 or undefined
+  Tensor w13;              // F8_E4M3 [E, 2I, H]
+  Tensor w13_scale;        // F32 [E, 2I/128, ceil(H/128)]
+  Tensor w2;               // F8_E4M3 [E, H, I]
+  Tensor w2_scale;         // F32 [E, ceil(H/128), I/128]
+  Tensor shared_w13;       // [2Is, H] any float dtype, or undefined
+  Tensor shared_w2;        // [H, Is]
+  Tensor shared_gate;      // [1, H] or undefined
+};
+
+// The LoRA of one adapter for this layer (host fp32 factors, canonical form of core/lora.h);
+// null = not targeted.
+struct MoeLayerAdapter {
+  const LoraFactors* gate_up = nullptr;  // A [Ea, R, H], B [Eb, 2I, R]
+  const LoraFactors* down = nullptr;     // A [Ea, R, I], B [Eb, H, R]
+  const LoraFactors* shared_gate = nullptr;
+  const LoraFactors* shared_up = nullptr;
+  const LoraFactors* shared_down = nullptr;
+};
+
+struct MoeForwardArgs {
+  const __nv_bfloat16* x = nullptr;   // [T, H]
+  const int32_t* slot = nullptr;      // [T] (-1 = base), nullptr = all base
+  const int32_t* num_tokens = nullptr;  // [1] valid tokens (device value), nullptr = tokens
+  const float* router_logits = nullptr; // [T, E]: skip the router GEMM (routed-experts-only runs)
+  int tokens = 0;                     // T of this call (<= max_tokens); fixed per captured graph
+  bool lora = true;                   // false: the no-LoRA pipeline (no side-stream work at all)
+  bool shared = true;                 // false: skip the shared expert
+  __nv_bfloat16* out = nullptr;       // [T, H]
+};
+
+enum class GemmPath { kAuto, kDecode, kPrefill };
+
+class MoeLayerCuda {
+ public:
+  // Streams must outlive the layer; they are created before any capture.
+  MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeights& weights, cudaStream_t main_stream,
+               cudaStream_t side_stream);
+  ~MoeLayerCuda();
+  MoeLayerCuda(const MoeLayerCuda&) = delete;
+  MoeLayerCuda& operator=(const MoeLayerCuda&) = delete;
+
+  // Writes an adapter into pool slot `slot` (synchronous copies; call between forwards/replays).
+  void set_adapter(int slot, const MoeLayerAdapter& adapter);
+  void clear_adapter(int slot);
+
+  // Benchmarks: fill the device weights (when constructed without host weights) or one pool slot
+  // with seeded pseudo-random values on the device, at realistic magnitudes, without host copies.
+  void randomize_weights(uint64_t seed);
+  // rank <= max_rank; shared_outer: gate_up A and down B shared by all experts of the slot.
+  void randomize_adapter(int slot, int rank, bool shared_outer, uint64_t seed);
+
+  // Enqueues the layer on the main stream (LoRA on the side stream, joined before the consumers).
+  void forward(const MoeForwardArgs& args);
+
+  void set_gemm_path(GemmPath path) { gemm_path_ = path; }
+  const MoeLayerConfig& config() const { return config_; }
+  // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
+  // incl. scales, router, shared expert): the byte roofline's numerator.
+  uint64_t expert_bytes() const;
+  uint64_t router_bytes() const;
+  uint64_t shared_bytes() const;
+  size_t workspace_bytes() const;
+
+  // Device buffers exposed for tests (valid after forward): routing and sorted order.
+  const int32_t* topk_ids() const;
+  const float* topk_weights() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  MoeLayerConfig config_;
+  GemmPath gemm_path_ = GemmPath::kAuto;
+};
+
+}  // namespace moelora::ops::cuda

@@ -1,0 +1,43 @@
+// Pair grouping on the GPU (one launch, one CTA): the device version of ops/moe_align/moe_align.h.
+// Bins are (expert, slot + 1), counted with shared-memory atomics, so the order of pairs inside
+// one bin may differ from run to run; every pair's own result is independent of its position
+// (GEMM rows and LoRA rows never mix), so layer outputs stay bitwise deterministic.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moelora::ops::cuda {
+
+struct MoeAlignDeviceArgs {
+  const int32_t* topk_ids = nullptr;  // [T * k], -1 = no pair
+  const int32_t* slot = nullptr;      // [T] adapter slot per token (-1 = base); nullptr = all base
+  int max_tokens = 0;                 // T
+  int top_k = 0;
+  int num_experts = 0;  // E
+  int num_slots = 0;    // S
+  int32_t* expert_offsets = nullptr;  // [E + 1]
+  int32_t* sorted_pair = nullptr;     // [T * k]
+  int32_t* sorted_token = nullptr;    // [T * k]
+  int32_t* pair_pos = nullptr;        // [T * k]
+  int32_t* active_experts = nullptr;  // [E], ascending, -1 past *num_active
+  int32_t* num_active = nullptr;      // [1]
+  int4* lora_segments = nullptr;      // [max_lora_segments] {slot, expert, begin, end}; may be nullptr if S == 0
+  int32_t* num_lora_segments = nullptr;  // [1]
+  int max_lora_segments = 0;          // capacity: min(T * k, S * E)
+  // Tokens sorted by slot (plain LoRA targets); all may be nullptr when S == 0.
+  const int32_t* num_tokens = nullptr;  // [1] valid tokens; tokens past it get token_pos -1
+  int32_t* token_sorted = nullptr;      // [T]
+  int32_t* token_pos = nullptr;         // [T]
+  int4* token_segments = nullptr;       // [S] {slot, 0, begin, end}
+  int32_t* num_token_segments = nullptr;  // [1]
+};
+
+// Shared memory the launch needs (3 int32 per bin, bins = E * (S + 1), plus 2 per slot); at most
+// 200 KB.
+size_t moe_align_smem_bytes(int num_experts, int num_slots);
+void launch_moe_align(const MoeAlignDeviceArgs& args, cudaStream_t stream);
+
+}  // namespace moelora::ops::cuda

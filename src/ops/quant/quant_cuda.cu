@@ -1,0 +1,45 @@
+// One warp per (row, 128-column group); 8 warps per CTA cover 8 groups of a row.
+#include "core/cuda_utils.h"
+#include "ops/quant/fp8_device.cuh"
+#include "ops/quant/quant_cuda.cuh"
+
+namespace moelora::ops::cuda {
+
+namespace {
+
+constexpr int kWarps = 8;
+
+__global__ void __launch_bounds__(32 * kWarps) quantize_fp8_rows_kernel(const QuantFp8DeviceArgs a) {
+  const int row = blockIdx.x;  // rows on x: prefill has more than 65535 of them
+  const int valid_rows = a.num_rows ? *a.num_rows : a.max_rows;
+  if (row >= valid_rows) return;
+  const int groups = a.cols_padded / 128;
+  const int group = blockIdx.y * kWarps + threadIdx.x / 32;
+  if (group >= groups) return;
+  const int lane = threadIdx.x % 32;
+  const int in_row = a.gather ? a.gather[row] : row;
+  const __nv_bfloat16* x = a.x + static_cast<size_t>(in_row) * a.cols;
+  const int c0 = group * 128 + lane * 4;
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = c0 + i < a.cols ? __bfloat162float(x[c0 + i]) : 0.f;
+  uint32_t codes;
+  const float s = quantize_group_128(v, codes);
+  *reinterpret_cast<uint32_t*>(a.q + static_cast<size_t>(row) * a.cols_padded + c0) = codes;
+  if (lane == 0) a.scale[static_cast<size_t>(row) * groups + group] = s;
+}
+
+}  // namespace
+
+void launch_quantize_fp8_rows(const QuantFp8DeviceArgs& a, cudaStream_t stream) {
+  MOELORA_CHECK(a.x && a.q && a.scale, ErrorCode::kInvalidArgument, "quantize_fp8_rows: null pointer");
+  MOELORA_CHECK(a.cols_padded % 128 == 0 && a.cols_padded >= a.cols && a.cols_padded - a.cols < 128,
+                ErrorCode::kInvalidArgument, "quantize_fp8_rows: cols_padded = ", a.cols_padded,
+                " must be cols = ", a.cols, " rounded up to a multiple of 128");
+  if (a.max_rows == 0) return;
+  dim3 grid(a.max_rows, (a.cols_padded / 128 + kWarps - 1) / kWarps);
+  quantize_fp8_rows_kernel<<<grid, 32 * kWarps, 0, stream>>>(a);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moelora::ops::cuda

@@ -1,0 +1,25 @@
+// Dynamic FP8 activation quantization on the GPU (per row per 128 columns), optionally fused
+// with the permute into expert-sorted order. Bit-identical to quantize_fp8_per_token_ref.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moelora::ops::cuda {
+
+struct QuantFp8DeviceArgs {
+  const __nv_bfloat16* x = nullptr;  // [rows_in, cols]
+  const int32_t* gather = nullptr;   // [max_rows] input row of each output row; nullptr = identity
+  const int32_t* num_rows = nullptr; // [1] valid output rows (device value); nullptr = max_rows
+  int max_rows = 0;                  // grid capacity
+  int cols = 0;                      // valid columns
+  int cols_padded = 0;               // multiple of 128; columns past `cols` are written as 0
+  uint8_t* q = nullptr;              // e4m3 [max_rows, cols_padded]
+  float* scale = nullptr;            // [max_rows, cols_padded / 128]
+};
+
+void launch_quantize_fp8_rows(const QuantFp8DeviceArgs& args, cudaStream_t stream);
+
+}  // namespace moelora::ops::cuda

@@ -1,0 +1,220 @@
+// One warp per token. Each lane holds experts lane, lane + 32, ... in registers (E <= 1024).
+// Selection is an iterative warp argmax (k rounds, ties to the lower expert index), so the
+// result is deterministic and equal to the CPU reference's descending order. For noaux_tc the
+// biased scores are staged in shared memory so that one lane per group can sum its group's top-2.
+#include <cfloat>
+
+#include "core/cuda_utils.h"
+#include "ops/route/route_cuda.cuh"
+
+namespace moelora::ops::cuda {
+
+namespace {
+
+constexpr int kWarpsPerCta = 4;
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxPerLane = kMaxExperts / 32;
+
+struct ArgMax {
+  float value;
+  int index;
+};
+
+// Larger value wins; equal values go to the lower index; index -1 never wins.
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+  if (b.index < 0) return a;
+  if (a.index < 0) return b;
+  if (b.value > a.value || (b.value == a.value && b.index < a.index)) return b;
+  return a;
+}
+
+__device__ __forceinline__ ArgMax warp_argmax(ArgMax v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    ArgMax o{__shfl_xor_sync(0xffffffffu, v.value, offset), __shfl_xor_sync(0xffffffffu, v.index, offset)};
+    v = better(v, o);
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+struct KernelParams {
+  RouteDeviceArgs a;
+  int E, k, n_group, topk_group;
+  bool renormalize, noaux_tc;
+  float routed_scaling_factor;
+};
+
+__global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelParams p) {
+  __shared__ float biased[kWarpsPerCta][kMaxExperts];
+  __shared__ unsigned char group_kept[kWarpsPerCta][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int token = blockIdx.x * kWarpsPerCta + warp;
+  if (token >= p.a.max_tokens) return;
+  const int E = p.E, k = p.k;
+  int32_t* ids_out = p.a.topk_ids + static_cast<size_t>(token) * k;
+  float* w_out = p.a.topk_weights + static_cast<size_t>(token) * k;
+  const int valid_tokens = p.a.num_tokens ? *p.a.num_tokens : p.a.max_tokens;
+  if (token >= valid_tokens) {  // padding token of a captured batch: no pairs at all
+    for (int j = lane; j < k; j += 32) {
+      ids_out[j] = -1;
+      w_out[j] = 0.f;
+    }
+    return;
+  }
+  const float* logits = p.a.logits + static_cast<size_t>(token) * E;
+
+  // score: the weight reported for an expert; select: what top-k compares.
+  float score[kMaxPerLane], select[kMaxPerLane];
+  if (!p.noaux_tc) {
+    float m = -FLT_MAX;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = lane + 32 * i;
+      score[i] = e < E ? logits[e] : -FLT_MAX;
+      m = fmaxf(m, score[i]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = lane + 32 * i;
+      score[i] = e < E ? expf(score[i] - m) : 0.f;
+      sum += score[i];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      score[i] = score[i] / sum;
+      select[i] = score[i];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E) {
+        score[i] = 1.f / (1.f + expf(-logits[e]));
+        select[i] = score[i] + (p.a.correction_bias ? p.a.correction_bias[e] : 0.f);
+        biased[warp][e] = select[i];
+      } else {
+        score[i] = select[i] = 0.f;
+      }
+    }
+    if (p.n_group > 1) {
+      __syncwarp();
+      const int per_group = E / p.n_group;
+      // Lane g < n_group: sum of the top-2 biased scores of group g (ties irrelevant for sums).
+      float group_score = -FLT_MAX;
+      if (lane < p.n_group) {
+        float best = -FLT_MAX, second = -FLT_MAX;
+        for (int i = 0; i < per_group; ++i) {
+          const float v = biased[warp][lane * per_group + i];
+          if (v > best) {
+            second = best;
+            best = v;
+          } else if (v > second) {
+            second = v;
+          }
+        }
+        group_score = best + second;
+      }
+      // Keep the topk_group best groups (ties to the lower group index).
+      if (lane < 32) group_kept[warp][lane] = 0;
+      __syncwarp();
+      ArgMax mine{group_score, lane < p.n_group ? lane : -1};
+      for (int r = 0; r < p.topk_group; ++r) {
+        const ArgMax best = warp_argmax(mine);
+        if (lane == best.index) {
+          group_kept[warp][lane] = 1;
+          mine.index = -1;
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        const int e = lane + 32 * i;
+        if (e < E && !group_kept[warp][e / per_group]) select[i] = -FLT_MAX;
+      }
+    }
+  }
+
+  // k rounds of warp argmax over (select, expert index); taken experts drop out.
+  bool taken[kMaxPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) taken[i] = false;
+  float chosen_weight = 0.f;  // lane j < k keeps the weight of pick j
+  int chosen_id = -1;
+  float weight_sum = 0.f;
+  for (int j = 0; j < k; ++j) {
+    ArgMax mine{-FLT_MAX, -1};
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = lane + 32 * i;
+      // Masked experts (-FLT_MAX) stay eligible only after every kept expert is taken, which
+      // cannot happen because topk_group * E / n_group >= k is validated.
+      if (e < E && !taken[i]) mine = better(mine, ArgMax{select[i], e});
+    }
+    const ArgMax best = warp_argmax(mine);
+    float w = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      if (lane + 32 * i == best.index) {
+        taken[i] = true;
+        w = score[i];
+      }
+    }
+    w = __shfl_sync(0xffffffffu, w, best.index % 32);
+    weight_sum += w;
+    if (lane == j) {
+      chosen_weight = w;
+      chosen_id = best.index;
+    }
+  }
+  if (lane < k) {
+    float w = chosen_weight;
+    if (p.renormalize) w = p.noaux_tc ? w / (weight_sum + 1e-20f) : w / weight_sum;
+    if (p.noaux_tc) w *= p.routed_scaling_factor;
+    ids_out[lane] = chosen_id;
+    w_out[lane] = w;
+  }
+}
+
+}  // namespace
+
+void launch_route(const RouteParams& params, const RouteDeviceArgs& args, cudaStream_t stream) {
+  check_route_params(params);
+  MOELORA_CHECK(params.num_experts <= kMaxExperts, ErrorCode::kUnsupported, "GPU router: E = ", params.num_experts,
+                " experts; at most ", kMaxExperts, " are supported");
+  MOELORA_CHECK(params.top_k <= 32, ErrorCode::kUnsupported, "GPU router: k = ", params.top_k,
+                "; at most 32 are supported");
+  MOELORA_CHECK(params.kind != RouterKind::kSigmoidNoauxTc || params.n_group <= 32, ErrorCode::kUnsupported,
+                "GPU router: n_group = ", params.n_group, "; at most 32 are supported");
+  MOELORA_CHECK(args.logits && args.topk_ids && args.topk_weights, ErrorCode::kInvalidArgument,
+                "GPU router: logits, topk_ids and topk_weights are required");
+  if (args.max_tokens == 0) return;
+  KernelParams p;
+  p.a = args;
+  p.E = static_cast<int>(params.num_experts);
+  p.k = static_cast<int>(params.top_k);
+  p.n_group = static_cast<int>(params.n_group);
+  p.topk_group = static_cast<int>(params.topk_group);
+  p.renormalize = params.renormalize;
+  p.noaux_tc = params.kind == RouterKind::kSigmoidNoauxTc;
+  p.routed_scaling_factor = params.routed_scaling_factor;
+  const int blocks = (args.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta;
+  route_kernel<<<blocks, 32 * kWarpsPerCta, 0, stream>>>(p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moelora::ops::cuda

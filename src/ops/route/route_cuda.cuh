@@ -1,0 +1,27 @@
+// Fused MoE routers on the GPU (one launch): logits [T, E] f32 -> top-k ids and weights, with the
+// exact semantics of ops/route/route.h (softmax top-k with optional renormalization; sigmoid
+// noaux_tc with correction bias, group top-k, unbiased weights, renormalization and routed
+// scaling). Ties go to the lower index, rows come out sorted by descending selection score.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/route/route.h"
+
+namespace moelora::ops::cuda {
+
+struct RouteDeviceArgs {
+  const float* logits = nullptr;           // [T, E]
+  const float* correction_bias = nullptr;  // [E] (noaux_tc) or nullptr (= zeros)
+  const int32_t* num_tokens = nullptr;     // [1] valid tokens (device value) or nullptr (= max_tokens)
+  int32_t* topk_ids = nullptr;             // [T, k]; rows of tokens >= *num_tokens are set to -1
+  float* topk_weights = nullptr;           // [T, k]; 0 for those rows
+  int max_tokens = 0;                      // T (grid capacity)
+};
+
+// E <= 1024 and k <= 32 (Error otherwise).
+void launch_route(const RouteParams& params, const RouteDeviceArgs& args, cudaStream_t stream);
+
+}  // namespace moelora::ops::cuda

@@ -1,0 +1,350 @@
+// Sm90 MoeLayerCuda (FP8 experts, shared expert, multi-LoRA at both seams and on the shared
+// expert, two streams) against the CPU reference moe_forward_ref fed the same quantized weights
+// and FP8-emulated activations; CUDA-graph capture and replay with other slot maps, other
+// adapters written into the pool between replays, and base-only tokens mixed in.
+//
+// Every token is checked on its own: the error against the reference with the token's own slot
+// must be far below the distance to the reference computed with any other slot, so a test fails
+// if any token gets another slot's weights (or the gate's A for the up half, or no LoRA at all).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <random>
+
+#include "gpu/gpu_test_util.cuh"
+#include "ops/moe/moe.h"
+#include "ops/moe/moe_layer_cuda.cuh"
+#include "ops/quant/quant.h"
+#include "support/test_support.h"
+
+namespace moelora {
+namespace {
+
+using test::download_vector;
+using test::upload_vector;
+
+Tensor bf16_round(const Tensor& t) { return t.to(DType::kBF16).to_f32(); }
+
+struct LayerFixture {
+  ops::cuda::MoeLayerConfig config;
+  ops::cuda::MoeLayerHostWeights host;
+  ops::MoeWeightsRef ref;
+  ops::MoeParams params;
+};
+
+// Random FP8 experts (quantized per expert), bf16 router and shared expert.
+LayerFixture make_layer(int H, int I, int E, int k, int Is, bool gate, RouterKind router, int max_tokens, int slots,
+                        int max_rank, std::mt19937_64& rng) {
+  LayerFixture f;
+  auto& c = f.config;
+  c.hidden = H;
+  c.inter = I;
+  c.num_experts = E;
+  c.top_k = k;
+  c.route.kind = router;
+  c.route.num_experts = E;
+  c.route.top_k = k;
+  c.route.renormalize = true;
+  if (router == RouterKind::kSigmoidNoauxTc) {
+    c.route.n_group = 4;
+    c.route.topk_group = 2;
+    c.route.routed_scaling_factor = 2.5f;
+  }
+  c.shared_inter = Is;
+  c.shared_gate = gate;
+  c.max_tokens = max_tokens;
+  c.num_slots = slots;
+  c.max_rank = max_rank;
+
+  auto quantize_stack = [&](int rows, int cols, Tensor& q, Tensor& scale, Tensor& deq) {
+    q = Tensor::empty(DType::kF8E4M3, {E, rows, cols});
+    const int nb = (rows + 127) / 128, kb = (cols + 127) / 128;
+    scale = Tensor::empty(DType::kF32, {E, nb, kb});
+    deq = Tensor::empty(DType::kF32, {E, rows, cols});
+    for (int e = 0; e < E; ++e) {
+      Tensor w = test::random_normal({rows, cols}, rng, 1.0f / std::sqrt(static_cast<float>(cols)));
+      auto qb = ops::quantize_fp8_block_ref(w);
+      std::memcpy(q.data<uint8_t>() + static_cast<size_t>(e) * rows * cols, qb.q.raw_data(), qb.q.nbytes());
+      std::memcpy(scale.data<float>() + static_cast<size_t>(e) * nb * kb, qb.scale_inv.raw_data(), qb.scale_inv.nbytes());
+      Tensor d = ops::dequant_fp8_block_ref(qb.q, qb.scale_inv);
+      std::memcpy(deq.data<float>() + static_cast<size_t>(e) * rows * cols, d.raw_data(), d.nbytes());
+    }
+  };
+  quantize_stack(2 * I, H, f.host.w13, f.host.w13_scale, f.ref.w13);
+  quantize_stack(H, I, f.host.w2, f.host.w2_scale, f.ref.w2);
+  // softmax routers get sharp logits; sigmoid scores must not saturate (near-ties at 1.0)
+  const float router_scale = router == RouterKind::kSoftmaxTopK ? 4.0f : 1.0f;
+  f.ref.router = bf16_round(test::random_normal({E, H}, rng, router_scale / std::sqrt(static_cast<float>(H))));
+  f.host.router = f.ref.router;
+  if (router == RouterKind::kSigmoidNoauxTc) {
+    f.ref.correction_bias = test::random_uniform({E}, rng, -0.05f, 0.05f);
+    f.host.correction_bias = f.ref.correction_bias;
+  }
+  if (Is > 0) {
+    f.ref.shared_w13 = bf16_round(test::random_normal({2 * Is, H}, rng, 1.0f / std::sqrt(static_cast<float>(H))));
+    f.ref.shared_w2 = bf16_round(test::random_normal({H, Is}, rng, 1.0f / std::sqrt(static_cast<float>(Is))));
+    f.host.shared_w13 = f.ref.shared_w13;
+    f.host.shared_w2 = f.ref.shared_w2;
+    if (gate) {
+      f.ref.shared_gate = bf16_round(test::random_normal({1, H}, rng, 1.0f / std::sqrt(static_cast<float>(H))));
+      f.host.shared_gate = f.ref.shared_gate;
+    }
+  }
+  f.params.hidden = H;
+  f.params.intermediate = I;
+  f.params.route = c.route;
+  f.params.fp8_activations = true;
+  return f;
+}
+
+// An adapter with strong deltas (so that a wrong slot is obvious), bf16-representable factors.
+struct HostAdapter {
+  LoraFactors gate_up, down, shared_gate, shared_up, shared_down;
+  ops::MoeLoraRef ref() const { return {&gate_up, &down, &shared_gate, &shared_up, &shared_down}; }
+  ops::cuda::MoeLayerAdapter gpu() const { return {&gate_up, &down, &shared_gate, &shared_up, &shared_down}; }
+};
+
+LoraFactors random_factors(int ea, int eb, int r, int in, int out, float scaling, std::mt19937_64& rng) {
+  LoraFactors f;
+  f.a = bf16_round(test::random_normal({ea, r, in}, rng, 1.0f / std::sqrt(static_cast<float>(in))));
+  f.b = bf16_round(test::random_normal({eb, out, r}, rng, 1.0f / std::sqrt(static_cast<float>(r))));
+  f.scaling = scaling;
+  return f;
+}
+
+HostAdapter make_adapter(const LayerFixture& lf, int rank, bool shared_outer, std::mt19937_64& rng) {
+  const auto& c = lf.config;
+  const int E = c.num_experts, H = c.hidden, I = c.inter, Is = c.shared_inter;
+  HostAdapter a;
+  a.gate_up = random_factors(shared_outer ? 1 : E, E, rank, H, 2 * I, 0.8f, rng);
+  a.down = random_factors(E, shared_outer ? 1 : E, rank, I, H, 0.8f, rng);
+  if (Is > 0) {
+    a.shared_gate = random_factors(1, 1, rank, H, Is, 0.7f, rng);
+    a.shared_up = random_factors(1, 1, std::max(1, rank / 2), H, Is, 1.1f, rng);  // other rank and scaling
+    a.shared_down = random_factors(1, 1, rank, Is, H, 0.7f, rng);
+  }
+  return a;
+}
+
+struct DeviceBatch {
+  cuda::DeviceBuffer x, slot, out, logits;
+  int tokens;
+};
+
+double row_rel_error(const Tensor& got, const Tensor& want, int row) {
+  const int64_t H = got.dim(1);
+  double num = 0, den = 0;
+  for (int64_t c = 0; c < H; ++c) {
+    const double d = double(got.item_f32(row * H + c)) - want.item_f32(row * H + c);
+    num += d * d;
+    den += double(want.item_f32(row * H + c)) * want.item_f32(row * H + c);
+  }
+  return std::sqrt(num / (den + 1e-30));
+}
+
+// Checks every row of `got` against the reference with its own slot, and that the reference of
+// every other slot assignment (other adapter or none) is clearly farther away.
+void check_rows(const Tensor& got, const Tensor& x, const std::vector<int32_t>& slots, const LayerFixture& lf,
+                const std::vector<ops::MoeLoraRef>& adapters, const Tensor& logits) {
+  Tensor want = ops::moe_forward_ref(x, slots, lf.ref, adapters, lf.params, nullptr, logits);
+  const int T = static_cast<int>(slots.size());
+  for (int t = 0; t < T; ++t) {
+    const double err = row_rel_error(got, want, t);
+    EXPECT_LT(err, 0.03) << "token " << t << " (slot " << slots[t] << ") differs from its reference";
+    for (int other = -1; other < static_cast<int>(adapters.size()); ++other) {
+      if (other == slots[t]) continue;
+      if (other >= 0 && adapters[other].gate_up == nullptr) continue;  // empty slot: same as base
+      std::vector<int32_t> alt(slots);
+      alt[t] = other;
+      Tensor wrong = ops::moe_forward_ref(x.slice0(t, t + 1), {other}, lf.ref, adapters, lf.params, nullptr,
+                                          logits.defined() ? logits.slice0(t, t + 1) : Tensor());
+      const double gap = row_rel_error(wrong, want.slice0(t, t + 1), 0);
+      // the test is only meaningful when slots are distinguishable
+      ASSERT_GT(gap, 0.15) << "test inputs do not separate slot " << slots[t] << " from " << other;
+      EXPECT_LT(err, gap / 4) << "token " << t << " is closer to slot " << other << "'s result than expected";
+    }
+  }
+  double dot = 0, na = 0, nb = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    dot += double(got.item_f32(i)) * want.item_f32(i);
+    na += double(got.item_f32(i)) * got.item_f32(i);
+    nb += double(want.item_f32(i)) * want.item_f32(i);
+  }
+  EXPECT_GE(dot / std::sqrt(na * nb), 0.999);
+}
+
+class Sm90_MoeLayer : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda::device_count() == 0 || cuda::device_info(0).sm_major < 9) GTEST_SKIP() << "needs an sm_90 device";
+    main_ = std::make_unique<cuda::Stream>();
+    side_ = std::make_unique<cuda::Stream>();
+  }
+  Tensor run(ops::cuda::MoeLayerCuda& layer, const Tensor& x, const std::vector<int32_t>& slots, const Tensor& logits,
+             bool lora = true) {
+    const int T = static_cast<int>(slots.size()), H = layer.config().hidden;
+    auto x_d = cuda::to_device(x.to(DType::kBF16));
+    auto s_d = upload_vector(slots);
+    cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
+    cuda::DeviceBuffer l_d;
+    if (logits.defined()) l_d = cuda::to_device(logits);
+    ops::cuda::MoeForwardArgs f;
+    f.x = x_d.as<__nv_bfloat16>();
+    f.slot = s_d.as<int32_t>();
+    f.router_logits = logits.defined() ? l_d.as<float>() : nullptr;
+    f.tokens = T;
+    f.lora = lora;
+    f.out = out.as<__nv_bfloat16>();
+    layer.forward(f);
+    main_->synchronize();
+    side_->synchronize();
+    return cuda::to_host(out, DType::kBF16, {T, H}).to_f32();
+  }
+  std::unique_ptr<cuda::Stream> main_, side_;
+};
+
+// Router logits given (routing identical to the reference), Qwen-style gated shared expert,
+// 4 adapters of different ranks and layouts plus base tokens in one batch.
+TEST_F(Sm90_MoeLayer, MixedAdaptersMatchReferencePerToken) {
+  std::mt19937_64 rng(test::test_seed(501));
+  auto lf = make_layer(256, 128, 8, 2, 128, true, RouterKind::kSoftmaxTopK, 40, 4, 24, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  std::vector<HostAdapter> adapters = {make_adapter(lf, 8, false, rng), make_adapter(lf, 24, false, rng),
+                                       make_adapter(lf, 5, true, rng), make_adapter(lf, 13, false, rng)};
+  std::vector<ops::MoeLoraRef> refs;
+  for (int s = 0; s < 4; ++s) {
+    layer.set_adapter(s, adapters[s].gpu());
+    refs.push_back(adapters[s].ref());
+  }
+  const int T = 37;
+  Tensor x = bf16_round(test::random_normal({T, 256}, rng));
+  Tensor logits = test::random_normal({T, 8}, rng, 3.0f);
+  std::vector<int32_t> slots(T);
+  for (int t = 0; t < T; ++t) slots[t] = (t % 5) - 1;  // -1, 0, 1, 2, 3
+  Tensor got = run(layer, x, slots, logits);
+  check_rows(got, x, slots, lf, refs, logits);
+}
+
+// The GPU router GEMM and noaux_tc routing (DeepSeek-style, no shared gate), 1 adapter.
+TEST_F(Sm90_MoeLayer, RouterGemmNoauxTcOneAdapter) {
+  std::mt19937_64 rng(test::test_seed(502));
+  auto lf = make_layer(384, 256, 16, 4, 256, false, RouterKind::kSigmoidNoauxTc, 9, 2, 16, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  auto adapter = make_adapter(lf, 16, false, rng);
+  layer.set_adapter(1, adapter.gpu());  // slot 1, not slot 0: the single-adapter case must not assume 0
+  std::vector<ops::MoeLoraRef> refs = {ops::MoeLoraRef{}, adapter.ref()};
+  const int T = 9;
+  Tensor x = bf16_round(test::random_normal({T, 384}, rng));
+  std::vector<int32_t> slots = {1, -1, 1, 1, -1, 1, 1, 1, -1};
+  Tensor got = run(layer, x, slots, Tensor());
+  // routing from the GPU router must equal the reference's (no near-ties at this router scale)
+  ops::MoeTrace trace;
+  ops::moe_forward_ref(x, slots, lf.ref, refs, lf.params, &trace);
+  auto ids = download_vector<int32_t>(
+      [&] {
+        cuda::DeviceBuffer b(static_cast<size_t>(T) * 4 * 4);
+        MOELORA_CUDA_CHECK(cudaMemcpy(b.get(), layer.topk_ids(), b.bytes(), cudaMemcpyDeviceToDevice));
+        return b;
+      }(),
+      T * 4);
+  for (int i = 0; i < T * 4; ++i) EXPECT_EQ(ids[i], trace.route.ids.data<int32_t>()[i]) << "pair " << i;
+  check_rows(got, x, slots, lf, refs, Tensor());
+}
+
+// No-LoRA pipeline equals the LoRA pipeline on a batch without adapters, bitwise; two runs of
+// the LoRA pipeline are bitwise equal (deterministic).
+TEST_F(Sm90_MoeLayer, DeterministicAndBaseTokensUntouched) {
+  std::mt19937_64 rng(test::test_seed(503));
+  auto lf = make_layer(256, 128, 8, 2, 128, true, RouterKind::kSoftmaxTopK, 16, 2, 16, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  auto adapter = make_adapter(lf, 16, false, rng);
+  layer.set_adapter(0, adapter.gpu());
+  const int T = 16;
+  Tensor x = bf16_round(test::random_normal({T, 256}, rng));
+  Tensor logits = test::random_normal({T, 8}, rng, 3.0f);
+  std::vector<int32_t> base(T, -1), mixed(T, -1);
+  for (int t = 0; t < T; t += 2) mixed[t] = 0;
+  Tensor no_lora = run(layer, x, base, logits, /*lora=*/false);
+  Tensor all_base = run(layer, x, base, logits, /*lora=*/true);
+  EXPECT_EQ(test::max_abs_diff(no_lora, all_base), 0.0);
+  Tensor m1 = run(layer, x, mixed, logits), m2 = run(layer, x, mixed, logits);
+  EXPECT_EQ(test::max_abs_diff(m1, m2), 0.0);
+  for (int t = 1; t < T; t += 2)  // base tokens of the mixed batch equal the no-LoRA run bitwise
+    for (int c = 0; c < 256; ++c) ASSERT_EQ(m1.item_f32(t * 256 + c), no_lora.item_f32(t * 256 + c));
+}
+
+// CUDA graphs: capture per batch bucket once; replay with new inputs, new slot maps and new
+// adapters written into pool slots between replays; each replay equals an eager run bitwise.
+TEST_F(Sm90_MoeLayer, GraphReplaysMatchEagerWith1To8Adapters) {
+  std::mt19937_64 rng(test::test_seed(504));
+  const int H = 256, E = 8, max_tokens = 32;
+  auto lf = make_layer(H, 128, E, 2, 128, true, RouterKind::kSoftmaxTopK, max_tokens, 8, 32, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  const int ranks[8] = {16, 8, 32, 5, 12, 24, 7, 16};
+  std::vector<HostAdapter> adapters;
+  for (int s = 0; s < 8; ++s) adapters.push_back(make_adapter(lf, ranks[s], s == 3 || s == 6, rng));
+
+  for (int bucket : {8, 32}) {
+    cuda::DeviceBuffer x_d(static_cast<size_t>(bucket) * H * 2), s_d(bucket * 4), l_d(static_cast<size_t>(bucket) * E * 4),
+        out_d(static_cast<size_t>(bucket) * H * 2), n_d(4);
+    ops::cuda::MoeForwardArgs f;
+    f.x = x_d.as<__nv_bfloat16>();
+    f.slot = s_d.as<int32_t>();
+    f.router_logits = l_d.as<float>();
+    f.num_tokens = n_d.as<int32_t>();
+    f.tokens = bucket;
+    f.out = out_d.as<__nv_bfloat16>();
+    // capture once
+    for (int s = 0; s < 8; ++s) layer.clear_adapter(s);
+    MOELORA_CUDA_CHECK(cudaMemset(n_d.get(), 0, 4));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_->get(), cudaStreamCaptureModeGlobal));
+    layer.forward(f);
+    MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_->get(), &graph));
+    MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+    for (int num_adapters : {1, 2, 4, 8}) {
+      // write a different set of adapters into the pool (slot order shuffled)
+      std::vector<int> slot_of(8);
+      std::iota(slot_of.begin(), slot_of.end(), 0);
+      std::shuffle(slot_of.begin(), slot_of.end(), rng);
+      std::vector<ops::MoeLoraRef> refs(8);
+      for (int s = 0; s < 8; ++s) layer.clear_adapter(s);
+      for (int i = 0; i < num_adapters; ++i) {
+        layer.set_adapter(slot_of[i], adapters[i].gpu());
+        refs[slot_of[i]] = adapters[i].ref();
+      }
+      const int T = bucket - (num_adapters % 3);  // some padding tokens in the bucket
+      Tensor x = bf16_round(test::random_normal({bucket, H}, rng));
+      Tensor logits = test::random_normal({bucket, E}, rng, 3.0f);
+      std::vector<int32_t> slots(bucket, -1);
+      for (int t = 0; t < T; ++t) slots[t] = t % (num_adapters + 1) == num_adapters ? -1 : slot_of[t % (num_adapters + 1)];
+      std::vector<uint16_t> xb(static_cast<size_t>(bucket) * H);
+      for (size_t i = 0; i < xb.size(); ++i) xb[i] = f32_to_bf16_bits(x.data<float>()[i]);
+      x_d.upload(xb.data(), xb.size() * 2);
+      s_d.upload(slots.data(), slots.size() * 4);
+      l_d.upload(logits.raw_data(), logits.nbytes());
+      const int32_t n = T;
+      n_d.upload(&n, 4);
+      MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+      main_->synchronize();
+      Tensor replay = cuda::to_host(out_d, DType::kBF16, {bucket, H}).to_f32().slice0(0, T).clone();
+      // eager on the same buffers
+      layer.forward(f);
+      main_->synchronize();
+      side_->synchronize();
+      Tensor eager = cuda::to_host(out_d, DType::kBF16, {bucket, H}).to_f32().slice0(0, T).clone();
+      EXPECT_EQ(test::max_abs_diff(replay, eager), 0.0) << "bucket " << bucket << ", " << num_adapters << " adapters";
+      std::vector<int32_t> real_slots(slots.begin(), slots.begin() + T);
+      check_rows(replay, x.slice0(0, T), real_slots, lf, refs, logits.slice0(0, T));
+    }
+    MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
+}  // namespace
+}  // namespace moelora
