@@ -11,8 +11,17 @@
 //        out[t] += w[t, j] * y
 //   3. shared expert (with its own LoRA on gate/up/down), times sigmoid(x Wsg^T) when gated,
 //      added to out.
-// Optionally the expert input can be replaced by its FP8 round trip (per token per 128 columns)
-// so the reference sees exactly what an FP8 GEMM1 sees; the LoRA always sees bf16/fp32 x.
+// Expert e uses A13[Ea == 1 ? 0 : e] and B13[Eb == 1 ? 0 : e] (likewise for the down factors), so
+// per-expert (Ea = Eb = E) and shared-outer (Ea = 1 or Eb = 1) adapters take the same path.
+// Optionally (MoeParams::fp8_activations) GEMM1 sees dequant(quant(x)) and GEMM2 sees
+// dequant(quant(a)), each quantized per token (pair) per 128 columns as in quant.h, so the
+// reference sees exactly what the FP8 GEMMs see; the seams always use the unquantized x and a.
+// The emulation covers the routed experts only: the router and the shared expert see x.
+//
+// Numerics: fp32 throughout, GEMM elements are ops::dot_f32; out[t] starts at 0 and adds
+// w[t, j] * y[t, j] for j = 0..k-1 in order, then the shared expert. Results do not depend on the
+// thread count or on which other tokens are in the batch (a slot -1 token equals the base output
+// bit for bit).
 #pragma once
 
 #include <cstdint>
@@ -38,15 +47,15 @@ struct MoeWeightsRef {
   Tensor w13;              // F32 [E, 2I, H]
   Tensor w2;               // F32 [E, H, I]
   // shared expert (undefined when absent)
-  Tensor shared_w13;  // F32 [2Is, H] (gate rows then up rows)
-  Tensor shared_w2;   // F32 [H, Is]
-  Tensor shared_gate; // F32 [1, H] (Qwen sigmoid gate) or undefined
+  Tensor shared_w13;   // F32 [2Is, H] (gate rows then up rows)
+  Tensor shared_w2;    // F32 [H, Is]
+  Tensor shared_gate;  // F32 [1, H] (Qwen sigmoid gate) or undefined
 };
 
 // LoRA of one slot for one MoE layer; null pointers = not targeted by that adapter.
 struct MoeLoraRef {
-  const LoraFactors* gate_up = nullptr;  // A [Ea, R, H], B [Eb, 2I, R]
-  const LoraFactors* down = nullptr;     // A [Ea, R, I], B [Eb, H, R]
+  const LoraFactors* gate_up = nullptr;      // A [Ea, R, H], B [Eb, 2I, R]
+  const LoraFactors* down = nullptr;         // A [Ea, R, I], B [Eb, H, R]
   const LoraFactors* shared_gate = nullptr;  // plain [1, R, H] / [1, Is, R]
   const LoraFactors* shared_up = nullptr;
   const LoraFactors* shared_down = nullptr;
@@ -58,20 +67,27 @@ struct MoeTrace {  // optional outputs for tests
 };
 
 // Returns out [T, H] F32. `router_logits`, when defined (F32 [T, E]), replaces x Wg^T (the
-// "routed experts only" configuration of the benchmarks).
+// "routed experts only" configuration of the benchmarks); weights.router may then be undefined.
+// Validates every shape (x [T, H], w13 [E, 2I, H], w2 [E, H, I], router [E, H], shared_w13
+// [2Is, H], shared_w2 [H, Is], shared_gate [1, H]; gate_up A [Ea, R, H] / B [Eb, 2I, R], down
+// A [Ea, R, I] / B [Eb, H, R] with Ea, Eb in {1, E}; shared LoRA [1, R, H] / [1, Is, R] and
+// [1, R, Is] / [1, H, R]), slot.size() == T and every slot in {-1} u [0, slots.size()); errors
+// name the tensor (and slot) with the expected and actual shape.
 Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const MoeWeightsRef& weights,
-                       const std::vector<MoeLoraRef>& slots, const MoeParams& params, MoeTrace* trace = nullptr,
-                       const Tensor& router_logits = Tensor());
+                       const std::vector<MoeLoraRef>& slots, const MoeParams& params,
+                       MoeTrace* trace = nullptr, const Tensor& router_logits = Tensor());
 
 // SwiGLU MLP with per-slot LoRA on gate/up/down (dense layers and the shared expert):
 //   out = (silu(x Wg^T + dg) * (x Wu^T + du)) Wd^T + dd
-// w_gate/w_up: F32 [I, H]; w_down: F32 [H, I]; lora[s] = {gate, up, down} of slot s.
+// w_gate/w_up: F32 [I, H]; w_down: F32 [H, I]; lora[s] = {gate, up, down} of slot s (null or
+// undefined = not targeted); slot values must be -1 or in [0, lora.size()). Deltas are computed
+// with lora_add_slots_ref, the down delta from the fp32 activation.
 struct MlpLoraRef {
   const LoraFactors* gate = nullptr;
   const LoraFactors* up = nullptr;
   const LoraFactors* down = nullptr;
 };
-Tensor mlp_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const Tensor& w_gate, const Tensor& w_up,
-                       const Tensor& w_down, const std::vector<MlpLoraRef>& lora);
+Tensor mlp_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const Tensor& w_gate,
+                       const Tensor& w_up, const Tensor& w_down, const std::vector<MlpLoraRef>& lora);
 
 }  // namespace moelora::ops

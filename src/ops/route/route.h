@@ -7,6 +7,12 @@
 //     the group; keep the topk_group best groups; ids = top-k of b over kept experts (descending,
 //     ties to the lower index); w = s[ids] (unbiased); if renormalize: w /= (sum(w) + 1e-20);
 //     w *= routed_scaling_factor.
+//
+// Experts of dropped groups are excluded from the final top-k (as if their score were -inf), as
+// in the vLLM / SGLang / TensorRT-LLM kernels. transformers masks them with 0.0 instead, which
+// only differs when fewer than k kept experts have a positive biased score (bias < -sigmoid).
+// Group ties also go to the lower group index. Logits must be finite (an Error names the token
+// and expert otherwise).
 #pragma once
 
 #include <cstdint>
@@ -31,11 +37,14 @@ struct RouteResult {
   Tensor weights;  // F32 [T, k], aligned with ids
 };
 
-// Throws kInvalidArgument on inconsistent params (E % n_group, E / n_group >= 2,
-// topk_group * E / n_group >= k, k <= E).
+// Throws kInvalidArgument on inconsistent params, naming the field and its value: E > 0,
+// 0 < k <= E; for kSigmoidNoauxTc also E % n_group == 0, E / n_group >= 2 (when n_group > 1),
+// 1 <= topk_group <= n_group, topk_group * E / n_group >= k, finite routed_scaling_factor.
+// n_group / topk_group are ignored by kSoftmaxTopK.
 void check_route_params(const RouteParams& params);
 
-// logits: F32 [T, E]; correction_bias: F32 [E] (kSigmoidNoauxTc; undefined = zeros).
+// logits: F32 [T, E]; correction_bias: F32 [E] (kSigmoidNoauxTc only; undefined = zeros).
+// Parallel over tokens; deterministic.
 RouteResult route_ref(const Tensor& logits, const Tensor& correction_bias, const RouteParams& params);
 
 }  // namespace moelora::ops
