@@ -1,0 +1,206 @@
+// Internal pieces of the tokenizer (tokenizer.h): UTF-8 and Unicode helpers, the PCRE2 regex
+// wrapper, the added-token matcher, the BPE model with its word cache, and the loaded state
+// (Tokenizer::Impl). Split from tokenizer.cpp so that each part stays readable; nothing here is
+// used outside src/io/tokenizer*.cpp.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "io/tokenizer.h"
+
+namespace moelora::io::tokenizer_detail {
+
+// Hash map keyed by std::string that can be searched with a std::string_view (no allocation).
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+template <typename T>
+using StringMap = std::unordered_map<std::string, T, StringHash, std::equal_to<>>;
+
+// ---- UTF-8 / Unicode (tokenizer_text.cpp) ----
+
+// Decodes the code point starting at text[pos] of text already known to be valid UTF-8 and
+// advances pos past it.
+char32_t next_code_point(std::string_view text, size_t& pos);
+// Code point ending right before text[end] (valid UTF-8, end > 0); sets `begin` to its start.
+char32_t previous_code_point(std::string_view text, size_t end, size_t& begin);
+// Unicode White_Space (Rust char::is_whitespace, regex \s).
+bool is_white_space(char32_t cp);
+// Unicode word character as in the Rust regex crate's \w: letters, marks, decimal digits,
+// letter numbers, connector punctuation, ZWNJ/ZWJ.
+bool is_word_char(char32_t cp);
+
+enum class NormalForm { kNfc, kNfd, kNfkc, kNfkd };
+const char* normal_form_name(NormalForm form);
+// Unicode normalization of valid UTF-8 text (utf8proc). ASCII text is returned unchanged.
+std::string normalize(std::string_view text, NormalForm form);
+
+// The byte-level alphabet: UTF-8 form of the character that each byte maps to, and the inverse
+// from code point (< 324) to byte.
+const std::array<std::string, 256>& byte_to_unicode_table();
+int byte_from_code_point(char32_t cp);  // -1 when cp is not one of the 256 characters
+
+// ---- PCRE2 regex (tokenizer_text.cpp) ----
+
+// A compiled pattern. Thread-safe: matching uses per-thread match data.
+class Regex {
+ public:
+  // `literal` compiles the pattern as a plain string (tokenizer.json {"String": ...} patterns).
+  // Throws kInvalidFile naming `what` and the PCRE2 message on a bad pattern.
+  Regex(std::string_view pattern, bool literal, const std::string& what);
+  ~Regex();
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+
+  // Appends the [begin, end) byte ranges of all non-overlapping, non-empty matches in `subject`
+  // (valid UTF-8), left to right. An empty match moves the search on by one character, as
+  // Oniguruma's find_iter does.
+  void find_all(std::string_view subject, std::vector<std::pair<size_t, size_t>>& matches) const;
+  const std::string& pattern() const { return pattern_; }
+
+ private:
+  std::string pattern_;
+  std::string what_;
+  void* code_ = nullptr;  // pcre2_code_8*
+  bool jit_ = false;
+};
+
+// ---- added tokens (tokenizer.cpp) ----
+
+// Leftmost-longest matcher over a set of byte strings (a byte trie), the semantics of the
+// Aho-Corasick LeftmostLongest search that `tokenizers` uses for added tokens.
+class TokenMatcher {
+ public:
+  void add(std::string_view pattern, int32_t value);
+  bool empty() const { return nodes_.size() <= 1; }
+  // Finds the leftmost position >= from where some pattern matches and the longest pattern
+  // there. Returns false when none matches.
+  bool find(std::string_view text, size_t from, size_t& match_begin, size_t& match_end, int32_t& value) const;
+
+ private:
+  struct Node {
+    std::vector<std::pair<uint8_t, int32_t>> children;  // (byte, node index), sorted by byte
+    int32_t value = -1;                                 // index of the pattern ending here
+  };
+  int32_t child(int32_t node, uint8_t byte) const;
+  std::vector<Node> nodes_{Node{}};
+  std::array<bool, 256> first_byte_{};
+};
+
+// ---- BPE model (tokenizer_bpe.cpp) ----
+
+class BpeModel {
+ public:
+  struct Options {
+    bool byte_level = true;      // pre-tokens are raw bytes, mapped through bytes_to_unicode
+    bool ignore_merges = false;  // a pre-token found whole in the vocabulary is emitted as is
+    std::optional<int32_t> unk_id;
+    bool fuse_unk = false;
+  };
+
+  BpeModel() = default;
+  // vocab: token -> id. merges: (left, right) token strings in rank order. Throws kInvalidFile
+  // (naming `source` and the merge) when a merge or its result is not in the vocabulary.
+  BpeModel(StringMap<int32_t> vocab, const std::vector<std::pair<std::string, std::string>>& merges,
+           Options options, const std::string& source);
+
+  // Appends the ids of one pre-token (raw bytes when byte_level).
+  void tokenize(std::string_view pre_token, std::vector<int32_t>& out) const;
+
+  const StringMap<int32_t>& vocab() const { return vocab_; }
+
+ private:
+  struct MergeResult {
+    int32_t rank;
+    int32_t new_id;
+  };
+  static uint64_t pair_key(int32_t left, int32_t right) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
+  }
+  const MergeResult* find_merge(int32_t left, int32_t right) const;
+  void merge_symbols(std::vector<int32_t>& symbols) const;
+
+  // A bounded cache of pre-token -> ids. Sharded so that threads rarely wait on each other; a
+  // full shard is cleared (cheap, and recent words come back quickly).
+  class WordCache {
+   public:
+    bool get(std::string_view word, std::vector<int32_t>& out) const;
+    void put(std::string_view word, std::span<const int32_t> ids) const;
+
+   private:
+    static constexpr size_t kShards = 16;
+    static constexpr size_t kEntriesPerShard = 4096;
+    struct Shard {
+      mutable std::mutex mutex;
+      StringMap<std::vector<int32_t>> words;
+    };
+    mutable std::array<Shard, kShards> shards_;
+  };
+  static constexpr size_t kMaxCachedWordBytes = 256;
+
+  StringMap<int32_t> vocab_;
+  std::unordered_map<uint64_t, MergeResult> merges_;
+  std::array<int32_t, 256> byte_ids_{};  // id of each byte's byte-level character, -1 if none
+  Options options_;
+  std::unique_ptr<WordCache> cache_ = std::make_unique<WordCache>();
+};
+
+// ---- loaded state (tokenizer.cpp) ----
+
+enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
+// One regex split of the pre-tokenizer: a Split, or the GPT-2 regex of ByteLevel(use_regex=true)
+// (Isolated, at index Tokenizer::Impl::byte_level_step).
+struct PreTokenizerStep {
+  std::shared_ptr<const Regex> regex;
+  SplitBehavior behavior = SplitBehavior::kIsolated;
+  bool invert = false;
+};
+
+}  // namespace moelora::io::tokenizer_detail
+
+namespace moelora::io {
+
+struct Tokenizer::Impl {
+  std::string source;
+
+  // Model vocabulary and the id -> token table (added tokens override model tokens).
+  tokenizer_detail::BpeModel model;
+  std::vector<std::string> id_to_token;    // indexed by id; "" for holes
+  std::vector<uint8_t> id_flags;           // kHasToken | kSpecial per id
+  std::vector<std::string> decoded_bytes;  // what the decoder makes of each id
+  static constexpr uint8_t kHasToken = 1, kSpecial = 2;
+
+  std::vector<AddedToken> added_tokens;
+  tokenizer_detail::StringMap<int32_t> added_by_content;
+  tokenizer_detail::TokenMatcher raw_added;         // normalized=false tokens, value = index
+  tokenizer_detail::TokenMatcher normalized_added;  // normalized=true tokens (normalized content)
+
+  std::vector<tokenizer_detail::NormalForm> normalizers;  // applied in order
+  std::vector<tokenizer_detail::PreTokenizerStep> pre_tokenizers;
+  bool byte_level = false;               // a ByteLevel pre-tokenizer is present (last step)
+  bool byte_level_prefix_space = false;  // its add_prefix_space
+  size_t byte_level_step = 0;            // index in pre_tokenizers where ByteLevel acts
+  bool byte_level_decoder = false;
+
+  // Post-processor for add_special_tokens: ids before and after the sequence.
+  std::vector<int32_t> special_prefix, special_suffix;
+
+  std::optional<std::string> eos_token, bos_token, pad_token, unk_token;
+  std::optional<int32_t> eos_id, bos_id, pad_id, unk_id;
+  std::optional<std::string> chat_template;
+  std::map<std::string, std::string> named_chat_templates;
+};
+
+}  // namespace moelora::io
