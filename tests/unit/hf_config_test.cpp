@@ -1,0 +1,1146 @@
+// config.json parsing (src/io/hf_config.h) for every supported family, from hand-written copies
+// of the published configs (values as in FORMATS.md §1.3-1.6): Qwen3-30B-A3B, Qwen3.5-35B-A3B
+// (VLM with text_config), DeepSeek-V3 (legacy rope_scaling, FP8), Kimi-K2 and Kimi-K2.5; FP8 and
+// ModelOpt NVFP4 quantization in config.json and in hf_quant_config.json; the errors (missing
+// field, wrong type, unsupported values, router constraints, malformed JSON); the module
+// exclusion rules; and parse(model_config_to_json(c)) == c for each family.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "io/hf_config.h"
+#include "support/test_support.h"
+
+namespace moelora::io {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+// ---------------------------------------------------------------------------------------------
+// fixtures
+
+constexpr const char* kQwen3_30B_A3B = R"({
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "decoder_sparse_step": 1,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 6144,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 48,
+  "mlp_only_layers": [],
+  "model_type": "qwen3_moe",
+  "moe_intermediate_size": 768,
+  "norm_topk_prob": true,
+  "num_attention_heads": 32,
+  "num_experts": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 48,
+  "num_key_value_heads": 4,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.001,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
+constexpr const char* kQwen35_35B_A3B = R"({
+  "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+  "image_token_id": 248056,
+  "model_type": "qwen3_5_moe",
+  "text_config": {
+    "attention_bias": false,
+    "attention_dropout": 0.0,
+    "attn_output_gate": true,
+    "dtype": "bfloat16",
+    "eos_token_id": 248044,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "layer_types": [
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention",
+      "linear_attention", "linear_attention", "linear_attention", "full_attention"
+    ],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_5_moe_text",
+    "moe_intermediate_size": 512,
+    "mtp_num_hidden_layers": 1,
+    "num_attention_heads": 16,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+      "mrope_interleaved": true,
+      "mrope_section": [11, 11, 10],
+      "rope_type": "default",
+      "rope_theta": 10000000,
+      "partial_rotary_factor": 0.25
+    },
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "use_cache": true,
+    "vocab_size": 248320
+  },
+  "tie_word_embeddings": false,
+  "transformers_version": "4.57.0.dev0",
+  "video_token_id": 248057,
+  "vision_config": {
+    "deepstack_visual_indexes": [],
+    "depth": 27,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "model_type": "qwen3_5_moe",
+    "num_heads": 16,
+    "out_hidden_size": 2048,
+    "patch_size": 16
+  },
+  "vision_end_token_id": 248054,
+  "vision_start_token_id": 248053
+})";
+
+constexpr const char* kDeepseekV3 = R"({
+  "architectures": ["DeepseekV3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+  "aux_loss_alpha": 0.001,
+  "bos_token_id": 0,
+  "eos_token_id": 1,
+  "ep_size": 1,
+  "first_k_dense_replace": 3,
+  "hidden_act": "silu",
+  "hidden_size": 7168,
+  "initializer_range": 0.02,
+  "intermediate_size": 18432,
+  "kv_lora_rank": 512,
+  "max_position_embeddings": 163840,
+  "model_type": "deepseek_v3",
+  "moe_intermediate_size": 2048,
+  "moe_layer_freq": 1,
+  "n_group": 8,
+  "n_routed_experts": 256,
+  "n_shared_experts": 1,
+  "norm_topk_prob": true,
+  "num_attention_heads": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 61,
+  "num_key_value_heads": 128,
+  "num_nextn_predict_layers": 1,
+  "pretraining_tp": 1,
+  "q_lora_rank": 1536,
+  "qk_nope_head_dim": 128,
+  "qk_rope_head_dim": 64,
+  "quantization_config": {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128]
+  },
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": {
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn"
+  },
+  "rope_theta": 10000,
+  "routed_scaling_factor": 2.5,
+  "scoring_func": "sigmoid",
+  "seq_aux": true,
+  "tie_word_embeddings": false,
+  "topk_group": 4,
+  "topk_method": "noaux_tc",
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.33.1",
+  "use_cache": true,
+  "v_head_dim": 128,
+  "vocab_size": 129280
+})";
+
+constexpr const char* kKimiK2 = R"({
+  "architectures": ["DeepseekV3ForCausalLM"],
+  "attention_bias": false,
+  "bos_token_id": 163584,
+  "eos_token_id": 163585,
+  "first_k_dense_replace": 1,
+  "hidden_act": "silu",
+  "hidden_size": 7168,
+  "intermediate_size": 18432,
+  "kv_lora_rank": 512,
+  "max_position_embeddings": 131072,
+  "model_type": "kimi_k2",
+  "moe_intermediate_size": 2048,
+  "moe_layer_freq": 1,
+  "n_group": 1,
+  "n_routed_experts": 384,
+  "n_shared_experts": 1,
+  "norm_topk_prob": true,
+  "num_attention_heads": 64,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 61,
+  "num_key_value_heads": 64,
+  "num_nextn_predict_layers": 0,
+  "q_lora_rank": 1536,
+  "qk_nope_head_dim": 128,
+  "qk_rope_head_dim": 64,
+  "quantization_config": {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128]
+  },
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": {
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "factor": 32.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn"
+  },
+  "rope_theta": 50000.0,
+  "routed_scaling_factor": 2.827,
+  "scoring_func": "sigmoid",
+  "tie_word_embeddings": false,
+  "topk_group": 1,
+  "topk_method": "noaux_tc",
+  "torch_dtype": "bfloat16",
+  "v_head_dim": 128,
+  "vocab_size": 163840
+})";
+
+// Kimi-K2.5 without a quantization block (the tests add one).
+constexpr const char* kKimiK25 = R"({
+  "architectures": ["KimiK25ForConditionalGeneration"],
+  "model_type": "kimi_k25",
+  "media_placeholder_token_id": 163605,
+  "pad_token_id": 163839,
+  "tie_word_embeddings": false,
+  "text_config": {
+    "attention_bias": false,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 262144,
+    "model_type": "kimi_k2",
+    "moe_intermediate_size": 2048,
+    "n_group": 1,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "norm_topk_prob": true,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+      "beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+      "original_max_position_embeddings": 4096, "type": "yarn"
+    },
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "scoring_func": "sigmoid",
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 163840
+  },
+  "vision_config": {"mm_hidden_size": 1152, "model_type": "kimi_k25_vision"}
+})";
+
+constexpr const char* kModeloptQuantizationConfig = R"({
+  "config_groups": {
+    "group_0": {
+      "input_activations": {"dynamic": false, "num_bits": 4, "type": "float", "group_size": 16},
+      "weights": {"dynamic": false, "num_bits": 4, "type": "float", "group_size": 16},
+      "targets": ["Linear"]
+    }
+  },
+  "ignore": ["language_model.lm_head", "language_model.model.layers.*.self_attn*",
+             "language_model.model.layers.*.mlp.shared_experts*", "language_model.model.layers.0.mlp*",
+             "*.mlp.gate", "vision_tower*"],
+  "kv_cache_scheme": {"dynamic": false, "num_bits": 8, "type": "float"},
+  "producer": {"name": "modelopt", "version": "0.39.0"},
+  "quant_algo": "NVFP4",
+  "quant_method": "modelopt"
+})";
+
+constexpr const char* kHfQuantConfig = R"({
+  "producer": {"name": "modelopt", "version": "0.29.0"},
+  "quantization": {
+    "quant_algo": "NVFP4",
+    "kv_cache_quant_algo": null,
+    "group_size": 16,
+    "exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.self_attn*"]
+  }
+})";
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+json parse(const char* text) {
+  return json::parse(text);
+}
+
+ModelConfig parse_config(const json& j, const std::string& source = "/models/x/config.json") {
+  return parse_model_config(j, source);
+}
+
+// Runs fn, expects a moelora::Error with `code`, returns its message ("" when nothing threw).
+std::string error_message(const std::function<void()>& fn, ErrorCode code) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << "message: " << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected moelora::Error, nothing was thrown";
+  return "";
+}
+
+// Parses `config` expecting an error of `code` whose message names the source and every word.
+void expect_config_error(const json& config, ErrorCode code, const std::vector<std::string>& words) {
+  const std::string source = "/models/broken/config.json";
+  const std::string msg = error_message([&] { parse_model_config(config, source); }, code);
+  EXPECT_THAT(msg, StartsWith(source)) << config.dump();
+  for (const std::string& w : words) EXPECT_THAT(msg, HasSubstr(w)) << config.dump();
+}
+
+// parse(to_json(c)) == c, and serialising again gives the same JSON.
+void expect_round_trip(const ModelConfig& config) {
+  const json written = model_config_to_json(config);
+  const ModelConfig again = parse_model_config(written, "round-trip");
+  EXPECT_TRUE(again == config) << written.dump(2);
+  EXPECT_EQ(model_config_to_json(again), written);
+}
+
+// ---------------------------------------------------------------------------------------------
+// families
+
+TEST(HfConfigQwen3Moe, Qwen3_30B_A3B) {
+  const ModelConfig c = parse_config(parse(kQwen3_30B_A3B));
+  EXPECT_EQ(c.arch, Architecture::kQwen3Moe);
+  EXPECT_EQ(c.model_type, "qwen3_moe");
+  EXPECT_EQ(c.text_model_type, "qwen3_moe");
+  EXPECT_EQ(c.weight_prefix, "model.");
+  EXPECT_EQ(c.lm_head_name, "lm_head");
+  EXPECT_EQ(c.dtype, "bfloat16");
+  EXPECT_EQ(c.vocab_size, 151936);
+  EXPECT_EQ(c.hidden_size, 2048);
+  EXPECT_EQ(c.num_hidden_layers, 48);
+  EXPECT_EQ(c.max_position_embeddings, 40960);
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_EQ(c.norm_style, NormStyle::kWeight);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{151645});
+  EXPECT_EQ(c.bos_token_id, 151643);
+  EXPECT_EQ(c.num_attention_heads, 32);
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.qk_head_dim(), 128);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.attention_output_gate);
+  EXPECT_FALSE(c.use_mla);
+  EXPECT_EQ(c.rope.type, "default");
+  EXPECT_EQ(c.rope.theta, 1e6);
+  EXPECT_EQ(c.rope.partial_rotary_factor, 1.0);
+  EXPECT_EQ(c.rope.yarn_attention_factor(), 1.0);
+  EXPECT_EQ(c.rotary_dim(), 128);
+  EXPECT_EQ(c.rope_style, RopeStyle::kRotateHalf);
+  EXPECT_EQ(c.intermediate_size, 6144);
+  EXPECT_EQ(c.moe_intermediate_size, 768);
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 0);  // Qwen3-MoE has no shared expert
+  EXPECT_FALSE(c.shared_expert_gate);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.router, RouterKind::kSoftmaxTopK);
+  EXPECT_EQ(c.quant.method, QuantMethod::kNone);
+  for (int64_t layer = 0; layer < 48; ++layer) EXPECT_TRUE(c.is_moe_layer(layer)) << layer;
+  EXPECT_THROW(c.is_moe_layer(48), Error);
+  EXPECT_THROW(c.is_moe_layer(-1), Error);
+  expect_round_trip(c);
+}
+
+TEST(HfConfigQwen3Moe, DefaultsWhenFieldsAreAbsent) {
+  json j = parse(kQwen3_30B_A3B);
+  for (const char* key : {"head_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                          "rms_norm_eps", "tie_word_embeddings", "rope_theta", "max_position_embeddings",
+                          "bos_token_id", "eos_token_id", "torch_dtype"}) {
+    j.erase(key);
+  }
+  j["num_local_experts"] = j["num_experts"];  // the alias
+  j.erase("num_experts");
+  const ModelConfig c = parse_config(j);
+  EXPECT_EQ(c.head_dim, 2048 / 32);  // hidden / heads
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_EQ(c.decoder_sparse_step, 1);
+  EXPECT_TRUE(c.mlp_only_layers.empty());
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.rope.theta, 10000.0);
+  EXPECT_EQ(c.max_position_embeddings, 32768);
+  EXPECT_FALSE(c.bos_token_id.has_value());
+  EXPECT_TRUE(c.eos_token_ids.empty());
+  EXPECT_EQ(c.dtype, "");
+  EXPECT_EQ(c.num_experts, 128);
+  expect_round_trip(c);
+}
+
+TEST(HfConfigQwen3Moe, SparseStepAndDenseLayers) {
+  json j = parse(kQwen3_30B_A3B);
+  j["num_hidden_layers"] = 7;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  j["eos_token_id"] = {151645, 151643};
+  const ModelConfig c = parse_config(j);
+  // MoE when (i + 1) % 2 == 0 and i not in [3]
+  const std::vector<bool> expected = {false, true, false, false, false, true, false};
+  for (int64_t layer = 0; layer < 7; ++layer) EXPECT_EQ(c.is_moe_layer(layer), expected[layer]) << layer;
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{151645, 151643}));
+  expect_round_trip(c);
+  // dense layers need intermediate_size
+  j.erase("intermediate_size");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"intermediate_size must be positive", "dense MLP"});
+}
+
+TEST(HfConfigQwen35Moe, Qwen35_35B_A3B_Vlm) {
+  const ModelConfig c = parse_config(parse(kQwen35_35B_A3B));
+  EXPECT_EQ(c.arch, Architecture::kQwen35Moe);
+  EXPECT_EQ(c.model_type, "qwen3_5_moe");
+  EXPECT_EQ(c.text_model_type, "qwen3_5_moe_text");
+  EXPECT_EQ(c.weight_prefix, "model.language_model.");
+  EXPECT_EQ(c.lm_head_name, "lm_head");
+  EXPECT_EQ(c.dtype, "bfloat16");
+  EXPECT_EQ(c.vocab_size, 248320);
+  EXPECT_EQ(c.hidden_size, 2048);
+  EXPECT_EQ(c.num_hidden_layers, 40);
+  EXPECT_EQ(c.max_position_embeddings, 262144);
+  EXPECT_EQ(c.num_attention_heads, 16);
+  EXPECT_EQ(c.num_key_value_heads, 2);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_TRUE(c.attention_output_gate);
+  EXPECT_EQ(c.norm_style, NormStyle::kOnePlusWeight);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{248044});
+  EXPECT_EQ(c.rope.type, "default");
+  EXPECT_EQ(c.rope.theta, 1e7);
+  EXPECT_EQ(c.rope.partial_rotary_factor, 0.25);
+  EXPECT_EQ(c.rope.mrope_section, (std::vector<int>{11, 11, 10}));
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_EQ(c.moe_intermediate_size, 512);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 512);
+  EXPECT_TRUE(c.shared_expert_gate);
+  EXPECT_EQ(c.num_experts, 256);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_TRUE(c.norm_topk_prob);  // the router always renormalizes
+  EXPECT_EQ(c.router, RouterKind::kSoftmaxTopK);
+  ASSERT_EQ(c.layer_types.size(), 40u);
+  for (int64_t i = 0; i < 40; ++i) {
+    EXPECT_EQ(c.layer_types[i], (i + 1) % 4 == 0 ? "full_attention" : "linear_attention") << i;
+    EXPECT_TRUE(c.is_moe_layer(i));
+  }
+  EXPECT_EQ(c.linear_attention.conv_kernel_dim, 4);
+  EXPECT_EQ(c.linear_attention.key_head_dim, 128);
+  EXPECT_EQ(c.linear_attention.value_head_dim, 128);
+  EXPECT_EQ(c.linear_attention.num_key_heads, 16);
+  EXPECT_EQ(c.linear_attention.num_value_heads, 32);
+  expect_round_trip(c);
+}
+
+TEST(HfConfigQwen35Moe, TextOnlyConfigDerivesLayerTypesAndPartialRotaryDefault) {
+  json j = parse(kQwen35_35B_A3B)["text_config"];
+  j.erase("layer_types");
+  j["full_attention_interval"] = 3;
+  j["num_hidden_layers"] = 7;
+  j["rope_parameters"].erase("partial_rotary_factor");  // Qwen3.5 defaults to 0.25
+  j["norm_topk_prob"] = false;                          // not a Qwen3.5 field: ignored
+  const ModelConfig c = parse_config(j);
+  EXPECT_EQ(c.model_type, "qwen3_5_moe_text");
+  EXPECT_EQ(c.weight_prefix, "model.");
+  EXPECT_EQ(c.layer_types, (std::vector<std::string>{"linear_attention", "linear_attention", "full_attention",
+                                                     "linear_attention", "linear_attention", "full_attention",
+                                                     "linear_attention"}));
+  EXPECT_EQ(c.rope.partial_rotary_factor, 0.25);
+  EXPECT_TRUE(c.norm_topk_prob);
+  expect_round_trip(c);
+  j.erase("full_attention_interval");  // default 4
+  EXPECT_EQ(parse_config(j).layer_types[3], "full_attention");
+  EXPECT_EQ(parse_config(j).layer_types[2], "linear_attention");
+}
+
+TEST(HfConfigDeepseekV3, DeepseekV3WithLegacyYarnAndFp8) {
+  const ModelConfig c = parse_config(parse(kDeepseekV3));
+  EXPECT_EQ(c.arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(c.weight_prefix, "model.");
+  EXPECT_EQ(c.vocab_size, 129280);
+  EXPECT_EQ(c.hidden_size, 7168);
+  EXPECT_EQ(c.num_hidden_layers, 61);
+  EXPECT_EQ(c.max_position_embeddings, 163840);
+  EXPECT_EQ(c.num_attention_heads, 128);
+  EXPECT_EQ(c.num_key_value_heads, 128);
+  EXPECT_TRUE(c.use_mla);
+  EXPECT_FALSE(c.qk_norm);
+  EXPECT_EQ(c.q_lora_rank, 1536);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.qk_nope_head_dim, 128);
+  EXPECT_EQ(c.qk_rope_head_dim, 64);
+  EXPECT_EQ(c.v_head_dim, 128);
+  EXPECT_EQ(c.head_dim, 64);  // = qk_rope_head_dim, the RoPE width
+  EXPECT_EQ(c.qk_head_dim(), 192);
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_EQ(c.rope_style, RopeStyle::kInterleaved);
+  EXPECT_EQ(c.intermediate_size, 18432);
+  EXPECT_EQ(c.moe_intermediate_size, 2048);
+  EXPECT_EQ(c.num_experts, 256);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 2048);  // 1 shared expert x 2048
+  EXPECT_FALSE(c.shared_expert_gate);
+  EXPECT_EQ(c.router, RouterKind::kSigmoidNoauxTc);
+  EXPECT_EQ(c.n_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_EQ(c.first_k_dense_replace, 3);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.bos_token_id, 0);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{1});
+  for (int64_t layer = 0; layer < 61; ++layer) EXPECT_EQ(c.is_moe_layer(layer), layer >= 3) << layer;
+  // RoPE: legacy rope_theta + rope_scaling {type: yarn}
+  EXPECT_EQ(c.rope.type, "yarn");
+  EXPECT_EQ(c.rope.theta, 10000.0);
+  EXPECT_EQ(c.rope.factor, 40.0);
+  EXPECT_EQ(c.rope.original_max_position_embeddings, 4096);
+  EXPECT_EQ(c.rope.beta_fast, 32.0);
+  EXPECT_EQ(c.rope.beta_slow, 1.0);
+  EXPECT_EQ(c.rope.mscale, 1.0);
+  EXPECT_EQ(c.rope.mscale_all_dim, 1.0);
+  EXPECT_FALSE(c.rope.attention_factor.has_value());
+  EXPECT_TRUE(c.rope.truncate);
+  EXPECT_DOUBLE_EQ(c.rope.yarn_attention_factor(), 1.0);  // mscale == mscale_all_dim
+  // FP8 block quantization
+  EXPECT_EQ(c.quant.method, QuantMethod::kFp8Block);
+  EXPECT_EQ(c.quant.block_n, 128);
+  EXPECT_EQ(c.quant.block_k, 128);
+  EXPECT_EQ(c.quant.activation_scheme, "dynamic");
+  EXPECT_EQ(c.quant.scale_fmt, "");
+  EXPECT_EQ(c.quant.source, "config.json");
+  EXPECT_TRUE(c.quant.modules_to_not_convert.empty());
+  expect_round_trip(c);
+}
+
+TEST(HfConfigDeepseekV3, RopeParametersFormEqualsTheLegacyForm) {
+  json legacy = parse(kDeepseekV3);
+  json v5 = legacy;
+  v5.erase("rope_scaling");
+  v5.erase("rope_theta");
+  v5["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 10000.0},
+                           {"factor", 40.0},      {"original_max_position_embeddings", 4096},
+                           {"beta_fast", 32.0},   {"beta_slow", 1.0},
+                           {"mscale", 1.0},       {"mscale_all_dim", 1.0}};
+  EXPECT_TRUE(parse_config(legacy) == parse_config(v5));
+  // "rope_type" instead of "type" in the legacy dict
+  legacy["rope_scaling"].erase("type");
+  legacy["rope_scaling"]["rope_type"] = "yarn";
+  EXPECT_TRUE(parse_config(legacy) == parse_config(v5));
+}
+
+TEST(HfConfigDeepseekV3, YarnDefaultsAndAttentionFactor) {
+  json j = parse(kDeepseekV3);
+  j["rope_scaling"] = {{"type", "yarn"},
+                       {"factor", 40},
+                       {"mscale", 0.707},
+                       {"mscale_all_dim", 1.0},
+                       {"original_max_position_embeddings", 4096}};
+  ModelConfig c = parse_config(j);
+  const double m = 0.1 * std::log(40.0);
+  EXPECT_DOUBLE_EQ(c.rope.yarn_attention_factor(), (0.707 * m + 1) / (m + 1));
+  // only mscale_all_dim: transformers falls back to get_mscale(factor)
+  j["rope_scaling"].erase("mscale");
+  c = parse_config(j);
+  EXPECT_DOUBLE_EQ(c.rope.yarn_attention_factor(), m + 1);
+  // explicit attention_factor wins
+  j["rope_scaling"]["attention_factor"] = 0.5;
+  EXPECT_EQ(parse_config(j).rope.yarn_attention_factor(), 0.5);
+  // no factor: max_position_embeddings / original; no original: max_position_embeddings
+  j["rope_scaling"] = {{"type", "yarn"}, {"original_max_position_embeddings", 4096}};
+  EXPECT_EQ(parse_config(j).rope.factor, 40.0);
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 2.0}};
+  EXPECT_EQ(parse_config(j).rope.original_max_position_embeddings, 163840);
+  EXPECT_EQ(parse_config(j).rope.beta_fast, 32.0);
+  EXPECT_EQ(RopeConfig::yarn_get_mscale(1.0, 5.0), 1.0);
+}
+
+TEST(HfConfigDeepseekV3, NullsAndDefaults) {
+  json j = parse(kDeepseekV3);
+  j["q_lora_rank"] = nullptr;
+  j["n_group"] = nullptr;
+  j["topk_group"] = nullptr;
+  j["rope_interleave"] = false;
+  j["moe_layer_freq"] = 2;
+  j["first_k_dense_replace"] = 1;
+  j.erase("num_key_value_heads");
+  j.erase("bos_token_id");
+  j.erase("eos_token_id");
+  j.erase("scoring_func");
+  j.erase("topk_method");
+  j.erase("quantization_config");
+  const ModelConfig c = parse_config(j);
+  EXPECT_EQ(c.q_lora_rank, 0);
+  EXPECT_EQ(c.n_group, 1);
+  EXPECT_EQ(c.topk_group, 1);
+  EXPECT_EQ(c.rope_style, RopeStyle::kRotateHalf);
+  EXPECT_EQ(c.num_key_value_heads, 128);
+  EXPECT_EQ(c.bos_token_id, 0);  // DeepseekV3Config's defaults
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{1});
+  EXPECT_EQ(c.quant.method, QuantMethod::kNone);
+  // layers >= 1 and even
+  for (int64_t layer = 0; layer < 8; ++layer) {
+    EXPECT_EQ(c.is_moe_layer(layer), layer >= 1 && layer % 2 == 0) << layer;
+  }
+  expect_round_trip(c);
+  // class defaults for absent router fields
+  j.erase("n_group");
+  j.erase("topk_group");
+  j.erase("routed_scaling_factor");
+  j.erase("first_k_dense_replace");
+  j.erase("norm_topk_prob");
+  const ModelConfig d = parse_config(j);
+  EXPECT_EQ(d.n_group, 8);
+  EXPECT_EQ(d.topk_group, 4);
+  EXPECT_EQ(d.routed_scaling_factor, 2.5);
+  EXPECT_EQ(d.first_k_dense_replace, 3);
+  EXPECT_TRUE(d.norm_topk_prob);
+  // shared experts: n_shared_experts 0 / null = none, and the field must be there
+  j["n_shared_experts"] = 2;
+  EXPECT_EQ(parse_config(j).shared_expert_intermediate_size, 4096);
+  j["n_shared_experts"] = nullptr;
+  EXPECT_EQ(parse_config(j).shared_expert_intermediate_size, 0);
+  j.erase("n_shared_experts");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'n_shared_experts'"});
+  j = parse(kDeepseekV3);
+  j.erase("q_lora_rank");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'q_lora_rank'"});
+}
+
+TEST(HfConfigKimi, KimiK2) {
+  const ModelConfig c = parse_config(parse(kKimiK2));
+  EXPECT_EQ(c.arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(c.model_type, "kimi_k2");
+  EXPECT_EQ(c.text_model_type, "kimi_k2");
+  EXPECT_EQ(c.weight_prefix, "model.");
+  EXPECT_EQ(c.num_attention_heads, 64);
+  EXPECT_EQ(c.num_experts, 384);
+  EXPECT_EQ(c.n_group, 1);
+  EXPECT_EQ(c.topk_group, 1);
+  EXPECT_EQ(c.routed_scaling_factor, 2.827);
+  EXPECT_EQ(c.first_k_dense_replace, 1);
+  EXPECT_EQ(c.router, RouterKind::kSigmoidNoauxTc);
+  EXPECT_EQ(c.rope.theta, 50000.0);
+  EXPECT_EQ(c.rope.factor, 32.0);
+  EXPECT_EQ(c.rope.beta_fast, 1.0);
+  EXPECT_EQ(c.rope.beta_slow, 1.0);
+  EXPECT_EQ(c.bos_token_id, 163584);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{163585});
+  EXPECT_EQ(c.quant.method, QuantMethod::kFp8Block);
+  EXPECT_FALSE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(1));
+  expect_round_trip(c);
+}
+
+TEST(HfConfigKimi, KimiK25WithTextConfigAndModeloptNvfp4) {
+  json j = parse(kKimiK25);
+  j["quantization_config"] = parse(kModeloptQuantizationConfig);
+  const ModelConfig c = parse_config(j);
+  EXPECT_EQ(c.arch, Architecture::kDeepseekV3);
+  EXPECT_EQ(c.model_type, "kimi_k25");
+  EXPECT_EQ(c.text_model_type, "kimi_k2");
+  EXPECT_EQ(c.weight_prefix, "language_model.model.");
+  EXPECT_EQ(c.lm_head_name, "language_model.lm_head");
+  EXPECT_EQ(c.max_position_embeddings, 262144);
+  EXPECT_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_EQ(c.rope.factor, 64.0);
+  EXPECT_EQ(c.num_experts, 384);
+  EXPECT_EQ(c.qk_head_dim(), 192);
+  EXPECT_EQ(c.quant.method, QuantMethod::kNvfp4);
+  EXPECT_EQ(c.quant.group_size, 16);
+  EXPECT_EQ(c.quant.kv_cache_quant_algo, "FP8");
+  EXPECT_EQ(c.quant.source, "config.json");
+  EXPECT_EQ(c.quant.modules_to_not_convert.size(), 6u);
+  EXPECT_TRUE(c.quant.is_excluded("language_model.lm_head"));
+  EXPECT_TRUE(c.quant.is_excluded("language_model.model.layers.5.self_attn.kv_b_proj"));
+  EXPECT_TRUE(c.quant.is_excluded("language_model.model.layers.0.mlp.down_proj"));
+  EXPECT_TRUE(c.quant.is_excluded("language_model.model.layers.7.mlp.gate"));
+  EXPECT_FALSE(c.quant.is_excluded("language_model.model.layers.7.mlp.experts.3.down_proj"));
+  EXPECT_FALSE(c.quant.is_excluded("language_model.model.layers.10.mlp.down_proj"));
+  expect_round_trip(c);
+
+  // text model_type deepseek_v3 (or absent, Kimi_K25Config's default) works the same way
+  j["text_config"]["model_type"] = "deepseek_v3";
+  EXPECT_EQ(parse_config(j).text_model_type, "deepseek_v3");
+  j["text_config"].erase("model_type");
+  EXPECT_EQ(parse_config(j).text_model_type, "deepseek_v3");
+  j["text_config"]["model_type"] = "qwen3_moe";
+  expect_config_error(j, ErrorCode::kUnsupported, {"text_config.model_type", "qwen3_moe", "kimi_k2"});
+  j.erase("text_config");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'text_config'"});
+}
+
+TEST(HfConfigKimi, KimiK25OriginalInt4IsUnsupported) {
+  json j = parse(kKimiK25);
+  j["quantization_config"] = {{"quant_method", "compressed-tensors"}, {"format", "pack-quantized"}};
+  expect_config_error(j, ErrorCode::kUnsupported,
+                      {"quantization_config.quant_method", "compressed-tensors", "fp8", "modelopt"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantization
+
+TEST(HfConfigQuant, Fp8Variants) {
+  json j = parse(kQwen3_30B_A3B);
+  j["quantization_config"] = {{"quant_method", "fp8"},
+                              {"activation_scheme", "dynamic"},
+                              {"weight_block_size", {128, 128}},
+                              {"modules_to_not_convert", {"lm_head", "model.layers.0.mlp.gate"}},
+                              {"ignored_layers", {"model.embed_tokens"}},
+                              {"scale_fmt", "ue8m0"}};
+  const ModelConfig c = parse_config(j);
+  EXPECT_EQ(c.quant.method, QuantMethod::kFp8Block);
+  EXPECT_EQ(c.quant.scale_fmt, "ue8m0");
+  EXPECT_EQ(c.quant.modules_to_not_convert,
+            (std::vector<std::string>{"lm_head", "model.layers.0.mlp.gate", "model.embed_tokens"}));
+  EXPECT_TRUE(c.quant.is_excluded("model.layers.0.mlp.gate"));
+  EXPECT_FALSE(c.quant.is_excluded("model.layers.1.mlp.gate"));
+  EXPECT_FALSE(c.quant.is_excluded("model.layers.0.mlp.gate_proj"));
+  expect_round_trip(c);
+
+  j["quantization_config"]["scale_fmt"] = "float";  // FineGrainedFP8Config's default = plain fp32 scales
+  EXPECT_EQ(parse_config(j).quant.scale_fmt, "");
+
+  auto with = [&](const char* key, const json& value) {
+    json k = j;
+    k["quantization_config"][key] = value;
+    return k;
+  };
+  expect_config_error(with("weight_block_size", {64, 64}), ErrorCode::kUnsupported,
+                      {"quantization_config.weight_block_size", "[64,64]", "[128, 128]"});
+  expect_config_error(with("weight_block_size", nullptr), ErrorCode::kUnsupported,
+                      {"weight_block_size", "per-tensor FP8"});
+  expect_config_error(with("fmt", "e5m2"), ErrorCode::kUnsupported, {"quantization_config.fmt", "e5m2"});
+  expect_config_error(with("activation_scheme", "static"), ErrorCode::kUnsupported, {"static"});
+  expect_config_error(with("scale_fmt", "e4m3"), ErrorCode::kUnsupported, {"scale_fmt", "ue8m0"});
+  expect_config_error(with("modules_to_not_convert", "lm_head"), ErrorCode::kInvalidFile,
+                      {"modules_to_not_convert", "list of strings"});
+}
+
+TEST(HfConfigQuant, OtherMethodsAreUnsupported) {
+  for (const char* method : {"awq", "gptq", "compressed-tensors", "bitsandbytes", "mxfp4"}) {
+    json j = parse(kQwen3_30B_A3B);
+    j["quantization_config"] = {{"quant_method", method}, {"bits", 4}};
+    expect_config_error(j, ErrorCode::kUnsupported, {std::string("\"") + method + "\""});
+  }
+  json j = parse(kQwen3_30B_A3B);
+  j["quantization_config"] = parse(kModeloptQuantizationConfig);
+  j["quantization_config"]["quant_algo"] = "MIXED_PRECISION";
+  expect_config_error(j, ErrorCode::kUnsupported,
+                      {"quantization_config.quant_algo", "MIXED_PRECISION", "NVFP4"});
+  j["quantization_config"]["quant_algo"] = "NVFP4";
+  j["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32;
+  expect_config_error(j, ErrorCode::kUnsupported, {"group size is 32", "16"});
+  j["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16;
+  j["quantization_config"]["kv_cache_scheme"]["num_bits"] = 4;
+  expect_config_error(j, ErrorCode::kUnsupported, {"kv_cache_scheme", "4-bit"});
+  j["quantization_config"].erase("quant_method");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'quantization_config.quant_method'"});
+}
+
+TEST(HfConfigQuant, ModeloptLegacyHfQuantConfigFile) {
+  test::TempDir dir;
+  test::write_text_file(dir / "config.json", kQwen3_30B_A3B);
+  test::write_text_file(dir / "hf_quant_config.json", kHfQuantConfig);
+  const ModelConfig c = load_model_config(dir.path());
+  EXPECT_EQ(c.quant.method, QuantMethod::kNvfp4);
+  EXPECT_EQ(c.quant.group_size, 16);
+  EXPECT_EQ(c.quant.kv_cache_quant_algo, "");
+  EXPECT_EQ(c.quant.source, "hf_quant_config.json");
+  EXPECT_TRUE(c.quant.is_excluded("lm_head"));
+  EXPECT_TRUE(c.quant.is_excluded("model.layers.17.mlp.gate"));
+  EXPECT_TRUE(c.quant.is_excluded("model.layers.17.self_attn.q_proj"));
+  EXPECT_FALSE(c.quant.is_excluded("model.layers.17.mlp.experts.0.gate_proj"));
+
+  // Writing it back as hf_quant_config.json and reading gives the same QuantConfig.
+  const QuantConfig again = parse_hf_quant_config(hf_quant_config_to_json(c.quant), "written");
+  EXPECT_TRUE(again == c.quant);
+  // The same quantization inside config.json compares equal too (source is not compared).
+  const ModelConfig in_config = parse_config(model_config_to_json(c));
+  EXPECT_EQ(in_config.quant.source, "config.json");
+  EXPECT_TRUE(in_config == c);
+
+  // kv_cache_quant_algo FP8; a conflicting method in config.json
+  json hq = parse(kHfQuantConfig);
+  hq["quantization"]["kv_cache_quant_algo"] = "FP8";
+  test::write_text_file(dir / "hf_quant_config.json", hq.dump());
+  EXPECT_EQ(load_model_config(dir.path()).quant.kv_cache_quant_algo, "FP8");
+  EXPECT_EQ(
+      hf_quant_config_to_json(load_model_config(dir.path()).quant)["quantization"]["kv_cache_quant_algo"],
+      "FP8");
+  test::write_text_file(dir / "config.json", kDeepseekV3);  // FP8 block in config.json
+  EXPECT_THAT(error_message([&] { load_model_config(dir.path()); }, ErrorCode::kInvalidFile),
+              AllOf(StartsWith((dir / "config.json").string()), HasSubstr("fp8-block"), HasSubstr("nvfp4"),
+                    HasSubstr("hf_quant_config.json")));
+
+  // unsupported algorithms in the legacy file
+  test::write_text_file(dir / "config.json", kQwen3_30B_A3B);
+  for (const json& algo : {json("FP8"), json("W4A16_NVFP4"), json(nullptr)}) {
+    hq["quantization"]["quant_algo"] = algo;
+    test::write_text_file(dir / "hf_quant_config.json", hq.dump());
+    EXPECT_THAT(
+        error_message([&] { load_model_config(dir.path()); }, ErrorCode::kUnsupported),
+        AllOf(StartsWith((dir / "hf_quant_config.json").string()), HasSubstr("quantization.quant_algo")));
+  }
+  test::write_text_file(dir / "hf_quant_config.json", R"({"producer": {}})");
+  EXPECT_THAT(error_message([&] { load_model_config(dir.path()); }, ErrorCode::kInvalidFile),
+              HasSubstr("missing field 'quantization'"));
+  EXPECT_THAT(error_message([&] { hf_quant_config_to_json(QuantConfig{}); }, ErrorCode::kInvalidArgument),
+              HasSubstr("NVFP4"));
+}
+
+TEST(HfConfigQuant, ExclusionPatterns) {
+  QuantConfig q;
+  q.modules_to_not_convert = {"lm_head",         "mlp.gate",
+                              "model.layers.3",  "model.layers.*.self_attn",
+                              "*shared_expert*", "model.layers.11."};
+  // exact, and as a trailing run of components
+  EXPECT_TRUE(q.is_excluded("lm_head"));
+  EXPECT_TRUE(q.is_excluded("language_model.lm_head"));
+  EXPECT_FALSE(q.is_excluded("lm_head_extra"));
+  EXPECT_TRUE(q.is_excluded("model.layers.0.mlp.gate"));
+  EXPECT_FALSE(q.is_excluded("model.layers.0.mlp.gate_proj"));
+  EXPECT_FALSE(q.is_excluded("model.layers.0.xmlp.gate"));
+  // module prefix (an ancestor)
+  EXPECT_TRUE(q.is_excluded("model.layers.3"));
+  EXPECT_TRUE(q.is_excluded("model.layers.3.mlp.experts.7.up_proj"));
+  EXPECT_FALSE(q.is_excluded("model.layers.30.mlp.experts.7.up_proj"));
+  EXPECT_TRUE(q.is_excluded("model.layers.11.self_attn.o_proj"));  // trailing '.' ignored
+  EXPECT_FALSE(q.is_excluded("model.layers.110.mlp.down_proj"));
+  // wildcards, '*' crossing dots
+  EXPECT_TRUE(q.is_excluded("model.layers.17.self_attn.q_proj"));
+  EXPECT_TRUE(q.is_excluded("model.layers.17.mlp.shared_expert.down_proj"));
+  EXPECT_TRUE(q.is_excluded("model.layers.17.mlp.shared_expert_gate"));
+  EXPECT_FALSE(q.is_excluded("model.layers.17.mlp.experts.2.down_proj"));
+  EXPECT_FALSE(QuantConfig{}.is_excluded("lm_head"));
+  QuantConfig glob;
+  glob.modules_to_not_convert = {"model.layers.*.mlp.gate", "*.q_a_proj"};
+  EXPECT_TRUE(glob.is_excluded("model.layers.60.mlp.gate"));
+  EXPECT_FALSE(glob.is_excluded("model.layers.60.mlp.gate_proj"));
+  EXPECT_TRUE(glob.is_excluded("model.layers.2.self_attn.q_a_proj"));
+  EXPECT_FALSE(glob.is_excluded("model.layers.2.self_attn.q_a_proj_x"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// errors
+
+TEST(HfConfigErrors, MissingFieldNamesTheFieldAndTheFile) {
+  json j = parse(kQwen3_30B_A3B);
+  j.erase("hidden_size");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'hidden_size'"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"].erase("num_experts");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'text_config.num_experts'"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"].erase("linear_num_value_heads");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"'text_config.linear_num_value_heads'"});
+  j = parse(kDeepseekV3);
+  j.erase("kv_lora_rank");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'kv_lora_rank'"});
+  j = parse(kQwen3_30B_A3B);
+  j.erase("model_type");
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'model_type'"});
+  j = parse(kQwen3_30B_A3B);
+  j["vocab_size"] = nullptr;  // null counts as missing
+  expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'vocab_size'"});
+}
+
+TEST(HfConfigErrors, WrongTypes) {
+  auto with = [](const char* base, const char* key, const json& value) {
+    json j = parse(base);
+    j[key] = value;
+    return j;
+  };
+  expect_config_error(with(kQwen3_30B_A3B, "hidden_size", "2048"), ErrorCode::kInvalidFile,
+                      {"field 'hidden_size' must be an integer", "\"2048\""});
+  expect_config_error(with(kQwen3_30B_A3B, "hidden_size", 2048.5), ErrorCode::kInvalidFile,
+                      {"'hidden_size' must be an integer", "2048.5"});
+  expect_config_error(with(kQwen3_30B_A3B, "norm_topk_prob", 1), ErrorCode::kInvalidFile,
+                      {"'norm_topk_prob' must be true or false"});
+  expect_config_error(with(kQwen3_30B_A3B, "rms_norm_eps", "1e-6"), ErrorCode::kInvalidFile,
+                      {"'rms_norm_eps' must be a number"});
+  expect_config_error(with(kQwen3_30B_A3B, "mlp_only_layers", {1, "2"}), ErrorCode::kInvalidFile,
+                      {"'mlp_only_layers' must be a list of integers"});
+  expect_config_error(with(kQwen3_30B_A3B, "eos_token_id", "</s>"), ErrorCode::kInvalidFile,
+                      {"'eos_token_id' must be a list of integers"});
+  expect_config_error(with(kQwen3_30B_A3B, "model_type", 3), ErrorCode::kInvalidFile,
+                      {"'model_type' must be a string"});
+  expect_config_error(with(kQwen3_30B_A3B, "rope_scaling", "yarn"), ErrorCode::kInvalidFile,
+                      {"'rope_scaling' must be an object"});
+  expect_config_error(with(kQwen3_30B_A3B, "hidden_size", 18446744073709551615ull), ErrorCode::kInvalidFile,
+                      {"within int64"});
+  expect_config_error(with(kQwen35_35B_A3B, "text_config", {1, 2}), ErrorCode::kInvalidFile,
+                      {"'text_config' must be an object"});
+  json j = parse(kQwen3_30B_A3B);
+  j["num_local_experts"] = 64;  // alias disagreeing with num_experts
+  expect_config_error(j, ErrorCode::kInvalidFile,
+                      {"'num_experts' (128)", "'num_local_experts' (64)", "disagree"});
+  expect_config_error(json::array({1}), ErrorCode::kInvalidFile, {"expected a JSON object"});
+}
+
+TEST(HfConfigErrors, UnsupportedModelTypeAndFeatures) {
+  json j = parse(kQwen3_30B_A3B);
+  j["model_type"] = "llama";
+  expect_config_error(
+      j, ErrorCode::kUnsupported,
+      {"model_type \"llama\"", "qwen3_moe", "qwen3_5_moe", "deepseek_v3", "kimi_k2", "kimi_k25"});
+  j = parse(kQwen3_30B_A3B);
+  j["use_sliding_window"] = true;
+  expect_config_error(j, ErrorCode::kUnsupported, {"use_sliding_window"});
+  j = parse(kQwen3_30B_A3B);
+  j["attention_bias"] = true;
+  expect_config_error(j, ErrorCode::kUnsupported, {"attention_bias"});
+  j = parse(kQwen3_30B_A3B);
+  j["hidden_act"] = "gelu";
+  expect_config_error(j, ErrorCode::kUnsupported, {"hidden_act", "gelu"});
+  j = parse(kDeepseekV3);
+  j["scoring_func"] = "softmax";
+  expect_config_error(j, ErrorCode::kUnsupported, {"scoring_func", "softmax", "sigmoid"});
+  j = parse(kDeepseekV3);
+  j["topk_method"] = "group_limited_greedy";
+  expect_config_error(j, ErrorCode::kUnsupported, {"topk_method", "group_limited_greedy", "noaux_tc"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"]["attn_output_gate"] = false;
+  expect_config_error(j, ErrorCode::kUnsupported, {"text_config.attn_output_gate"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"]["model_type"] = "qwen3_next";
+  expect_config_error(j, ErrorCode::kUnsupported, {"text_config.model_type", "qwen3_next"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"]["layer_types"][5] = "sliding_attention";
+  expect_config_error(j, ErrorCode::kUnsupported, {"layer_types[5]", "sliding_attention"});
+}
+
+TEST(HfConfigErrors, UnsupportedRopeTypes) {
+  for (const char* type : {"dynamic", "longrope", "llama3", "linear"}) {
+    json j = parse(kQwen3_30B_A3B);
+    j["rope_scaling"] = {{"type", type}, {"factor", 2.0}};
+    expect_config_error(j, ErrorCode::kUnsupported, {"'rope_scaling.type'", type, "default, yarn"});
+    j.erase("rope_scaling");
+    j["rope_parameters"] = {{"rope_type", type}, {"rope_theta", 1e6}, {"factor", 2.0}};
+    expect_config_error(j, ErrorCode::kUnsupported, {"'rope_parameters.rope_type'", type});
+  }
+  json j = parse(kQwen3_30B_A3B);
+  j["rope_parameters"] = {{"full_attention", {{"rope_type", "default"}}}};
+  expect_config_error(j, ErrorCode::kUnsupported, {"rope_parameters.full_attention", "per-layer-type"});
+  j = parse(kQwen3_30B_A3B);
+  j["partial_rotary_factor"] = 1.5;
+  expect_config_error(j, ErrorCode::kInvalidFile, {"partial_rotary_factor must be in (0, 1]", "1.5"});
+  j["partial_rotary_factor"] = 0.3;  // 128 * 0.3 = 38.4 -> 38, even: fine
+  EXPECT_EQ(parse_config(j).rotary_dim(), 38);
+  j["partial_rotary_factor"] = 0.29;  // 37: odd
+  expect_config_error(j, ErrorCode::kInvalidFile, {"rotary width", "37", "even"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"]["rope_parameters"]["mrope_section"] = {11, 11, 11};
+  expect_config_error(j, ErrorCode::kInvalidFile, {"mrope_section sums to 33", "64"});
+}
+
+TEST(HfConfigErrors, RouterAndHeadConstraints) {
+  auto deepseek_with = [](std::initializer_list<std::pair<const char*, json>> changes) {
+    json j = parse(kDeepseekV3);
+    for (const auto& [key, value] : changes) j[key] = value;
+    return j;
+  };
+  expect_config_error(deepseek_with({{"n_group", 7}}), ErrorCode::kInvalidFile,
+                      {"n_routed_experts 256 is not divisible by n_group 7"});
+  expect_config_error(deepseek_with({{"n_group", 256}, {"topk_group", 8}}), ErrorCode::kInvalidFile,
+                      {"256 / n_group 256 = 1 experts per group", "at least 2"});
+  expect_config_error(deepseek_with({{"n_group", 64}, {"topk_group", 1}}), ErrorCode::kInvalidFile,
+                      {"topk_group 1 groups of 4 experts hold fewer than num_experts_per_tok 8"});
+  expect_config_error(deepseek_with({{"topk_group", 9}}), ErrorCode::kInvalidFile,
+                      {"topk_group 9", "n_group 8"});
+  expect_config_error(deepseek_with({{"n_routed_experts", 4}, {"n_group", 1}, {"topk_group", 1}}),
+                      ErrorCode::kInvalidFile, {"num_experts_per_tok 8 exceeds the number of experts 4"});
+  expect_config_error(deepseek_with({{"routed_scaling_factor", 0}}), ErrorCode::kInvalidFile,
+                      {"routed_scaling_factor must be positive"});
+  expect_config_error(deepseek_with({{"first_k_dense_replace", 62}}), ErrorCode::kInvalidFile,
+                      {"first_k_dense_replace 62"});
+  expect_config_error(deepseek_with({{"qk_rope_head_dim", 0}}), ErrorCode::kInvalidFile,
+                      {"qk_rope_head_dim must be positive, got 0"});
+  expect_config_error(deepseek_with({{"moe_layer_freq", 0}}), ErrorCode::kInvalidFile, {"moe_layer_freq"});
+  // Exactly at the limits is fine: 8 groups of 32, top-1 group holds 32 >= 8.
+  EXPECT_NO_THROW(parse_config(deepseek_with({{"topk_group", 1}})));
+
+  json j = parse(kQwen3_30B_A3B);
+  j["num_key_value_heads"] = 5;
+  expect_config_error(j, ErrorCode::kInvalidFile,
+                      {"num_attention_heads 32 is not divisible by num_key_value_heads 5"});
+  j = parse(kQwen3_30B_A3B);
+  j["num_experts_per_tok"] = 129;
+  expect_config_error(j, ErrorCode::kInvalidFile,
+                      {"num_experts_per_tok 129 exceeds the number of experts 128"});
+  j = parse(kQwen3_30B_A3B);
+  j["hidden_size"] = -2048;
+  expect_config_error(j, ErrorCode::kInvalidFile, {"hidden_size must be positive, got -2048"});
+  j = parse(kQwen3_30B_A3B);
+  j.erase("head_dim");
+  j["hidden_size"] = 2050;
+  expect_config_error(j, ErrorCode::kInvalidFile, {"'head_dim' is absent", "2050", "32"});
+  j = parse(kQwen3_30B_A3B);
+  j["mlp_only_layers"] = {48};
+  expect_config_error(j, ErrorCode::kInvalidFile, {"mlp_only_layers entry 48"});
+  j = parse(kQwen3_30B_A3B);
+  j["decoder_sparse_step"] = 0;
+  expect_config_error(j, ErrorCode::kInvalidFile, {"decoder_sparse_step must be >= 1, got 0"});
+  j = parse(kQwen3_30B_A3B);
+  j["eos_token_id"] = 151936;
+  expect_config_error(j, ErrorCode::kInvalidFile, {"eos_token_id 151936", "vocabulary"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"]["layer_types"].erase(0);
+  expect_config_error(j, ErrorCode::kInvalidFile, {"layer_types has 39 entries", "num_hidden_layers is 40"});
+  j = parse(kQwen35_35B_A3B);
+  j["text_config"]["linear_num_value_heads"] = 24;
+  expect_config_error(j, ErrorCode::kInvalidFile, {"linear_num_value_heads 24", "linear_num_key_heads 16"});
+}
+
+TEST(HfConfigErrors, FilesOnDisk) {
+  test::TempDir dir;
+  EXPECT_THAT(error_message([&] { load_model_config(dir.path()); }, ErrorCode::kNotFound),
+              AllOf(StartsWith((dir / "config.json").string()), HasSubstr("config.json")));
+  test::write_text_file(dir / "config.json",
+                        "{\n  \"model_type\": \"qwen3_moe\",\n  \"hidden_size\": 2048,,\n}");
+  EXPECT_THAT(
+      error_message([&] { load_model_config(dir.path()); }, ErrorCode::kInvalidFile),
+      AllOf(StartsWith((dir / "config.json").string()), HasSubstr("not valid JSON"), HasSubstr("line 3")));
+  // a missing field is reported against the file path
+  json j = parse(kQwen3_30B_A3B);
+  j.erase("num_hidden_layers");
+  test::write_text_file(dir / "config.json", j.dump(2));
+  EXPECT_THAT(error_message([&] { load_model_config(dir.path()); }, ErrorCode::kInvalidFile),
+              AllOf(StartsWith((dir / "config.json").string()), HasSubstr("'num_hidden_layers'")));
+  // the path of config.json itself is accepted too
+  test::write_text_file(dir / "config.json", kQwen3_30B_A3B);
+  EXPECT_EQ(load_model_config(dir / "config.json").hidden_size, 2048);
+  test::write_text_file(dir / "hf_quant_config.json", "{ not json");
+  EXPECT_THAT(error_message([&] { load_model_config(dir.path()); }, ErrorCode::kInvalidFile),
+              AllOf(StartsWith((dir / "hf_quant_config.json").string()), HasSubstr("line 1")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// serialization
+
+TEST(HfConfigToJson, WritesTransformersFieldNames) {
+  const json q3 = model_config_to_json(parse_config(parse(kQwen3_30B_A3B)));
+  EXPECT_EQ(q3["architectures"], json::array({"Qwen3MoeForCausalLM"}));
+  EXPECT_EQ(q3["model_type"], "qwen3_moe");
+  EXPECT_EQ(q3["dtype"], "bfloat16");
+  EXPECT_EQ(q3["rope_parameters"], json({{"rope_type", "default"}, {"rope_theta", 1e6}}));
+  EXPECT_FALSE(q3.contains("rope_scaling"));
+  EXPECT_EQ(q3["num_experts"], 128);
+  EXPECT_EQ(q3["eos_token_id"], 151645);
+
+  const json q35 = model_config_to_json(parse_config(parse(kQwen35_35B_A3B)));
+  EXPECT_EQ(q35["architectures"], json::array({"Qwen3_5MoeForConditionalGeneration"}));
+  EXPECT_EQ(q35["model_type"], "qwen3_5_moe");
+  EXPECT_EQ(q35["text_config"]["model_type"], "qwen3_5_moe_text");
+  EXPECT_EQ(q35["text_config"]["rope_parameters"]["partial_rotary_factor"], 0.25);
+  EXPECT_EQ(q35["text_config"]["rope_parameters"]["mrope_section"], json({11, 11, 10}));
+  EXPECT_FALSE(q35["text_config"].contains("tie_word_embeddings"));
+  EXPECT_EQ(q35["tie_word_embeddings"], false);
+
+  const json ds = model_config_to_json(parse_config(parse(kDeepseekV3)));
+  EXPECT_EQ(ds["architectures"], json::array({"DeepseekV3ForCausalLM"}));
+  EXPECT_EQ(ds["n_shared_experts"], 1);
+  EXPECT_EQ(ds["q_lora_rank"], 1536);
+  EXPECT_EQ(ds["rope_parameters"]["rope_type"], "yarn");
+  EXPECT_EQ(ds["rope_parameters"]["factor"], 40.0);
+  EXPECT_EQ(ds["quantization_config"]["weight_block_size"], json({128, 128}));
+
+  const json k25 = model_config_to_json(parse_config(parse(kKimiK25)));
+  EXPECT_EQ(k25["model_type"], "kimi_k25");
+  EXPECT_EQ(k25["text_config"]["model_type"], "kimi_k2");
+  EXPECT_EQ(k25["text_config"]["n_routed_experts"], 384);
+
+  ModelConfig odd = parse_config(parse(kDeepseekV3));
+  odd.shared_expert_intermediate_size = 3000;
+  EXPECT_THAT(error_message([&] { model_config_to_json(odd); }, ErrorCode::kInvalidArgument),
+              HasSubstr("n_shared_experts"));
+}
+
+TEST(HfConfigToJson, RoundTripThroughDiskForEveryFamily) {
+  test::TempDir dir;
+  for (const char* fixture : {kQwen3_30B_A3B, kQwen35_35B_A3B, kDeepseekV3, kKimiK2, kKimiK25}) {
+    const ModelConfig c = parse_config(parse(fixture));
+    SCOPED_TRACE(c.model_type);
+    test::write_text_file(dir / "config.json", model_config_to_json(c).dump(2));
+    const ModelConfig loaded = load_model_config(dir.path());
+    EXPECT_TRUE(loaded == c);
+    // a changed field is noticed (the comparison is not vacuous)
+    ModelConfig changed = c;
+    changed.rope.theta *= 2;
+    EXPECT_FALSE(parse_model_config(model_config_to_json(changed), "x") == c);
+  }
+  // NVFP4 through hf_quant_config.json
+  ModelConfig c = parse_config(parse(kQwen3_30B_A3B));
+  c.quant = parse_hf_quant_config(parse(kHfQuantConfig), "hf_quant_config.json");
+  ModelConfig without_quant = c;
+  without_quant.quant = QuantConfig{};
+  test::write_text_file(dir / "config.json", model_config_to_json(without_quant).dump(2));
+  test::write_text_file(dir / "hf_quant_config.json", hf_quant_config_to_json(c.quant).dump(2));
+  EXPECT_TRUE(load_model_config(dir.path()) == c);
+}
+
+}  // namespace
+}  // namespace moelora::io
