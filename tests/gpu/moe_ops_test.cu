@@ -337,7 +337,12 @@ TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
   ops::cuda::LoraSegmentsView view{seg_d.as<int4>(), nseg_d.as<int32_t>(), 8};  // capacity > count
   ops::cuda::LoraShrinkArgs sa{pool, view, x_d.as<__nv_bfloat16>(), g_d.as<int32_t>(), part.as<float>(), rows};
   ops::cuda::launch_lora_shrink(sa, nullptr);
-  ops::cuda::LoraExpandArgs ea{pool, view, part.as<float>(), rows, delta.as<__nv_bfloat16>()};
+  ops::cuda::LoraExpandArgs ea;
+  ea.pool = pool;
+  ea.seg = view;
+  ea.partial = part.as<float>();
+  ea.row_capacity = rows;
+  ea.delta = delta.as<__nv_bfloat16>();
   ops::cuda::launch_lora_expand(ea, nullptr);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
   Tensor got = cuda::to_host(delta, DType::kBF16, {rows, out}).to_f32();

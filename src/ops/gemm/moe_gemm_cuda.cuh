@@ -38,6 +38,36 @@ struct MoeGemmFp8Args {
 // expert (it loops over passes of 8 * token_subtiles tokens) but is fastest at <= 32.
 void launch_moe_gemm_fp8_decode(const MoeGemmFp8Args& args, int num_sms, cudaStream_t stream);
 
+// ---- prefill: CUTLASS sm90 grouped GEMM with blockwise scaling (moe_gemm_prefill_cuda.cu) ----
+
+// Caller-owned device memory of the prefill GEMM. Layout (each region 256-byte aligned, in this
+// order): CUTLASS's per-SM TMA descriptor slots (depends on num_sms only), then per-expert arrays
+// of E entries: problem shapes (M_e, N, K), pointers to A, B, D, A scales, B scales, strides of
+// A, B, D, scale layouts of A and B. Every launch rewrites the per-expert arrays on the device from
+// expert_offsets, so one workspace may serve any number of launches (GEMM1 and GEMM2 of every
+// layer) as long as they are ordered on one stream; launches in flight at the same time need
+// separate workspaces.
+struct MoeGemmPrefillWorkspace {
+  void* data = nullptr;  // device memory, 256-byte aligned
+  size_t bytes = 0;      // >= moe_gemm_prefill_workspace_bytes(num_experts, num_sms)
+  int num_sms = 0;       // SMs of the persistent grid (>= 2); the value given to the size function
+};
+
+// Bytes of workspace for up to `num_experts` groups on a grid of `num_sms` SMs. Independent of the
+// token count, N and K (the per-expert row counts live on the device only).
+size_t moe_gemm_prefill_workspace_bytes(int num_experts, int num_sms);
+
+// Grouped GEMM for many tokens per expert (prefill): one CUTLASS group per expert, M_e =
+// expert_offsets[e + 1] - expert_offsets[e] read on the device, so a captured CUDA graph stays
+// valid for any routing; experts with no rows do no work. Requirements beyond
+// check_moe_gemm_fp8_args: gather == nullptr (act row q is sorted position q), N % 128 == 0,
+// out 16-byte aligned, a sm_90 device. act_scale is used as it is ([P, K/128] row-major).
+// active_experts, num_active and max_tokens_per_expert are not used (max_active_experts only has
+// to pass the shared check).
+// Launches two kernels (a per-expert setup kernel, then the GEMM); never allocates or syncs.
+void launch_moe_gemm_fp8_prefill(const MoeGemmFp8Args& args, const MoeGemmPrefillWorkspace& ws,
+                                 cudaStream_t stream);
+
 // Argument checks shared by both paths; throws moelora::Error naming the bad field.
 void check_moe_gemm_fp8_args(const MoeGemmFp8Args& args);
 

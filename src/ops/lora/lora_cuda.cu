@@ -17,7 +17,7 @@ namespace {
 
 constexpr int kShrinkWarps = 8;
 constexpr int kExpandThreads = 256;
-constexpr int kExpandRows = 32;   // u rows staged per pass
+constexpr int kExpandRows = 32;   // u rows staged per pass = rows per chunk of a segment
 constexpr int kMaxRank = 256;
 
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
@@ -66,17 +66,21 @@ __global__ void __launch_bounds__(32 * kShrinkWarps) lora_shrink_kernel(const Lo
       a_reg[v] = col < K ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r0) * K + col)
                          : make_uint4(0, 0, 0, 0);
     }
-    for (int q = seg.z; q < seg.w; ++q) {
-      const int row = p.gather ? p.gather[q] : q;
-      const __nv_bfloat16* x = p.x + static_cast<size_t>(row) * K;
-      float s = 0.f;
+    // This CTA's rows: chunks of kExpandRows starting at chunk blockIdx.z, every gridDim.z-th.
+    for (int c0 = seg.z + blockIdx.z * kExpandRows; c0 < seg.w; c0 += gridDim.z * kExpandRows) {
+      const int c1 = min(seg.w, c0 + kExpandRows);
+      for (int q = c0; q < c1; ++q) {
+        const int row = p.gather ? p.gather[q] : q;
+        const __nv_bfloat16* x = p.x + static_cast<size_t>(row) * K;
+        float s = 0.f;
 #pragma unroll
-      for (int v = 0; v < kVec; ++v) {
-        const int col = k0 + (v * 32 + lane) * 8;
-        if (col < K) s += dot8(a_reg[v], *reinterpret_cast<const uint4*>(x + col));
+        for (int v = 0; v < kVec; ++v) {
+          const int col = k0 + (v * 32 + lane) * 8;
+          if (col < K) s += dot8(a_reg[v], *reinterpret_cast<const uint4*>(x + col));
+        }
+        s = warp_sum(s);
+        if (lane == 0) p.partial[(static_cast<size_t>(split) * p.row_capacity + q) * R + r0] = s;
       }
-      s = warp_sum(s);
-      if (lane == 0) p.partial[(static_cast<size_t>(split) * p.row_capacity + q) * R + r0] = s;
     }
   }
 }
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const LoraE
   for (int c = 0; c < kRankChunks; ++c)
     b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8) : make_uint4(0, 0, 0, 0);
 
-  for (int q0 = seg.z; q0 < seg.w; q0 += kExpandRows) {
+  for (int q0 = seg.z + blockIdx.z * kExpandRows; q0 < seg.w; q0 += gridDim.z * kExpandRows) {
     const int rows = min(kExpandRows, seg.w - q0);
     __syncthreads();  // previous pass finished reading u
     // u[i][r] = scaling * sum over splits of the partials (zero past the slot's rank)
@@ -110,8 +114,8 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const LoraE
       const int row = i / (8 * kRankChunks), r = i % (8 * kRankChunks);
       float s = 0.f;
       if (r < rank) {
-        for (int sp = 0; sp < splits; ++sp)
-          s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + q0 + row) * R + r];
+        const size_t u = p.u_row ? p.u_row[q0 + row] : q0 + row;
+        for (int sp = 0; sp < splits; ++sp) s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + u) * R + r];
       }
       u[row][r] = s * scaling;
     }
@@ -165,12 +169,12 @@ void launch_lora_shrink(const LoraShrinkArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(p.x && p.partial && p.seg.segments && p.seg.num_segments, ErrorCode::kInvalidArgument,
                 "lora shrink: x, partial and segments are required");
   if (p.seg.max_segments == 0) return;
-  dim3 grid(p.seg.max_segments, lora_shrink_splits(p.pool.in_features));
+  dim3 grid(p.seg.max_segments, lora_shrink_splits(p.pool.in_features), std::max(1, p.seg.row_chunks));
   switch (shrink_vec(p.pool.in_features)) {
-    case 1: lora_shrink_kernel<1><<<grid, 32 * kShrinkWarps, 0, stream>>>(p); break;
-    case 2: lora_shrink_kernel<2><<<grid, 32 * kShrinkWarps, 0, stream>>>(p); break;
-    case 3: lora_shrink_kernel<3><<<grid, 32 * kShrinkWarps, 0, stream>>>(p); break;
-    default: lora_shrink_kernel<4><<<grid, 32 * kShrinkWarps, 0, stream>>>(p); break;
+    case 1: lora_shrink_kernel<1><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
+    case 2: lora_shrink_kernel<2><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
+    case 3: lora_shrink_kernel<3><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
+    default: lora_shrink_kernel<4><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
   }
   MOELORA_CUDA_CHECK_LAUNCH();
 }
@@ -180,19 +184,20 @@ void launch_lora_expand(const LoraExpandArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(p.partial && p.delta && p.seg.segments && p.seg.num_segments, ErrorCode::kInvalidArgument,
                 "lora expand: partial, delta and segments are required");
   if (p.seg.max_segments == 0) return;
-  const int splits = lora_shrink_splits(p.pool.in_features);
-  dim3 grid(p.seg.max_segments, (p.pool.out_features + kExpandThreads - 1) / kExpandThreads);
+  const int splits = p.splits > 0 ? p.splits : lora_shrink_splits(p.pool.in_features);
+  dim3 grid(p.seg.max_segments, (p.pool.out_features + kExpandThreads - 1) / kExpandThreads,
+            std::max(1, p.seg.row_chunks));
   const int chunks = p.pool.max_rank / 8;
   if (chunks <= 2) {
-    lora_expand_kernel<2><<<grid, kExpandThreads, 0, stream>>>(p, splits);
+    lora_expand_kernel<2><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
   } else if (chunks <= 4) {
-    lora_expand_kernel<4><<<grid, kExpandThreads, 0, stream>>>(p, splits);
+    lora_expand_kernel<4><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
   } else if (chunks <= 8) {
-    lora_expand_kernel<8><<<grid, kExpandThreads, 0, stream>>>(p, splits);
+    lora_expand_kernel<8><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
   } else if (chunks <= 16) {
-    lora_expand_kernel<16><<<grid, kExpandThreads, 0, stream>>>(p, splits);
+    lora_expand_kernel<16><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
   } else {
-    lora_expand_kernel<32><<<grid, kExpandThreads, 0, stream>>>(p, splits);
+    lora_expand_kernel<32><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
   }
   MOELORA_CUDA_CHECK_LAUNCH();
 }

@@ -38,6 +38,10 @@ struct LoraSegmentsView {
   const int4* segments = nullptr;      // {slot, expert, begin, end}
   const int32_t* num_segments = nullptr;  // [1]
   int max_segments = 0;                // grid capacity
+  // CTAs per segment along the rows: CTA z handles rows begin + 32 z, begin + 32 (z + row_chunks),
+  // ... (any segment size is covered; more chunks = more parallelism for long segments, e.g. a
+  // prefill's single adapter over thousands of tokens).
+  int row_chunks = 1;
 };
 
 struct LoraShrinkArgs {
@@ -52,9 +56,11 @@ struct LoraShrinkArgs {
 struct LoraExpandArgs {
   LoraPoolTarget pool;
   LoraSegmentsView seg;
-  const float* partial = nullptr;    // from the shrink
-  int row_capacity = 0;
-  __nv_bfloat16* delta = nullptr;    // [row_capacity, out]
+  const float* partial = nullptr;    // [splits, row_capacity, R] from the shrink (or a GEMM)
+  int row_capacity = 0;              // rows of `partial`
+  int splits = 0;                    // 0 = lora_shrink_splits(in_features); 1 for a dense GEMM's u
+  const int32_t* u_row = nullptr;    // row of `partial` holding sorted row q's u; nullptr = q
+  __nv_bfloat16* delta = nullptr;    // [sorted rows, out]
 };
 
 // Number of K splits the shrink uses for `in` input features (the expand needs it too).

@@ -29,21 +29,30 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
   const int drow = p.delta_row ? p.delta_row[row] : row;
   const __nv_bfloat16* d = use_delta ? p.delta + static_cast<size_t>(drow) * 2 * I : nullptr;
   const int c0 = group * 128 + lane * 4;
-  float a[4];
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  if (c0 < I) {  // I is a multiple of 4 (checked): a lane's 4 columns are all valid or all padding
+    auto load4 = [](const __nv_bfloat16* ptr, float (&v)[4]) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(ptr);
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+    };
+    float g[4], u[4];
+    load4(h + c0, g);
+    load4(h + I + c0, u);
+    if (d) {
+      float dg[4], du[4];
+      load4(d + c0, dg);
+      load4(d + I + c0, du);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = c0 + i;
-    if (c < I) {
-      float g = __bfloat162float(h[c]), u = __bfloat162float(h[I + c]);
-      if (d) {
-        g += __bfloat162float(d[c]);
-        u += __bfloat162float(d[I + c]);
-      }
-      a[i] = silu(g) * u;
-      p.a16[static_cast<size_t>(row) * I + c] = __float2bfloat16(a[i]);
-    } else {
-      a[i] = 0.f;
+      for (int i = 0; i < 4; ++i) g[i] += dg[i], u[i] += du[i];
     }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = silu(g[i]) * u[i];
+    uint2 packed;
+    *reinterpret_cast<__nv_bfloat162*>(&packed.x) = __floats2bfloat162_rn(a[0], a[1]);
+    *reinterpret_cast<__nv_bfloat162*>(&packed.y) = __floats2bfloat162_rn(a[2], a[3]);
+    *reinterpret_cast<uint2*>(p.a16 + static_cast<size_t>(row) * I + c0) = packed;
   }
   if (p.aq) {
     uint32_t codes;
@@ -53,64 +62,90 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
   }
 }
 
-constexpr int kFinalizeThreads = 256;
+constexpr int kFinalizeThreads = 128;
+constexpr int kFinalizeCols = kFinalizeThreads * 8;  // 8 bf16 columns (16 bytes) per thread
 
+__device__ __forceinline__ void add_scaled8(float (&acc)[8], const uint4& v, float w) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+  }
+}
+
+// CTA = (token, 1024-column chunk). All loads of a thread's k expert rows are independent and
+// issued before use (restrict pointers let the compiler hoist them past the store).
 __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const MoeFinalizeArgs p) {
   __shared__ float reduce[kFinalizeThreads / 32];
-  __shared__ float gate_value;
   const int t = blockIdx.x;
   const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
   if (t >= valid) return;
   const int H = p.hidden, k = p.top_k;
+  const __nv_bfloat16* __restrict__ y = p.y;
+  const __nv_bfloat16* __restrict__ delta = p.delta;
   const bool lora = p.slot && p.slot[t] >= 0;
 
   float gate = 1.f;
-  if (p.shared && p.shared_gate) {
+  if (p.shared && p.shared_gate) {  // Qwen: sigmoid(x[t] . wsg), recomputed per column chunk (H MACs)
     float s = 0.f;
-    for (int c = threadIdx.x; c < H; c += kFinalizeThreads)
-      s += __bfloat162float(p.x[static_cast<size_t>(t) * H + c]) * __bfloat162float(p.shared_gate[c]);
+    for (int c = threadIdx.x * 8; c < H; c += kFinalizeThreads * 8) {
+      const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
+      const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
+      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
+      const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
+        s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
+      }
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
     __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.f;
-      for (int w = 0; w < kFinalizeThreads / 32; ++w) total += reduce[w];  // fixed order
-      gate_value = 1.f / (1.f + expf(-total));
-    }
-    __syncthreads();
-    gate = gate_value;
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFinalizeThreads / 32; ++w) total += reduce[w];  // fixed order
+    gate = 1.f / (1.f + expf(-total));
   }
 
-  const int shared_row = (p.shared_delta && lora) ? p.shared_delta_row[t] : -1;
-  for (int c = threadIdx.x; c < H; c += kFinalizeThreads) {
-    float acc = 0.f;
-    for (int j = 0; j < k; ++j) {
-      if (p.topk_ids[t * k + j] < 0) continue;
-      const size_t pos = static_cast<size_t>(p.pair_pos[t * k + j]);
-      float v = __bfloat162float(p.y[pos * H + c]);
-      if (lora && p.delta) v += __bfloat162float(p.delta[pos * H + c]);
-      acc = fmaf(p.topk_weights[t * k + j], v, acc);
-    }
-    if (p.shared) {
-      float s = __bfloat162float(p.shared[static_cast<size_t>(t) * H + c]);
-      if (shared_row >= 0) s += __bfloat162float(p.shared_delta[static_cast<size_t>(shared_row) * H + c]);
-      acc = fmaf(gate, s, acc);
-    }
-    p.out[static_cast<size_t>(t) * H + c] = __float2bfloat16(acc);
+  const int c = blockIdx.y * kFinalizeCols + threadIdx.x * 8;
+  if (c >= H) return;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < k; ++j) {
+    if (p.topk_ids[t * k + j] < 0) continue;
+    const size_t pos = static_cast<size_t>(p.pair_pos[t * k + j]);
+    const float w = p.topk_weights[t * k + j];
+    add_scaled8(acc, *reinterpret_cast<const uint4*>(y + pos * H + c), w);
+    if (lora && delta) add_scaled8(acc, *reinterpret_cast<const uint4*>(delta + pos * H + c), w);
   }
+  if (p.shared) {
+    add_scaled8(acc, *reinterpret_cast<const uint4*>(p.shared + static_cast<size_t>(t) * H + c), gate);
+    const int shared_row = (p.shared_delta && lora) ? p.shared_delta_row[t] : -1;
+    if (shared_row >= 0)
+      add_scaled8(acc, *reinterpret_cast<const uint4*>(p.shared_delta + static_cast<size_t>(shared_row) * H + c), gate);
+  }
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p.out + static_cast<size_t>(t) * H + c) = out;
 }
 
 }  // namespace
 
 void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(p.h && p.a16 && (!p.aq || p.sa), ErrorCode::kInvalidArgument, "moe activation: null pointer");
+  MOELORA_CHECK(p.inter % 4 == 0, ErrorCode::kInvalidArgument, "moe activation: I = ", p.inter,
+                " must be a multiple of 4 (8-byte vectors)");
   MOELORA_CHECK(p.inter > 0 && p.inter_padded % 128 == 0 && p.inter_padded >= p.inter && p.inter_padded - p.inter < 128,
                 ErrorCode::kInvalidArgument, "moe activation: inter_padded = ", p.inter_padded,
                 " must be I = ", p.inter, " rounded up to a multiple of 128");
   if (p.max_rows == 0) return;
   dim3 grid(p.max_rows, (p.inter_padded / 128 + kActWarps - 1) / kActWarps);
-  moe_activation_kernel<<<grid, 32 * kActWarps, 0, stream>>>(p);
+  moe_activation_kernel<<<grid, dim3(32 * kActWarps), 0, stream>>>(p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
@@ -120,8 +155,11 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(!p.shared_gate || p.x, ErrorCode::kInvalidArgument, "moe finalize: the shared gate needs x");
   MOELORA_CHECK(!p.shared_delta || (p.shared_delta_row && p.slot), ErrorCode::kInvalidArgument,
                 "moe finalize: shared_delta needs shared_delta_row and slot");
+  MOELORA_CHECK(p.hidden % 8 == 0, ErrorCode::kInvalidArgument, "moe finalize: H = ", p.hidden,
+                " must be a multiple of 8 (16-byte rows)");
   if (p.max_tokens == 0) return;
-  moe_finalize_kernel<<<p.max_tokens, kFinalizeThreads, 0, stream>>>(p);
+  dim3 grid(p.max_tokens, (p.hidden + kFinalizeCols - 1) / kFinalizeCols);
+  moe_finalize_kernel<<<grid, dim3(kFinalizeThreads), 0, stream>>>(p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

@@ -77,6 +77,7 @@ constexpr int kFillBlocks = 1024, kFillThreads = 256;
 struct PoolTarget {
   size_t a = 0, b = 0, scaling = 0, rank = 0, a_shared = 0, b_shared = 0;
   int ea = 1, eb = 1, in = 0, out = 0;
+  int max_rank = 0;  // the shared expert's fused gate/up target holds rank_gate + rank_up
   bool present = false;
 };
 
@@ -86,7 +87,8 @@ struct MoeLayerCuda::Impl {
   MoeLayerConfig c;
   cudaStream_t main = nullptr, side = nullptr;
   int Hp = 0, Ip = 0, P = 0, num_sms = 0;
-  ::moelora::cuda::CublasHandle cublas;
+  ::moelora::cuda::CublasHandle cublas, cublas_side;  // one per stream: each owns its workspace
+  std::vector<uint8_t> slot_shared_a;  // host copy: gate_up A of the slot is shared by all experts
   ::moelora::cuda::Event ev_route, ev_act, ev_shared_act, ev_lora1, ev_shared_lora1, ev_lora2;
 
   // weights (one arena) and workspace (another)
@@ -101,7 +103,8 @@ struct MoeLayerCuda::Impl {
   size_t logits = 0, ids = 0, tw = 0, offsets = 0, sorted_pair = 0, sorted_token = 0, pair_pos = 0, active = 0,
          num_active = 0, segments = 0, num_segments = 0, token_sorted = 0, token_pos = 0, token_segments = 0,
          num_token_segments = 0, xq = 0, sx = 0, h = 0, d1 = 0, a16 = 0, aq = 0, sa = 0, y = 0, d2 = 0, part1 = 0,
-         part2 = 0, sh = 0, sd1 = 0, sa16 = 0, sout = 0, sd2 = 0, spart1 = 0, spart2 = 0;
+         part2 = 0, sh = 0, sd1 = 0, sa16 = 0, sout = 0, sd2 = 0, spart1 = 0, spart2 = 0, prefill_ws = 0;
+  size_t prefill_ws_bytes = 0;
   int max_segments = 0;
 
   Impl(const MoeLayerConfig& config, cudaStream_t m, cudaStream_t s)
@@ -124,14 +127,15 @@ struct MoeLayerCuda::Impl {
     v.num_slots = c.num_slots;
     v.ea = t.ea;
     v.eb = t.eb;
-    v.max_rank = c.max_rank;
+    v.max_rank = t.max_rank;
     v.in_features = t.in;
     v.out_features = t.out;
     return v;
   }
 
-  void plan_pool_target(PoolTarget& t, int ea, int eb, int in, int out) {
-    const size_t S = c.num_slots, R = c.max_rank;
+  void plan_pool_target(PoolTarget& t, int ea, int eb, int in, int out, int max_rank) {
+    const size_t S = c.num_slots, R = max_rank;
+    t.max_rank = max_rank;
     t.ea = ea;
     t.eb = eb;
     t.in = in;
@@ -147,15 +151,15 @@ struct MoeLayerCuda::Impl {
 
   // Writes one adapter factor pair into slot `slot` of target t (rank tail zero).
   void write_pool(const PoolTarget& t, int slot, const LoraFactors* f, const char* what) {
-    const size_t R = c.max_rank;
+    const size_t R = t.max_rank;
     const int32_t zero_rank = 0;
     if (!f || !f->defined()) {
       MOELORA_CUDA_CHECK(cudaMemcpy(pool.at<int32_t>(t.rank) + slot, &zero_rank, 4, cudaMemcpyHostToDevice));
       return;
     }
     const int64_t ea = f->a.dim(0), eb = f->b.dim(0), r = f->rank();
-    MOELORA_CHECK(r <= c.max_rank, ErrorCode::kUnsupported, what, ": adapter rank ", r,
-                  " exceeds the pool's maximum rank ", c.max_rank);
+    MOELORA_CHECK(r <= t.max_rank, ErrorCode::kUnsupported, what, ": adapter rank ", r,
+                  " exceeds the pool's maximum rank ", t.max_rank);
     MOELORA_CHECK(f->a.dim(2) == t.in && f->b.dim(1) == t.out && f->b.dim(2) == r, ErrorCode::kInvalidArgument, what,
                   ": LoRA factors A ", shape_str(f->a.shape()), " / B ", shape_str(f->b.shape()),
                   " do not fit in = ", t.in, ", out = ", t.out);
@@ -272,13 +276,14 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
 
   // ---- adapter pool ----
   if (c.num_slots > 0) {
-    m.plan_pool_target(m.gate_up, c.per_expert_pool ? E : 1, E, H, 2 * I);
-    m.plan_pool_target(m.down, E, c.per_expert_pool ? E : 1, I, H);
+    m.plan_pool_target(m.gate_up, c.per_expert_pool ? E : 1, E, H, 2 * I, c.max_rank);
+    m.plan_pool_target(m.down, E, c.per_expert_pool ? E : 1, I, H, c.max_rank);
     if (m.has_shared) {
-      m.plan_pool_target(m.shared_gate_up, 1, 1, H, 2 * c.shared_inter);
-      m.plan_pool_target(m.shared_down, 1, 1, c.shared_inter, H);
+      m.plan_pool_target(m.shared_gate_up, 1, 1, H, 2 * c.shared_inter, 2 * c.max_rank);
+      m.plan_pool_target(m.shared_down, 1, 1, c.shared_inter, H, c.max_rank);
     }
     m.pool.allocate();
+    m.slot_shared_a.assign(c.num_slots, 0);
     for (int s = 0; s < c.num_slots; ++s) clear_adapter(s);
   }
 
@@ -307,6 +312,8 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   m.aq = m.ws.reserve(P * m.Ip);
   m.sa = m.ws.reserve(P * (m.Ip / 128) * 4);
   m.y = m.ws.reserve(P * H * 2);
+  m.prefill_ws_bytes = moe_gemm_prefill_workspace_bytes(E, m.num_sms);
+  m.prefill_ws = m.ws.reserve(m.prefill_ws_bytes);
   if (S > 0) {
     m.d1 = m.ws.reserve(P * 2 * I * 2);
     m.d2 = m.ws.reserve(P * H * 2);
@@ -321,7 +328,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     if (S > 0) {
       m.sd1 = m.ws.reserve(T * 2 * Is * 2);
       m.sd2 = m.ws.reserve(T * H * 2);
-      m.spart1 = m.ws.reserve(lora_partial_bytes(H, static_cast<int>(T), static_cast<int>(R)));
+      m.spart1 = m.ws.reserve(lora_partial_bytes(H, static_cast<int>(T), static_cast<int>(2 * R)));
       m.spart2 = m.ws.reserve(lora_partial_bytes(static_cast<int>(Is), static_cast<int>(T), static_cast<int>(R)));
     }
   }
@@ -335,6 +342,7 @@ void MoeLayerCuda::set_adapter(int slot, const MoeLayerAdapter& a) {
   MOELORA_CHECK(slot >= 0 && slot < config_.num_slots, ErrorCode::kOutOfRange, "MoeLayerCuda: slot ", slot,
                 " outside [0, ", config_.num_slots, ")");
   m.write_pool(m.gate_up, slot, a.gate_up, "experts gate_up LoRA");
+  m.slot_shared_a[slot] = a.gate_up && a.gate_up->defined() && a.gate_up->a.dim(0) == 1 && m.gate_up.ea > 1;
   m.write_pool(m.down, slot, a.down, "experts down LoRA");
   if (m.has_shared) {
     // The shared expert's gate and up LoRAs are fused into one gate_up target: A = [A_gate; A_up]
@@ -406,9 +414,9 @@ void MoeLayerCuda::randomize_adapter(int slot, int rank, bool shared_outer, uint
   MOELORA_CHECK(slot >= 0 && slot < c.num_slots && rank > 0 && rank <= c.max_rank, ErrorCode::kInvalidArgument,
                 "randomize_adapter: slot ", slot, " / rank ", rank, " outside the pool (", c.num_slots, " slots, rank <= ",
                 c.max_rank, ")");
-  const size_t R = c.max_rank;
   auto fill = [&](const PoolTarget& t, bool a_shared, bool b_shared, uint64_t s) {
     if (!t.present) return;
+    const size_t R = t.max_rank;
     const size_t a_experts = a_shared ? 1 : t.ea, b_experts = b_shared ? 1 : t.eb;
     // A [ea, R, in]: rows r >= rank zero; B [eb, out, R]: columns r >= rank zero
     fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.pool.at<__nv_bfloat16>(t.a) + static_cast<size_t>(slot) * t.ea * R * t.in,
@@ -424,6 +432,7 @@ void MoeLayerCuda::randomize_adapter(int slot, int rank, bool shared_outer, uint
     MOELORA_CUDA_CHECK(cudaMemcpy(m.pool.at<uint8_t>(t.b_shared) + slot, &bs, 1, cudaMemcpyHostToDevice));
   };
   fill(m.gate_up, shared_outer, false, seed + 11);
+  m.slot_shared_a[slot] = shared_outer && m.gate_up.ea > 1;
   fill(m.down, false, shared_outer, seed + 13);
   fill(m.shared_gate_up, false, false, seed + 15);
   fill(m.shared_down, false, false, seed + 17);
@@ -486,53 +495,88 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (lora) m.ev_route.record(m.main);
 
   // side stream, seam 1 (and the shared expert's gate/up LoRA)
-  LoraSegmentsView pair_segments{m.x<int4>(m.segments), m.x<int32_t>(m.num_segments), aa.max_lora_segments};
+  // Row chunks per segment: a (slot, expert) segment holds about the busiest expert's tokens; a
+  // token segment may hold every token (one adapter over a whole prefill).
+  const int expected_expert_rows = std::min(T, 2 * ((T * k + E - 1) / E) + 6);
+  LoraSegmentsView pair_segments{m.x<int4>(m.segments), m.x<int32_t>(m.num_segments), aa.max_lora_segments,
+                                 (expected_expert_rows + 31) / 32};
   LoraSegmentsView token_segments{m.x<int4>(m.token_segments), m.x<int32_t>(m.num_token_segments),
-                                  std::min(T, c.num_slots)};
+                                  std::min(T, c.num_slots), (T + 31) / 32};
   if (lora) {
+    MOELORA_CHECK(f.single_slot >= -1 && f.single_slot < c.num_slots, ErrorCode::kOutOfRange,
+                  "MoeLayerCuda::forward: single_slot ", f.single_slot, " outside [-1, ", c.num_slots, ")");
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_route.get(), 0));
-    LoraShrinkArgs s1;
-    s1.pool = m.view(m.gate_up);
-    s1.seg = pair_segments;
-    s1.x = f.x;
-    s1.gather = m.x<int32_t>(m.sorted_token);
-    s1.partial = m.x<float>(m.part1);
-    s1.row_capacity = m.P;
-    launch_lora_shrink(s1, m.side);
+    auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side.get());
+    const int single = f.single_slot;
+    float* u1 = m.x<float>(m.part1);
     LoraExpandArgs e1;
-    e1.pool = s1.pool;
+    e1.pool = m.view(m.gate_up);
     e1.seg = pair_segments;
-    e1.partial = s1.partial;
-    e1.row_capacity = m.P;
+    e1.partial = u1;
     e1.delta = m.x<__nv_bfloat16>(m.d1);
+    if (single >= 0 && m.slot_shared_a[single]) {
+      // One adapter whose gate_up A is shared by the experts: u = x A^T depends on the token
+      // only, so one dense GEMM over all T tokens replaces the per-pair shrink (k times fewer
+      // rows); base tokens' rows are computed but never expanded.
+      const __nv_bfloat16* a_slot = m.pool.at<__nv_bfloat16>(m.gate_up.a) +
+                                    static_cast<size_t>(single) * m.gate_up.ea * m.gate_up.max_rank * H;
+      gemm_bf16_nt(cublas_side, m.side, f.x, a_slot, u1, CUDA_R_32F, T, m.gate_up.max_rank, H);
+      e1.row_capacity = c.max_tokens;
+      e1.splits = 1;
+      e1.u_row = m.x<int32_t>(m.sorted_token);
+    } else {
+      LoraShrinkArgs s1;
+      s1.pool = e1.pool;
+      s1.seg = pair_segments;
+      s1.x = f.x;
+      s1.gather = m.x<int32_t>(m.sorted_token);
+      s1.partial = u1;
+      s1.row_capacity = m.P;
+      launch_lora_shrink(s1, m.side);
+      e1.row_capacity = m.P;
+    }
     launch_lora_expand(e1, m.side);
     m.ev_lora1.record(m.side);
     if (shared) {
-      LoraShrinkArgs ss;
-      ss.pool = m.view(m.shared_gate_up);
-      ss.seg = token_segments;
-      ss.x = f.x;
-      ss.gather = m.x<int32_t>(m.token_sorted);
-      ss.partial = m.x<float>(m.spart1);
-      ss.row_capacity = c.max_tokens;
-      launch_lora_shrink(ss, m.side);
+      float* us = m.x<float>(m.spart1);
       LoraExpandArgs es;
-      es.pool = ss.pool;
+      es.pool = m.view(m.shared_gate_up);
       es.seg = token_segments;
-      es.partial = ss.partial;
-      es.row_capacity = c.max_tokens;
+      es.partial = us;
       es.delta = m.x<__nv_bfloat16>(m.sd1);
+      if (single >= 0) {  // the shared expert's A is a plain [R, H] matrix: one dense GEMM
+        const __nv_bfloat16* a_slot = m.pool.at<__nv_bfloat16>(m.shared_gate_up.a) +
+                                      static_cast<size_t>(single) * m.shared_gate_up.max_rank * H;
+        gemm_bf16_nt(cublas_side, m.side, f.x, a_slot, us, CUDA_R_32F, T, m.shared_gate_up.max_rank, H);
+        es.row_capacity = c.max_tokens;
+        es.splits = 1;
+        es.u_row = m.x<int32_t>(m.token_sorted);
+      } else {
+        LoraShrinkArgs ss;
+        ss.pool = es.pool;
+        ss.seg = token_segments;
+        ss.x = f.x;
+        ss.gather = m.x<int32_t>(m.token_sorted);
+        ss.partial = us;
+        ss.row_capacity = c.max_tokens;
+        launch_lora_shrink(ss, m.side);
+        es.row_capacity = c.max_tokens;
+      }
       launch_lora_expand(es, m.side);
       m.ev_shared_lora1.record(m.side);
     }
   }
 
-  // 3. quant + GEMM1
+  // 3. quant + GEMM1. Decode: few tokens per expert, the swap-AB kernel gathers per-token FP8
+  // rows. Prefill: the CUTLASS grouped GEMM needs each expert's rows contiguous, so the quant
+  // kernel permutes into sorted order.
+  const bool decode = gemm_path_ == GemmPath::kDecode ||
+                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
   QuantFp8DeviceArgs qa;
   qa.x = f.x;
-  qa.gather = nullptr;  // per token; the decode GEMM gathers rows through sorted_token
-  qa.num_rows = f.num_tokens;
-  qa.max_rows = T;
+  qa.gather = decode ? nullptr : m.x<int32_t>(m.sorted_token);
+  qa.num_rows = decode ? f.num_tokens : num_pairs;
+  qa.max_rows = decode ? T : P;
   qa.cols = H;
   qa.cols_padded = m.Hp;
   qa.q = m.x<uint8_t>(m.xq);
@@ -543,7 +587,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   MoeGemmFp8Args g1;
   g1.act = m.x<uint8_t>(m.xq);
   g1.act_scale = m.x<float>(m.sx);
-  g1.gather = m.x<int32_t>(m.sorted_token);
+  g1.gather = decode ? m.x<int32_t>(m.sorted_token) : nullptr;
   g1.weight = m.w<uint8_t>(m.w13);
   g1.weight_scale = m.w<float>(m.w13s);
   g1.expert_offsets = offsets;
@@ -554,8 +598,18 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   g1.n = 2 * I;
   g1.k = m.Hp;
   g1.max_active_experts = max_active;
-  g1.max_tokens_per_expert = T;
-  launch_moe_gemm_fp8_decode(g1, m.num_sms, m.main);
+  // Expected busiest expert under near-uniform routing; the kernel loops over more tokens
+  // when an expert gets more, so this only picks the fastest instance.
+  g1.max_tokens_per_expert = std::min(T, 2 * ((T * k + E - 1) / E) + 6);
+  MoeGemmPrefillWorkspace pws{m.x<void>(m.prefill_ws), m.prefill_ws_bytes, m.num_sms};
+  auto run_gemm = [&](const MoeGemmFp8Args& g) {
+    if (decode) {
+      launch_moe_gemm_fp8_decode(g, m.num_sms, m.main);
+    } else {
+      launch_moe_gemm_fp8_prefill(g, pws, m.main);
+    }
+  };
+  run_gemm(g1);
 
   // 4. activation (+ seam-1 delta)
   if (lora) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora1.get(), 0));
@@ -602,7 +656,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   g2.out = m.x<__nv_bfloat16>(m.y);
   g2.n = H;
   g2.k = m.Ip;
-  launch_moe_gemm_fp8_decode(g2, m.num_sms, m.main);
+  run_gemm(g2);
 
   // 6. shared expert (bf16), its LoRA deltas from the side stream
   if (shared) {
@@ -683,6 +737,28 @@ uint64_t MoeLayerCuda::shared_bytes() const {
   return impl_->has_shared ? 3ull * config_.hidden * config_.shared_inter * 2 : 0;
 }
 size_t MoeLayerCuda::workspace_bytes() const { return impl_->ws.size(); }
+MoeLayerCuda::DeviceView MoeLayerCuda::device_view() const {
+  const Impl& m = *impl_;
+  DeviceView v{};
+  v.w13 = m.w<uint8_t>(m.w13);
+  v.w13_scale = m.w<float>(m.w13s);
+  v.w2 = m.w<uint8_t>(m.w2);
+  v.w2_scale = m.w<float>(m.w2s);
+  v.router = m.w<__nv_bfloat16>(m.router);
+  v.shared_w13 = m.has_shared ? m.w<__nv_bfloat16>(m.sw13) : nullptr;
+  v.shared_w2 = m.has_shared ? m.w<__nv_bfloat16>(m.sw2) : nullptr;
+  if (config_.num_slots > 0) {
+    v.lora_a13 = m.pool.at<__nv_bfloat16>(m.gate_up.a);
+    v.lora_b13 = m.pool.at<__nv_bfloat16>(m.gate_up.b);
+    v.lora_a2 = m.pool.at<__nv_bfloat16>(m.down.a);
+    v.lora_b2 = m.pool.at<__nv_bfloat16>(m.down.b);
+    v.lora_a13_experts = m.gate_up.ea;
+    v.lora_b2_experts = m.down.eb;
+    v.max_rank = config_.max_rank;
+  }
+  v.hidden_padded = m.Hp;
+  return v;
+}
 const int32_t* MoeLayerCuda::topk_ids() const { return impl_->x<int32_t>(impl_->ids); }
 const float* MoeLayerCuda::topk_weights() const { return impl_->x<float>(impl_->tw); }
 

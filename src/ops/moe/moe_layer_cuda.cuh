@@ -67,6 +67,11 @@ struct MoeForwardArgs {
   const float* router_logits = nullptr; // [T, E]: skip the router GEMM (routed-experts-only runs)
   int tokens = 0;                     // T of this call (<= max_tokens); fixed per captured graph
   bool lora = true;                   // false: the no-LoRA pipeline (no side-stream work at all)
+  // The batch's adapter slots as the scheduler knows them on the host: >= 0 when every token
+  // with an adapter uses this one slot (the single-adapter path: dense cuBLAS shrinks over all
+  // tokens where the factor is shared by the experts), -1 (default) for any other mix. Never
+  // inferred from slot 0.
+  int single_slot = -1;
   bool shared = true;                 // false: skip the shared expert
   __nv_bfloat16* out = nullptr;       // [T, H]
 };
@@ -103,6 +108,23 @@ class MoeLayerCuda {
   uint64_t router_bytes() const;
   uint64_t shared_bytes() const;
   size_t workspace_bytes() const;
+
+  // Read-only views of the device weights and pool (benchmark baselines and tests).
+  struct DeviceView {
+    const uint8_t* w13;        // e4m3 [E, 2I, Hp]
+    const float* w13_scale;    // [E, 2I/128, Hp/128]
+    const uint8_t* w2;         // e4m3 [E, H, I]
+    const float* w2_scale;     // [E, ceil(H/128), I/128]
+    const __nv_bfloat16* router;  // [E, H]
+    const __nv_bfloat16* shared_w13;  // [2Is, H] or nullptr
+    const __nv_bfloat16* shared_w2;   // [H, Is] or nullptr
+    const __nv_bfloat16* lora_a13;    // pool [S, Ea, R, H]
+    const __nv_bfloat16* lora_b13;    // pool [S, E, 2I, R]
+    const __nv_bfloat16* lora_a2;     // pool [S, E, R, I]
+    const __nv_bfloat16* lora_b2;     // pool [S, Eb, H, R]
+    int hidden_padded, lora_a13_experts, lora_b2_experts, max_rank;
+  };
+  DeviceView device_view() const;
 
   // Device buffers exposed for tests (valid after forward): routing and sorted order.
   const int32_t* topk_ids() const;

@@ -198,7 +198,7 @@ void launch_moe_align(const MoeAlignDeviceArgs& a, cudaStream_t stream) {
       configured_bytes = 200 * 1024;
     }
   }
-  moe_align_kernel<<<1, kThreads, smem, stream>>>(a);
+  moe_align_kernel<<<dim3(1), dim3(kThreads), smem, stream>>>(a);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

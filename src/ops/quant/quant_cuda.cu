@@ -38,7 +38,7 @@ void launch_quantize_fp8_rows(const QuantFp8DeviceArgs& a, cudaStream_t stream) 
                 " must be cols = ", a.cols, " rounded up to a multiple of 128");
   if (a.max_rows == 0) return;
   dim3 grid(a.max_rows, (a.cols_padded / 128 + kWarps - 1) / kWarps);
-  quantize_fp8_rows_kernel<<<grid, 32 * kWarps, 0, stream>>>(a);
+  quantize_fp8_rows_kernel<<<grid, dim3(32 * kWarps), 0, stream>>>(a);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

@@ -13,7 +13,6 @@ namespace {
 
 constexpr int kWarpsPerCta = 4;
 constexpr int kMaxExperts = 1024;
-constexpr int kMaxPerLane = kMaxExperts / 32;
 
 struct ArgMax {
   float value;
@@ -56,6 +55,8 @@ struct KernelParams {
   float routed_scaling_factor;
 };
 
+// kMaxPerLane experts per lane (E <= 32 * kMaxPerLane): the unrolled loops only cover what E needs.
+template <int kMaxPerLane>
 __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelParams p) {
   __shared__ float biased[kWarpsPerCta][kMaxExperts];
   __shared__ unsigned char group_kept[kWarpsPerCta][32];
@@ -213,7 +214,17 @@ void launch_route(const RouteParams& params, const RouteDeviceArgs& args, cudaSt
   p.noaux_tc = params.kind == RouterKind::kSigmoidNoauxTc;
   p.routed_scaling_factor = params.routed_scaling_factor;
   const int blocks = (args.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta;
-  route_kernel<<<blocks, 32 * kWarpsPerCta, 0, stream>>>(p);
+  if (p.E <= 64) {
+    route_kernel<2><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
+  } else if (p.E <= 128) {
+    route_kernel<4><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
+  } else if (p.E <= 256) {
+    route_kernel<8><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
+  } else if (p.E <= 512) {
+    route_kernel<16><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
+  } else {
+    route_kernel<32><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
+  }
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
