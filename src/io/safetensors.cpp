@@ -25,6 +25,7 @@
 #include <limits>
 #include <numeric>
 #include <set>
+#include <unordered_set>
 #include <sstream>
 #include <string_view>
 
@@ -52,33 +53,47 @@ std::string errno_text(int err) {
 // Parses JSON text; syntax errors become kInvalidFile naming `file` (nlohmann's message carries
 // line and column). Duplicate object keys are an error too: nlohmann would silently keep the
 // last one, and a duplicated tensor name would then leave an unexplained hole in the data.
-json parse_json_strict(std::string_view text, const std::string& file, const std::string& what) {
-  std::vector<std::set<std::string>> keys_per_object;  // one set per open object
+// SAX pass that only looks for a key repeated inside one object (nlohmann keeps the last one
+// silently). A separate cheap pass: the DOM parser's callback mode is quadratic-ish on large
+// headers (minutes for the 5 MB header of a 37k-tensor adapter), this is linear.
+struct DuplicateKeyFinder : nlohmann::json_sax<json> {
+  std::vector<std::unordered_set<std::string>> keys_per_object;
   std::string duplicate;
-  auto callback = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start: keys_per_object.emplace_back(); break;
-      case json::parse_event_t::object_end:
-        if (!keys_per_object.empty()) keys_per_object.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!keys_per_object.empty() && !keys_per_object.back().insert(parsed.get<std::string>()).second &&
-            duplicate.empty()) {
-          duplicate = parsed.get<std::string>();
-        }
-        break;
-      default: break;
-    }
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    keys_per_object.emplace_back();
     return true;
-  };
+  }
+  bool key(string_t& k) override {
+    if (!keys_per_object.back().insert(k).second && duplicate.empty()) duplicate = k;
+    return true;
+  }
+  bool end_object() override {
+    keys_per_object.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+};
+
+json parse_json_strict(std::string_view text, const std::string& file, const std::string& what) {
   json root;
   try {
-    root = json::parse(text.begin(), text.end(), callback);
+    root = json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
     MOELORA_THROW(ErrorCode::kInvalidFile, file, ": ", what, " is not valid JSON: ", e.what());
   }
-  MOELORA_CHECK(duplicate.empty(), ErrorCode::kInvalidFile, file, ": ", what, " has the key \"", duplicate,
-                "\" twice");
+  DuplicateKeyFinder finder;
+  json::sax_parse(text.begin(), text.end(), &finder);
+  MOELORA_CHECK(finder.duplicate.empty(), ErrorCode::kInvalidFile, file, ": ", what, " has the key \"",
+                finder.duplicate, "\" twice");
   return root;
 }
 
