@@ -1,0 +1,155 @@
+// `moelora logits`: runs token ids through the CPU model (optionally with LoRA adapters) and
+// writes the logits of every position to a safetensors file, for comparisons with other
+// implementations (transformers, the GPU engine).
+//
+//   moelora logits --model DIR [--adapter NAME=DIR ...] [--use NAME] --tokens 1,2,3 --out FILE
+//       -> FILE holds `logits` F32 [num_tokens, vocab]
+//   moelora logits --model DIR --adapter a=DIR_A --batch batch.json --out FILE
+//       batch.json: [{"tokens": [1, 2, 3], "adapter": "a"}, {"tokens": [4, 5], "adapter": null}]
+//       -> all sequences run in ONE forward pass (a mixed-adapter batch); FILE holds `logits.0`,
+//          `logits.1`, ... F32 [num_tokens_i, vocab], in batch order
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "model/model_setup.h"
+
+namespace {
+
+using moelora::ErrorCode;
+namespace mm = moelora::model;
+
+struct LogitsArgs {
+  std::string model_dir;
+  std::vector<std::string> adapters;
+  std::string use;
+  std::string tokens;
+  std::string batch_file;
+  std::string out;
+  int64_t max_layers = 0;
+};
+
+struct BatchEntry {
+  std::vector<int32_t> tokens;
+  std::string adapter;  // "" = base
+};
+
+std::vector<BatchEntry> read_batch(const std::string& path) {
+  std::ifstream in(path);
+  MOELORA_CHECK(in.good(), ErrorCode::kNotFound, path, ": cannot open the batch file");
+  nlohmann::json doc;
+  try {
+    in >> doc;
+  } catch (const nlohmann::json::exception& e) {
+    MOELORA_THROW(ErrorCode::kInvalidArgument, path, ": not valid JSON (", e.what(), ")");
+  }
+  MOELORA_CHECK(doc.is_array() && !doc.empty(), ErrorCode::kInvalidArgument, path,
+                ": expected a non-empty JSON list of {\"tokens\": [...], \"adapter\": NAME or null}");
+  std::vector<BatchEntry> out;
+  for (size_t i = 0; i < doc.size(); ++i) {
+    const nlohmann::json& e = doc[i];
+    const std::string where = path + ": entry " + std::to_string(i);
+    MOELORA_CHECK(e.is_object(), ErrorCode::kInvalidArgument, where, " is not an object");
+    for (const auto& [key, value] : e.items()) {
+      MOELORA_CHECK(key == "tokens" || key == "adapter", ErrorCode::kInvalidArgument, where,
+                    ": unknown key '", key, "' (expected \"tokens\" and \"adapter\")");
+    }
+    MOELORA_CHECK(e.contains("tokens") && e["tokens"].is_array() && !e["tokens"].empty(),
+                  ErrorCode::kInvalidArgument, where, ": \"tokens\" must be a non-empty list of token ids");
+    BatchEntry entry;
+    for (const nlohmann::json& t : e["tokens"]) {
+      MOELORA_CHECK(t.is_number_integer() && t.get<int64_t>() >= INT32_MIN && t.get<int64_t>() <= INT32_MAX,
+                    ErrorCode::kInvalidArgument, where, ": token ", t.dump(), " is not an integer");
+      entry.tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    }
+    if (e.contains("adapter") && !e["adapter"].is_null()) {
+      MOELORA_CHECK(e["adapter"].is_string(), ErrorCode::kInvalidArgument, where,
+                    ": \"adapter\" must be a name or null, got ", e["adapter"].dump());
+      entry.adapter = e["adapter"].get<std::string>();
+    }
+    out.push_back(std::move(entry));
+  }
+  return out;
+}
+
+int run_logits(const LogitsArgs& args) {
+  MOELORA_CHECK(args.tokens.empty() != args.batch_file.empty(), ErrorCode::kInvalidArgument,
+                "give exactly one of --tokens and --batch");
+  MOELORA_CHECK(args.batch_file.empty() || args.use.empty(), ErrorCode::kInvalidArgument,
+                "--use applies to --tokens; with --batch each entry names its \"adapter\"");
+  std::vector<mm::AdapterSpec> specs;
+  for (const std::string& s : args.adapters) specs.push_back(mm::parse_adapter_spec(s));
+
+  std::vector<BatchEntry> entries;
+  if (!args.batch_file.empty()) {
+    entries = read_batch(args.batch_file);
+  } else {
+    entries.push_back({moelora::cli::parse_int_list(args.tokens, "--tokens"), args.use});
+  }
+  // Adapter names are checked before the (slow) model load.
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].adapter.empty()) continue;
+    bool known = false;
+    for (const auto& s : specs) known = known || s.name == entries[i].adapter;
+    std::string names;
+    for (const auto& s : specs) names += (names.empty() ? "" : ", ") + s.name;
+    MOELORA_CHECK(known, ErrorCode::kNotFound, "unknown adapter '", entries[i].adapter, "'",
+                  entries.size() > 1 ? " in batch entry " + std::to_string(i) : std::string(), "; ",
+                  names.empty() ? std::string("no --adapter NAME=DIR was given") : "given: " + names);
+  }
+
+  mm::ModelOptions options;
+  options.max_layers = args.max_layers;
+  mm::Model model = mm::load_model(args.model_dir, specs, options);
+
+  std::vector<mm::Sequence> sequences;
+  for (const BatchEntry& e : entries) sequences.push_back(model.new_sequence(e.adapter));
+  std::vector<mm::SequenceInput> inputs;
+  for (size_t i = 0; i < entries.size(); ++i) inputs.push_back({&sequences[i], entries[i].tokens});
+  const std::vector<moelora::Tensor> logits = model.forward(inputs);
+
+  moelora::io::SafetensorsWriter writer;
+  if (args.batch_file.empty()) {
+    writer.add("logits", logits[0].clone());
+  } else {
+    for (size_t i = 0; i < logits.size(); ++i) writer.add("logits." + std::to_string(i), logits[i].clone());
+  }
+  writer.set_metadata("model", args.model_dir);
+  writer.write(args.out);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    std::printf("%s: [%lld, %lld]%s%s\n",
+                args.batch_file.empty() ? "logits" : ("logits." + std::to_string(i)).c_str(),
+                static_cast<long long>(logits[i].dim(0)), static_cast<long long>(logits[i].dim(1)),
+                entries[i].adapter.empty() ? " base" : " adapter ", entries[i].adapter.c_str());
+  }
+  std::printf("wrote %s\n", args.out.c_str());
+  return 0;
+}
+
+std::function<int()> setup_logits(CLI::App& app) {
+  auto args = std::make_shared<LogitsArgs>();
+  app.add_option("--model", args->model_dir, "Checkpoint directory (config.json + *.safetensors)")
+      ->required();
+  app.add_option("--adapter", args->adapters, "LoRA adapter to load, as NAME=DIR (repeatable)");
+  app.add_option("--use", args->use, "Adapter NAME applied to --tokens (default: the base model)");
+  app.add_option("--tokens", args->tokens, "Comma-separated token ids of one sequence, e.g. 1,2,3");
+  app.add_option("--batch", args->batch_file,
+                 "JSON list of {\"tokens\": [...], \"adapter\": NAME or null}: all run in one batch");
+  app.add_option("--out", args->out, "Output .safetensors file")->required();
+  app.add_option("--max-layers", args->max_layers, "Use only the first N decoder layers (0 = all)");
+  app.footer(
+      "Writes `logits` F32 [tokens, vocab] (--tokens) or `logits.0`, `logits.1`, ... (--batch).\n"
+      "Example: moelora logits --model m --adapter a=ad --use a --tokens 1,2,3 --out l.safetensors");
+  return [args] { return run_logits(*args); };
+}
+
+MOELORA_SUBCOMMAND("logits", "Write the logits of token ids (with optional LoRA adapters) to safetensors", 20,
+                   setup_logits);
+
+}  // namespace
