@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "format.h"
 #include "core/error.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
@@ -42,30 +43,6 @@ using io::QuantMethod;
 std::string fmt(double value) {
   char text[64];
   std::snprintf(text, sizeof text, "%g", value);
-  return text;
-}
-
-std::string format_bytes(uint64_t bytes) {
-  char text[64];
-  if (bytes >= 1'000'000'000ull) {
-    std::snprintf(text, sizeof text, "%.2f GB", static_cast<double>(bytes) / 1e9);
-  } else if (bytes >= 1'000'000ull) {
-    std::snprintf(text, sizeof text, "%.2f MB", static_cast<double>(bytes) / 1e6);
-  } else {
-    std::snprintf(text, sizeof text, "%.1f kB", static_cast<double>(bytes) / 1e3);
-  }
-  return text;
-}
-
-std::string format_count(uint64_t n) {
-  char text[64];
-  if (n >= 1'000'000'000ull) {
-    std::snprintf(text, sizeof text, "%.2f B", static_cast<double>(n) / 1e9);
-  } else if (n >= 1'000'000ull) {
-    std::snprintf(text, sizeof text, "%.2f M", static_cast<double>(n) / 1e6);
-  } else {
-    std::snprintf(text, sizeof text, "%llu", static_cast<unsigned long long>(n));
-  }
   return text;
 }
 

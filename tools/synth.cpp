@@ -36,6 +36,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "format.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/progress.h"
@@ -209,32 +210,6 @@ void nvfp4_quantize(const Source& src, int64_t rows, int64_t cols, float scale_2
       }
     }
   });
-}
-
-std::string format_bytes(uint64_t bytes) {
-  char text[64];
-  if (bytes >= 1'000'000'000'000ull) {
-    std::snprintf(text, sizeof text, "%.2f TB", static_cast<double>(bytes) / 1e12);
-  } else if (bytes >= 1'000'000'000ull) {
-    std::snprintf(text, sizeof text, "%.1f GB", static_cast<double>(bytes) / 1e9);
-  } else if (bytes >= 1'000'000ull) {
-    std::snprintf(text, sizeof text, "%.1f MB", static_cast<double>(bytes) / 1e6);
-  } else {
-    std::snprintf(text, sizeof text, "%.1f kB", static_cast<double>(bytes) / 1e3);
-  }
-  return text;
-}
-
-std::string format_count(uint64_t n) {
-  char text[64];
-  if (n >= 1'000'000'000ull) {
-    std::snprintf(text, sizeof text, "%.2f B", static_cast<double>(n) / 1e9);
-  } else if (n >= 1'000'000ull) {
-    std::snprintf(text, sizeof text, "%.1f M", static_cast<double>(n) / 1e6);
-  } else {
-    std::snprintf(text, sizeof text, "%llu", static_cast<unsigned long long>(n));
-  }
-  return text;
 }
 
 void write_json_file(const fs::path& path, const json& value) {

@@ -502,67 +502,55 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                                  (expected_expert_rows + 31) / 32};
   LoraSegmentsView token_segments{m.x<int4>(m.token_segments), m.x<int32_t>(m.num_token_segments),
                                   std::min(T, c.num_slots), (T + 31) / 32};
+  auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side.get());
+  // The LoRA of one target, on the side stream: shrink x rows (gathered) into fp32 partials (the
+  // segmented kernel, or one dense cuBLAS GEMM over all T rows of x when `dense_a` is given), then
+  // expand into `delta` (rows in the segments' order).
+  auto run_lora = [&](const PoolTarget& t, const LoraSegmentsView& seg, const __nv_bfloat16* x,
+                      const int32_t* gather, float* partial, int row_capacity, __nv_bfloat16* delta,
+                      const __nv_bfloat16* dense_a) {
+    LoraExpandArgs e;
+    e.pool = m.view(t);
+    e.seg = seg;
+    e.partial = partial;
+    e.delta = delta;
+    if (dense_a) {
+      gemm_bf16_nt(cublas_side, m.side, x, dense_a, partial, CUDA_R_32F, T, t.max_rank, t.in);
+      e.row_capacity = c.max_tokens;
+      e.splits = 1;
+      e.u_row = gather;  // u rows are x rows
+    } else {
+      LoraShrinkArgs sh;
+      sh.pool = e.pool;
+      sh.seg = seg;
+      sh.x = x;
+      sh.gather = gather;
+      sh.partial = partial;
+      sh.row_capacity = row_capacity;
+      launch_lora_shrink(sh, m.side);
+      e.row_capacity = row_capacity;
+    }
+    launch_lora_expand(e, m.side);
+  };
+  // A slot's A factor of target t (expert 0), for the dense single-adapter shrink.
+  auto slot_a = [&](const PoolTarget& t, int slot) {
+    return m.pool.at<__nv_bfloat16>(t.a) + static_cast<size_t>(slot) * t.ea * t.max_rank * t.in;
+  };
+
   if (lora) {
     MOELORA_CHECK(f.single_slot >= -1 && f.single_slot < c.num_slots, ErrorCode::kOutOfRange,
                   "MoeLayerCuda::forward: single_slot ", f.single_slot, " outside [-1, ", c.num_slots, ")");
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_route.get(), 0));
-    auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side.get());
     const int single = f.single_slot;
-    float* u1 = m.x<float>(m.part1);
-    LoraExpandArgs e1;
-    e1.pool = m.view(m.gate_up);
-    e1.seg = pair_segments;
-    e1.partial = u1;
-    e1.delta = m.x<__nv_bfloat16>(m.d1);
-    if (single >= 0 && m.slot_shared_a[single]) {
-      // One adapter whose gate_up A is shared by the experts: u = x A^T depends on the token
-      // only, so one dense GEMM over all T tokens replaces the per-pair shrink (k times fewer
-      // rows); base tokens' rows are computed but never expanded.
-      const __nv_bfloat16* a_slot = m.pool.at<__nv_bfloat16>(m.gate_up.a) +
-                                    static_cast<size_t>(single) * m.gate_up.ea * m.gate_up.max_rank * H;
-      gemm_bf16_nt(cublas_side, m.side, f.x, a_slot, u1, CUDA_R_32F, T, m.gate_up.max_rank, H);
-      e1.row_capacity = c.max_tokens;
-      e1.splits = 1;
-      e1.u_row = m.x<int32_t>(m.sorted_token);
-    } else {
-      LoraShrinkArgs s1;
-      s1.pool = e1.pool;
-      s1.seg = pair_segments;
-      s1.x = f.x;
-      s1.gather = m.x<int32_t>(m.sorted_token);
-      s1.partial = u1;
-      s1.row_capacity = m.P;
-      launch_lora_shrink(s1, m.side);
-      e1.row_capacity = m.P;
-    }
-    launch_lora_expand(e1, m.side);
+    // One adapter whose gate_up A is shared by the experts: u = x A^T depends on the token only,
+    // so one dense GEMM over the T tokens replaces the per-pair shrink (k times fewer rows); base
+    // tokens' rows are computed but never expanded.
+    run_lora(m.gate_up, pair_segments, f.x, m.x<int32_t>(m.sorted_token), m.x<float>(m.part1), m.P,
+             m.x<__nv_bfloat16>(m.d1), single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr);
     m.ev_lora1.record(m.side);
-    if (shared) {
-      float* us = m.x<float>(m.spart1);
-      LoraExpandArgs es;
-      es.pool = m.view(m.shared_gate_up);
-      es.seg = token_segments;
-      es.partial = us;
-      es.delta = m.x<__nv_bfloat16>(m.sd1);
-      if (single >= 0) {  // the shared expert's A is a plain [R, H] matrix: one dense GEMM
-        const __nv_bfloat16* a_slot = m.pool.at<__nv_bfloat16>(m.shared_gate_up.a) +
-                                      static_cast<size_t>(single) * m.shared_gate_up.max_rank * H;
-        gemm_bf16_nt(cublas_side, m.side, f.x, a_slot, us, CUDA_R_32F, T, m.shared_gate_up.max_rank, H);
-        es.row_capacity = c.max_tokens;
-        es.splits = 1;
-        es.u_row = m.x<int32_t>(m.token_sorted);
-      } else {
-        LoraShrinkArgs ss;
-        ss.pool = es.pool;
-        ss.seg = token_segments;
-        ss.x = f.x;
-        ss.gather = m.x<int32_t>(m.token_sorted);
-        ss.partial = us;
-        ss.row_capacity = c.max_tokens;
-        launch_lora_shrink(ss, m.side);
-        es.row_capacity = c.max_tokens;
-      }
-      launch_lora_expand(es, m.side);
+    if (shared) {  // the shared expert's A is a plain [R, H] matrix: dense for a single adapter
+      run_lora(m.shared_gate_up, token_segments, f.x, m.x<int32_t>(m.token_sorted), m.x<float>(m.spart1),
+               c.max_tokens, m.x<__nv_bfloat16>(m.sd1), single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr);
       m.ev_shared_lora1.record(m.side);
     }
   }
@@ -629,21 +617,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (lora) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
-    LoraShrinkArgs s2;
-    s2.pool = m.view(m.down);
-    s2.seg = pair_segments;
-    s2.x = m.x<__nv_bfloat16>(m.a16);
-    s2.gather = nullptr;
-    s2.partial = m.x<float>(m.part2);
-    s2.row_capacity = m.P;
-    launch_lora_shrink(s2, m.side);
-    LoraExpandArgs e2;
-    e2.pool = s2.pool;
-    e2.seg = pair_segments;
-    e2.partial = s2.partial;
-    e2.row_capacity = m.P;
-    e2.delta = m.x<__nv_bfloat16>(m.d2);
-    launch_lora_expand(e2, m.side);
+    run_lora(m.down, pair_segments, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2), m.P,
+             m.x<__nv_bfloat16>(m.d2), nullptr);
   }
 
   // 5. GEMM2
@@ -682,21 +657,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     if (lora) {
       m.ev_shared_act.record(m.main);
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_shared_act.get(), 0));
-      LoraShrinkArgs sd;
-      sd.pool = m.view(m.shared_down);
-      sd.seg = token_segments;
-      sd.x = m.x<__nv_bfloat16>(m.sa16);
-      sd.gather = m.x<int32_t>(m.token_sorted);
-      sd.partial = m.x<float>(m.spart2);
-      sd.row_capacity = c.max_tokens;
-      launch_lora_shrink(sd, m.side);
-      LoraExpandArgs ed;
-      ed.pool = sd.pool;
-      ed.seg = token_segments;
-      ed.partial = sd.partial;
-      ed.row_capacity = c.max_tokens;
-      ed.delta = m.x<__nv_bfloat16>(m.sd2);
-      launch_lora_expand(ed, m.side);
+      run_lora(m.shared_down, token_segments, m.x<__nv_bfloat16>(m.sa16), m.x<int32_t>(m.token_sorted),
+               m.x<float>(m.spart2), c.max_tokens, m.x<__nv_bfloat16>(m.sd2), nullptr);
     }
   }
   if (lora) {
