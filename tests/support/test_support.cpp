@@ -138,6 +138,21 @@ CommandResult run_moelora(const std::string& args) {
   return run_command("MOELORA_NO_PROGRESS=1 " + (binary_dir() / "moelora").string() + " " + args);
 }
 
+std::string error_message(const std::function<void()>& fn, std::optional<ErrorCode> code) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    if (code) EXPECT_EQ(e.code(), *code) << "message: " << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line expected: " << e.what();
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected moelora::Error, got std::exception: " << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected moelora::Error, nothing was thrown";
+  return "";
+}
+
 void write_text_file(const std::filesystem::path& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -57,6 +59,11 @@ struct CommandResult {
 };
 CommandResult run_moelora(const std::string& args);
 CommandResult run_command(const std::string& command);
+
+// Runs fn and returns the message of the moelora::Error it throws. Adds a test failure when nothing
+// (or another exception type) is thrown, when `code` is given and differs, or when the message
+// spans more than one line (errors are one line by design).
+std::string error_message(const std::function<void()>& fn, std::optional<ErrorCode> code = std::nullopt);
 
 void write_text_file(const std::filesystem::path& path, const std::string& text);
 std::string read_text_file(const std::filesystem::path& path);

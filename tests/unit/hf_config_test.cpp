@@ -21,6 +21,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using test::error_message;
 using ::testing::StartsWith;
 
 // ---------------------------------------------------------------------------------------------
@@ -332,18 +333,6 @@ json parse(const char* text) {
 
 ModelConfig parse_config(const json& j, const std::string& source = "/models/x/config.json") {
   return parse_model_config(j, source);
-}
-
-// Runs fn, expects a moelora::Error with `code`, returns its message ("" when nothing threw).
-std::string error_message(const std::function<void()>& fn, ErrorCode code) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << "message: " << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "expected moelora::Error, nothing was thrown";
-  return "";
 }
 
 // Parses `config` expecting an error of `code` whose message names the source and every word.

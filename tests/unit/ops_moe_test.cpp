@@ -33,19 +33,9 @@ using ops::MoeParams;
 using ops::MoeWeightsRef;
 using ops::RouteParams;
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 #define EXPECT_ERROR_MENTIONS(stmt, ...)                                                      \
   do {                                                                                        \
-    const std::string msg_ = error_of([&] { stmt; });                                         \
+    const std::string msg_ = test::error_message([&] { stmt; });                                         \
     for (const char* part_ : {__VA_ARGS__})                                                   \
       EXPECT_NE(msg_.find(part_), std::string::npos) << "'" << part_ << "' not in: " << msg_; \
   } while (0)

@@ -31,16 +31,6 @@ Tensor u8_tensor(DType dtype, const std::vector<uint8_t>& bytes, Shape shape) {
   return t;
 }
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 // e4m3 codes used below, decoded by hand from the format (bias 7, 3 mantissa bits).
 constexpr uint8_t kE4M3One = 0x38;           // 1.0
 constexpr uint8_t kE4M3MinusOneHalf = 0xbc;  // -1.5
@@ -91,11 +81,11 @@ TEST(QuantFp8Block, DequantSmallBlocksAndSizesNotMultiples) {
 
 TEST(QuantFp8Block, DequantRejectsWrongScaleShapeAndDtype) {
   const Tensor q = Tensor::zeros(DType::kF8E4M3, {130, 200});
-  const std::string msg = error_of([&] { dequant_fp8_block_ref(q, Tensor::zeros(DType::kF32, {1, 2})); });
+  const std::string msg = test::error_message([&] { dequant_fp8_block_ref(q, Tensor::zeros(DType::kF32, {1, 2})); });
   EXPECT_NE(msg.find("weight_scale_inv"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[2, 2]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[1, 2]"), std::string::npos) << msg;
-  const std::string dtype_msg = error_of([&] {
+  const std::string dtype_msg = test::error_message([&] {
     dequant_fp8_block_ref(Tensor::zeros(DType::kF32, {130, 200}), Tensor::zeros(DType::kF32, {2, 2}));
   });
   EXPECT_NE(dtype_msg.find("F8_E4M3"), std::string::npos) << dtype_msg;
@@ -165,7 +155,7 @@ TEST(QuantFp8Block, AmaxElementMapsTo448AndZeroBlockGetsScaleOne) {
 TEST(QuantFp8Block, RejectsNonFiniteInput) {
   std::vector<float> v(16, 1.0f);
   v[5] = std::nanf("");
-  const std::string msg = error_of([&] { quantize_fp8_block_ref(Tensor::from_f32(v, {2, 8})); });
+  const std::string msg = test::error_message([&] { quantize_fp8_block_ref(Tensor::from_f32(v, {2, 8})); });
   EXPECT_NE(msg.find("[0, 5]"), std::string::npos) << msg;
 }
 
@@ -260,13 +250,13 @@ TEST(QuantNvfp4, DequantUsesOneScalePer16Inputs) {
 TEST(QuantNvfp4, DequantRequiresKMultipleOf16) {
   const Tensor p = Tensor::zeros(DType::kU8, {2, 4});  // K = 8
   const Tensor s = Tensor::zeros(DType::kF8E4M3, {2, 1});
-  const std::string msg = error_of([&] { dequant_nvfp4_ref(p, s, 1.0f); });
+  const std::string msg = test::error_message([&] { dequant_nvfp4_ref(p, s, 1.0f); });
   EXPECT_NE(msg.find("K = 8"), std::string::npos) << msg;
-  const std::string shape_msg = error_of([&] {
+  const std::string shape_msg = test::error_message([&] {
     dequant_nvfp4_ref(Tensor::zeros(DType::kU8, {2, 16}), Tensor::zeros(DType::kF8E4M3, {2, 1}), 1.0f);
   });
   EXPECT_NE(shape_msg.find("[2, 2]"), std::string::npos) << shape_msg;
-  const std::string q_msg = error_of([&] { quantize_nvfp4_ref(Tensor::zeros(DType::kF32, {3, 24})); });
+  const std::string q_msg = test::error_message([&] { quantize_nvfp4_ref(Tensor::zeros(DType::kF32, {3, 24})); });
   EXPECT_NE(q_msg.find("K = 24"), std::string::npos) << q_msg;
 }
 

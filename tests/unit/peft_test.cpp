@@ -31,26 +31,11 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using test::error_message;
 using ::testing::Not;
 
 fs::path parity_dir() {
   return test::data_dir() / "parity";
-}
-
-// Runs fn, expects a moelora::Error with `code`, returns its message ("" when nothing threw).
-std::string error_message(const std::function<void()>& fn, ErrorCode code) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << "message: " << e.what();
-    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line expected: " << e.what();
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected moelora::Error, got std::exception: " << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "expected moelora::Error, nothing was thrown";
-  return "";
 }
 
 // ---------------------------------------------------------------------------------------------
