@@ -5,9 +5,13 @@
 //      attention + experts, shared-outer), all as real Hugging Face / PEFT files;
 //   2. the CPU model loads the checkpoint and both adapters;
 //   3. one prompt is continued three times -- base model, adapter 1, adapter 2 -- as ONE
-//      mixed-adapter batch, and each continuation is checked against the same request run alone.
-// The synthesis runs through the same binary's `synth` / `synth-adapter` subcommands (looked up in
-// the subcommand registry), so the demo writes exactly what a user of those commands would get.
+//      mixed-adapter batch, and each continuation is checked against the same request run alone;
+//   4. `moelora bench` runs one batch of 4 random prompts through the serving Engine (continuous
+//      batching, adapter slot pool) without LoRA and with the two adapters, and prints the
+//      throughput table (prefill, decode, overall, TTFT, memory, % of no-LoRA).
+// The synthesis and the benchmark run through the same binary's `synth` / `synth-adapter` /
+// `bench` subcommands (looked up in the subcommand registry), so the demo writes and measures
+// exactly what a user of those commands would get.
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +43,7 @@ struct RunArgs {
   std::string prompt = "The mixture of experts";
   int64_t max_new_tokens = 24;
   uint64_t seed = 0;
+  bool no_bench = false;
 };
 
 double seconds_since(Clock::time_point start) {
@@ -105,8 +110,8 @@ std::string one_line(const std::string& text) {
 }
 
 int run_demo(const RunArgs& args) {
-  MOELORA_CHECK(args.max_new_tokens > 0, ErrorCode::kInvalidArgument, "--max-new-tokens must be > 0, got ",
-                args.max_new_tokens);
+  MOELORA_CHECK(args.max_new_tokens > 0, ErrorCode::kInvalidArgument,
+                "--max-new-tokens must be > 0, got ", args.max_new_tokens);
   std::unique_ptr<ScratchDir> scratch;
   fs::path root;
   if (args.out.empty()) {
@@ -124,25 +129,29 @@ int run_demo(const RunArgs& args) {
   const std::vector<DemoAdapter> adapters = {{"per-expert-r8", "per-expert", "all", 8},
                                              {"shared-outer-r16", "shared-outer", "experts", 16}};
 
-  std::printf("moelora run: one MoE model, two LoRA adapters, one mixed batch (CPU reference backend)\n\n");
-  std::printf("[1/3] writing a random %s checkpoint and two PEFT adapters to %s%s\n", args.preset.c_str(),
-              root.string().c_str(), scratch ? " (removed at exit; --out DIR keeps them)" : "");
+  std::printf(
+      "moelora run: one MoE model, two LoRA adapters, one mixed batch (CPU reference backend)\n\n");
+  const int steps = args.no_bench ? 3 : 4;
+  std::printf("[1/%d] writing a random %s checkpoint and two PEFT adapters to %s%s\n", steps,
+              args.preset.c_str(), root.string().c_str(),
+              scratch ? " (removed at exit; --out DIR keeps them)" : "");
   std::fflush(stdout);
   auto start = Clock::now();
-  std::vector<std::string> synth_args = {"--preset", args.preset,       "--seed", std::to_string(args.seed),
-                                         "--out",    model_dir.string()};
+  std::vector<std::string> synth_args = {
+      "--preset", args.preset, "--seed", std::to_string(args.seed), "--out", model_dir.string()};
   if (!args.tokenizer.empty()) synth_args.insert(synth_args.end(), {"--tokenizer", args.tokenizer});
   run_subcommand("synth", synth_args);
   for (size_t i = 0; i < adapters.size(); ++i) {
     run_subcommand(
         "synth-adapter",
-        {"--model", model_dir.string(), "--layout", adapters[i].layout, "--targets", adapters[i].targets,
-         "--rank", std::to_string(adapters[i].rank), "--alpha", std::to_string(2 * adapters[i].rank),
-         "--seed", std::to_string(args.seed + 1 + i), "--out", (root / adapters[i].name).string()});
+        {"--model", model_dir.string(), "--layout", adapters[i].layout, "--targets",
+         adapters[i].targets, "--rank", std::to_string(adapters[i].rank), "--alpha",
+         std::to_string(2 * adapters[i].rank), "--seed", std::to_string(args.seed + 1 + i), "--out",
+         (root / adapters[i].name).string()});
   }
   const double synth_seconds = seconds_since(start);
 
-  std::printf("\n[2/3] loading the model and the adapters\n");
+  std::printf("\n[2/%d] loading the model and the adapters\n", steps);
   std::fflush(stdout);
   start = Clock::now();
   std::vector<mm::AdapterSpec> specs;
@@ -151,7 +160,8 @@ int run_demo(const RunArgs& args) {
   const double load_seconds = seconds_since(start);
   const moelora::io::ModelConfig& config = model.config();
   std::printf(
-      "      %s: %lld layers, hidden %lld, %lld experts (top-%lld), vocab %lld; %.0f MB of fp32 weights\n",
+      "      %s: %lld layers, hidden %lld, %lld experts (top-%lld), vocab %lld; %.0f MB of fp32 "
+      "weights\n",
       config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
       static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_experts),
       static_cast<long long>(config.num_experts_per_tok), static_cast<long long>(config.vocab_size),
@@ -162,8 +172,8 @@ int run_demo(const RunArgs& args) {
     for (const std::string& t : a.targets)
       targets += (targets.empty() ? "" : ", ") + t.substr(0, t.find(" ("));
     std::printf("      adapter %-17s slot %d, %s experts, max rank %lld: %s\n", a.name.c_str(), s,
-                moelora::io::expert_lora_layout_name(a.expert_layout), static_cast<long long>(a.max_rank),
-                targets.c_str());
+                moelora::io::expert_lora_layout_name(a.expert_layout),
+                static_cast<long long>(a.max_rank), targets.c_str());
   }
 
   // The prompt: text through the tokenizer when there is one, else fixed token ids.
@@ -173,11 +183,12 @@ int run_demo(const RunArgs& args) {
     prompt = tokenizer->encode(args.prompt);
     MOELORA_CHECK(!prompt.empty(), ErrorCode::kInvalidArgument, "--prompt encodes to no tokens");
   } else {
-    for (int64_t i = 0; i < 8; ++i) prompt.push_back(static_cast<int32_t>((5 + 37 * i) % config.vocab_size));
+    for (int64_t i = 0; i < 8; ++i)
+      prompt.push_back(static_cast<int32_t>((5 + 37 * i) % config.vocab_size));
   }
   for (int32_t id : prompt) {
-    MOELORA_CHECK(id < config.vocab_size, ErrorCode::kInvalidArgument, "the tokenizer gives id ", id,
-                  ", beyond the model's vocabulary of ", config.vocab_size);
+    MOELORA_CHECK(id < config.vocab_size, ErrorCode::kInvalidArgument, "the tokenizer gives id ",
+                  id, ", beyond the model's vocabulary of ", config.vocab_size);
   }
 
   std::vector<mm::GenerationRequest> requests(1 + adapters.size());
@@ -189,9 +200,11 @@ int run_demo(const RunArgs& args) {
     if (i > 0) labels.push_back(adapters[i - 1].name);
   }
   std::printf(
-      "\n[3/3] continuing the prompt (%zu tokens: %s) by %lld tokens, greedy, for %zu requests in ONE "
+      "\n[3/%d] continuing the prompt (%zu tokens: %s) by %lld tokens, greedy, for %zu requests in "
+      "ONE "
       "batch\n",
-      prompt.size(), tokenizer ? ("\"" + one_line(args.prompt) + "\"").c_str() : join_ids(prompt).c_str(),
+      steps, prompt.size(),
+      tokenizer ? ("\"" + one_line(args.prompt) + "\"").c_str() : join_ids(prompt).c_str(),
       static_cast<long long>(args.max_new_tokens), requests.size());
   std::fflush(stdout);
   {  // warm-up (thread pool, caches), not timed
@@ -226,8 +239,9 @@ int run_demo(const RunArgs& args) {
   std::printf("  %-34s %8.2f s\n", "load + convert to fp32", load_seconds);
   std::printf("  %-34s %8.3f s  (%lld prompt tokens)\n", "prefill, one batch", st.prefill_seconds,
               static_cast<long long>(st.prompt_tokens));
-  std::printf("  %-34s %8.3f s  (%lld steps, %.1f tokens/s)\n", "decode, one batch", st.decode_seconds,
-              static_cast<long long>(st.steps - 1), st.decode_tokens_per_second());
+  std::printf("  %-34s %8.3f s  (%lld steps, %.1f tokens/s)\n", "decode, one batch",
+              st.decode_seconds, static_cast<long long>(st.steps - 1),
+              st.decode_tokens_per_second());
   std::printf("  %-34s %8.3f s  (%lld tokens, %.1f tokens/s)\n", "generation, mixed batch of 3",
               st.prefill_seconds + st.decode_seconds, static_cast<long long>(st.generated_tokens),
               st.tokens_per_second());
@@ -236,37 +250,69 @@ int run_demo(const RunArgs& args) {
   std::printf("\n  mixed batch == each request alone: %s (%zu of %zu continuations identical)\n",
               identical == requests.size() ? "yes" : "NO", identical, requests.size());
   size_t differ = 0;
-  for (size_t i = 1; i < requests.size(); ++i) differ += batch.outputs[i].tokens != batch.outputs[0].tokens;
+  for (size_t i = 1; i < requests.size(); ++i)
+    differ += batch.outputs[i].tokens != batch.outputs[0].tokens;
   std::printf("  adapters change the output:        %s (%zu of %zu differ from the base model)\n",
               differ == adapters.size() ? "yes" : "partly", differ, adapters.size());
+  if (!args.no_bench) {
+    std::printf(
+        "\n[4/%d] moelora bench: one batch of 4 requests (32 random prompt tokens, 16 generated), "
+        "without "
+        "LoRA and with the two adapters, through the serving engine\n",
+        steps);
+    std::fflush(stdout);
+    std::string list;
+    for (const DemoAdapter& a : adapters)
+      list += (list.empty() ? "" : ",") + a.name + "=" + (root / a.name).string();
+    run_subcommand("bench", {"--model", model_dir.string(), "--adapters", list, "--adapter-dist",
+                             "uniform", "--batch-sizes", "4", "--input-len", "32", "--output-len",
+                             "16", "--seed", std::to_string(args.seed)});
+  }
   return identical == requests.size() ? 0 : 1;
 }
 
 std::function<int()> setup_run(CLI::App& app) {
   auto args = std::make_shared<RunArgs>();
-  app.add_option("--out", args->out, "Keep the synthesized model and adapters in DIR (default: a temp dir)");
-  app.add_option("--preset", args->preset, "Model preset of `moelora synth` (a qwen3_moe or deepseek_v3 one)")
+  app.add_option("--out", args->out,
+                 "Keep the synthesized model and adapters in DIR (default: a temp dir)");
+  app.add_option("--preset", args->preset,
+                 "Model preset of `moelora synth` (a qwen3_moe or deepseek_v3 one)")
       ->capture_default_str();
-  app.add_option("--tokenizer", args->tokenizer,
-                 "Directory with a tokenizer.json to copy into the model: prompt and continuations as text")
+  app.add_option(
+         "--tokenizer", args->tokenizer,
+         "Directory with a tokenizer.json to copy into the model: prompt and continuations as text")
       ->capture_default_str();
-  app.add_option("--prompt", args->prompt, "Prompt text (used with --tokenizer)")->capture_default_str();
+  app.add_option("--prompt", args->prompt, "Prompt text (used with --tokenizer)")
+      ->capture_default_str();
   app.add_option("--max-new-tokens", args->max_new_tokens, "Tokens to generate per request")
       ->capture_default_str();
   app.add_option("--seed", args->seed, "Seed of the random weights")->capture_default_str();
+  app.add_flag("--no-bench", args->no_bench, "Skip the final `moelora bench` run");
   app.footer(
-      "\nWhat it does: writes a random Hugging Face checkpoint (`moelora synth --preset small-qwen3-moe`:\n"
-      "8 layers, 32 experts top-4, ~110 M parameters) and two PEFT adapters (`moelora synth-adapter`: a\n"
-      "per-expert rank-8 adapter on every module, a shared-outer rank-16 adapter on the experts; scaling "
+      "\nWhat it does: writes a random Hugging Face checkpoint (`moelora synth --preset "
+      "small-qwen3-moe`:\n"
+      "8 layers, 32 experts top-4, ~110 M parameters) and two PEFT adapters (`moelora "
+      "synth-adapter`: a\n"
+      "per-expert rank-8 adapter on every module, a shared-outer rank-16 adapter on the experts; "
+      "scaling "
       "2),\n"
-      "loads them into the CPU reference model, and continues one prompt with the base model and with\n"
-      "each adapter, all three in ONE mixed-adapter batch; then runs each request alone and checks that\n"
-      "the tokens are identical. The weights are random, so the text is nonsense: the point is the\n"
-      "machinery (file formats, LoRA on every seam, mixed batches, KV cache, timing).\n"
-      "No tokenizer is bundled: continuations are token ids unless --tokenizer DIR names a directory with\n"
-      "a tokenizer.json (e.g. tests/data/tokenizer of the source tree; ids outside the tokenizer's\n"
-      "vocabulary decode to nothing). Takes a few seconds on 2 CPU cores. Exit code 1 if the batch and\n"
-      "the single runs disagree.");
+      "loads them into the CPU reference model, and continues one prompt with the base model and "
+      "with\n"
+      "each adapter, all three in ONE mixed-adapter batch; then runs each request alone and checks "
+      "that\n"
+      "the tokens are identical; then `moelora bench` times one batch of 4 requests through the "
+      "serving\n"
+      "engine without LoRA and with both adapters. The weights are random, so the text is "
+      "nonsense: the\n"
+      "point is the machinery (file formats, LoRA on every seam, mixed batches, KV cache, "
+      "timing).\n"
+      "No tokenizer is bundled: continuations are token ids unless --tokenizer DIR names a "
+      "directory with\n"
+      "a tokenizer.json (e.g. tests/data/tokenizer of the source tree; ids outside the "
+      "tokenizer's\n"
+      "vocabulary decode to nothing). Takes a few seconds on 2 CPU cores. Exit code 1 if the batch "
+      "and\n"
+      "the single runs disagree (or the benchmark's base-only requests change in a mixed batch).");
   return [args] { return run_demo(*args); };
 }
 

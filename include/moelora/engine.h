@@ -1,0 +1,220 @@
+// moelora::Engine: the serving API. Requests (prompt token ids, an adapter name or none, sampling
+// settings) go in; generated tokens stream back through a per-request callback; the engine runs
+// every live request together, one model forward per step, each request through its own LoRA
+// adapter (or none) in the same batch.
+//
+// What one step() does (continuous batching with chunked prefill):
+//   1. batch, within max_batch_tokens tokens in all: one decode token for every request that is
+//      generating, then the next prompt chunk of every request still in prefill (oldest first),
+//      then waiting requests join in arrival order, each with its first chunk, while the limits
+//      allow (see "Admission");
+//   2. ONE forward of that batch (every request with its own KV cache and adapter slot);
+//   3. sampling: a request whose prompt is complete gets its next token; finished requests leave
+//      (stop token, max_new_tokens, cancel) and free their KV cache and adapter slot at once.
+// A request's tokens do not depend on which other requests share its steps: the backend computes
+// every sequence exactly as it would alone, and each request samples with its own seeded RNG.
+//
+// Admission. A waiting request joins when all of these hold:
+//   - fewer than max_running requests are running and the step still has token budget;
+//   - its adapter (if any) is already used by a running request, or fewer than
+//     max_loras_per_batch distinct adapters are in use and the adapter pool can give it a slot
+//     (a free slot, or one whose adapter no running request uses: least recently used first).
+// Base-only requests need no slot and never count against max_loras_per_batch. A request that
+// waits for an adapter slot keeps its place: later adapter requests (of any adapter) wait behind
+// it, so a steady stream of one adapter cannot starve another; later base-only requests go past
+// it. When the running requests' adapters finish, the waiting adapter gets the freed slot.
+//
+// Adapters are registered by name (register_adapter) before requests name them; registering
+// reads and validates the files at once (so a bad adapter fails there, not in a request). The
+// engine keeps up to host_adapter_cache adapters in host memory (least recently used dropped; a
+// dropped one is read from its directory again when next needed) and adapter_slots of them in
+// the backend's slot pool; loading one into a slot only rewrites that slot (nothing else about
+// the backend changes, so a GPU backend's captured graphs stay valid). A pinned adapter keeps its
+// slot. unregister_adapter refuses while
+// a waiting or running request names the adapter.
+//
+// Threads: every method may be called from any thread. One thread should drive step() /
+// run_until_idle() (the calls serialize). Callbacks run on that thread, outside the engine's
+// state lock, in token order per request; a callback may call submit(), cancel(), stats() and the
+// adapter methods, but not step() or run_until_idle(). A callback that throws has its request
+// cancelled (no further events).
+//
+// Errors: every method returns Status / Result (core/error.h, the one library header this API
+// exposes: std-only, no other moelora header comes with it) and never throws moelora::Error
+// (Result::value() on an error does, by design).
+// Bad requests are rejected by submit() with a message that names the field, e.g.
+//   "request: token id 900 at prompt position 3 is outside the vocabulary [0, 512)".
+// Failures while running (an adapter that has to be read again from a directory that no longer
+// holds it, a backend error) end the affected requests with FinishReason::kError and the message;
+// other requests go on.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace moelora {
+
+namespace runtime {
+class Executor;
+}
+
+using RequestId = uint64_t;
+
+// Whether this build can run an engine on `device` ("cpu" always can). kUnsupported for "cuda"
+// (the whole-model GPU runtime does not exist yet), kInvalidArgument for an unknown name.
+Status check_device(const std::string& device);
+
+struct EngineOptions {
+  std::filesystem::path model_dir;  // Hugging Face checkpoint (config.json + *.safetensors)
+  std::string device = "cpu";       // "cpu"; "cuda" is refused until the GPU runtime exists
+  // Tokens per step, decode tokens and prefill chunks together (the chunked-prefill budget).
+  // Must be >= max_running so that every running request can always decode.
+  int64_t max_batch_tokens = 2048;
+  int32_t max_running = 64;         // requests in the batch at once
+  int32_t max_loras_per_batch = 8;  // distinct adapters among running requests (base-only excluded)
+  int32_t adapter_slots = 8;        // adapters resident in the backend pool; >= max_loras_per_batch
+  int64_t max_lora_rank = 64;       // larger adapters are refused at registration
+  int32_t host_adapter_cache =
+      32;                       // adapters kept in host memory (LRU); 0 = read from disk each time
+  int64_t prefill_chunk = 512;  // prompt tokens of one request per step; 0 = only the budget limits
+  bool show_progress = false;   // progress bars on stderr while loading the model
+};
+
+struct SamplingParams {
+  double temperature = 0.0;  // 0 = greedy
+  double top_p = 1.0;        // (0, 1]
+  int64_t top_k = 0;         // 0 = off
+  uint64_t seed = 0;         // the request's own RNG: results do not depend on other requests
+  int64_t max_new_tokens = 16;
+  bool ignore_eos = false;              // do not stop at the model's end-of-sequence tokens
+  std::vector<int32_t> stop_token_ids;  // also stop after any of these (always honoured)
+};
+
+struct Request {
+  std::vector<int32_t> prompt;  // token ids, at least one
+  std::string adapter;          // registered adapter name; "" = base model
+  SamplingParams sampling;
+};
+
+enum class FinishReason {
+  kNone,       // not finished
+  kLength,     // max_new_tokens reached
+  kStop,       // a stop token or an end-of-sequence token (kept as the last token)
+  kCancelled,  // cancel()
+  kError,      // see TokenEvent::error
+};
+const char* finish_reason_name(FinishReason reason);
+
+// One callback invocation. Every request gets exactly one event with finished == true, its last
+// (unless its callback threw: then it gets no further events).
+struct TokenEvent {
+  RequestId request_id = 0;
+  int32_t token = -1;  // the generated token; -1 on a final event that carries none (cancel, error)
+  int64_t index = -1;  // 0 for the first generated token, 1 for the next, ...; -1 without a token
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  std::string error;  // kError: what went wrong
+};
+using TokenCallback = std::function<void(const TokenEvent&)>;
+
+struct ModelInfo {
+  std::string model_type;  // config.json model_type
+  int64_t vocab_size = 0;
+  int64_t num_layers = 0;
+  int64_t max_position_embeddings = 0;  // prompt + max_new_tokens may not exceed it
+  std::vector<int32_t> eos_token_ids;
+};
+
+struct AdapterInfo {
+  std::string name;
+  std::filesystem::path dir;
+  bool pinned = false;
+  int32_t slot = -1;             // pool slot while resident, else -1
+  int32_t running_requests = 0;  // requests holding the slot
+  bool in_host_cache = false;
+};
+
+struct EngineStats {
+  int64_t steps = 0;             // forwards run
+  int64_t prefill_steps = 0;     // steps with at least one prompt token
+  int64_t prompt_tokens = 0;     // prompt tokens run through the model
+  int64_t decode_tokens = 0;     // tokens fed by decode (one per generating request per step)
+  int64_t generated_tokens = 0;  // tokens sampled (first tokens included)
+  // Forward + sampling time of steps with prompt tokens (prefill_seconds) and of decode-only
+  // steps (decode_seconds). A step that mixes both counts as prefill.
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+  int64_t decode_only_tokens = 0;  // tokens generated by decode-only steps
+  int32_t running = 0;             // now
+  int32_t waiting = 0;             // now
+  int32_t peak_running = 0;
+  int64_t peak_step_tokens = 0;
+  uint64_t kv_cache_bytes = 0;       // now
+  uint64_t peak_kv_cache_bytes = 0;  // at the end of any step
+  int64_t requests_finished = 0;     // stop or length
+  int64_t requests_cancelled = 0;
+  int64_t requests_failed = 0;
+  // Adapter pool: acquisitions that found the adapter resident (hits) or loaded it into a slot
+  // (misses), slots taken from an idle adapter (evictions), and loads into a slot served from the
+  // host cache (host_hits) or read from disk (host_misses; registration reads count too).
+  int64_t pool_hits = 0;
+  int64_t pool_misses = 0;
+  int64_t pool_evictions = 0;
+  int64_t host_hits = 0;
+  int64_t host_misses = 0;
+};
+
+class Engine {
+ public:
+  // Loads options.model_dir onto options.device and checks the limits (kInvalidArgument naming
+  // the option; kUnsupported for a device this build cannot run).
+  static Result<std::unique_ptr<Engine>> create(const EngineOptions& options);
+  // The same over an executor made elsewhere (tests, other backends); options.model_dir and
+  // options.device are ignored.
+  static Result<std::unique_ptr<Engine>> create(std::unique_ptr<runtime::Executor> executor,
+                                                const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const ModelInfo& model_info() const;
+  const EngineOptions& options() const;
+
+  // Reads dir (adapter_config.json + adapter_model.safetensors), checks it against the model and
+  // max_lora_rank, and registers it as `name`. pin: load it into a slot now and keep it there.
+  Status register_adapter(const std::string& name, const std::filesystem::path& dir,
+                          bool pin = false);
+  // kInvalidArgument while a waiting or running request names it; kNotFound for an unknown name.
+  Status unregister_adapter(const std::string& name);
+  std::vector<AdapterInfo> adapters() const;
+
+  // Validates and queues a request; events go to `callback` (which may be empty). The id is also
+  // the one cancel() takes. Nothing runs until step().
+  Result<RequestId> submit(Request request, TokenCallback callback);
+  // Ends a waiting or running request now: its KV cache and adapter slot are freed at once, and
+  // the next step() delivers its final event (kCancelled). kNotFound for an unknown or finished id.
+  Status cancel(RequestId id);
+
+  // One scheduling iteration (see the top of this file). Returns an error only when the engine
+  // itself failed; request failures go to the requests' callbacks.
+  Status step();
+  // step() until no request waits or runs and every event has been delivered.
+  Status run_until_idle();
+  bool idle() const;
+
+  EngineStats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moelora

@@ -1,0 +1,515 @@
+// moelora::Engine (include/moelora/engine.h): request state, validation, the step loop and event
+// delivery, over a Scheduler, an AdapterPool and an Executor.
+//
+// Locking: `state_mutex` guards everything but the callbacks; step() holds it while it plans,
+// runs the forward and samples, then releases it and delivers the step's events while holding
+// only `step_mutex` (which keeps steps, and so each request's events, in order). A callback may
+// therefore call submit() / cancel() (they take state_mutex only), but not step().
+#include "moelora/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "model/sampler.h"
+#include "runtime/adapter_pool.h"
+#include "runtime/cpu_executor.h"
+#include "runtime/executor.h"
+#include "runtime/scheduler.h"
+
+namespace moelora {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The pool writes slots through the executor.
+class ExecutorSlotWriter final : public runtime::SlotWriter {
+ public:
+  explicit ExecutorSlotWriter(runtime::Executor& executor) : executor_(executor) {}
+  void write_slot(int32_t slot, const io::LoraAdapter& adapter) override {
+    executor_.write_slot(slot, adapter);
+  }
+  void clear_slot(int32_t slot) override { executor_.clear_slot(slot); }
+
+ private:
+  runtime::Executor& executor_;
+};
+
+void check_options(const EngineOptions& o) {
+  const auto bad = ErrorCode::kInvalidArgument;
+  MOELORA_CHECK(o.adapter_slots >= 0, bad, "adapter_slots must be >= 0, got ", o.adapter_slots);
+  MOELORA_CHECK(o.max_lora_rank >= 1, bad, "max_lora_rank must be >= 1, got ", o.max_lora_rank);
+  MOELORA_CHECK(o.host_adapter_cache >= 0, bad, "host_adapter_cache must be >= 0, got ",
+                o.host_adapter_cache);
+  runtime::check_scheduler_options(
+      {o.max_batch_tokens, o.max_running, o.max_loras_per_batch, o.prefill_chunk}, o.adapter_slots);
+}
+
+void require_device(const std::string& device) {
+  if (device == "cpu") return;
+  if (device == "cuda" || device == "gpu") {
+#ifdef MOELORA_WITH_CUDA
+    MOELORA_THROW(
+        ErrorCode::kUnsupported, "device '", device,
+        "': the whole-model GPU runtime is not implemented yet (the CUDA MoE kernels are; "
+        "the engine runs on the CPU backend for now); use device 'cpu'");
+#else
+    MOELORA_THROW(
+        ErrorCode::kUnsupported, "device '", device,
+        "': this build has no CUDA support (configured with MOELORA_ENABLE_CUDA=OFF or without "
+        "nvcc), and the whole-model GPU runtime is not implemented yet; use device 'cpu'");
+#endif
+  }
+  MOELORA_THROW(ErrorCode::kInvalidArgument, "device '", device,
+                "' is unknown; expected cpu or cuda");
+}
+
+runtime::ExecutorLimits limits_of(const EngineOptions& o) {
+  return {o.max_batch_tokens, o.max_running, o.adapter_slots, o.max_lora_rank};
+}
+
+}  // namespace
+
+Status check_device(const std::string& device) {
+  return capture([&] { require_device(device); });
+}
+
+struct Engine::Impl {
+  struct RequestState {
+    RequestId id = 0;
+    Request request;
+    std::shared_ptr<TokenCallback> callback;
+    model::Sampler sampler;
+    std::vector<int32_t> stop_tokens;
+    runtime::SequenceHandle sequence = -1;  // -1 until admitted
+    int64_t generated = 0;
+    int32_t last_token = -1;
+  };
+  struct PendingEvent {
+    std::shared_ptr<TokenCallback> callback;
+    TokenEvent event;
+  };
+
+  Impl(std::unique_ptr<runtime::Executor> exec, const EngineOptions& opts)
+      : options(opts),
+        executor(std::move(exec)),
+        writer(*executor),
+        pool(opts.adapter_slots, opts.host_adapter_cache, writer, loader()),
+        scheduler(
+            {opts.max_batch_tokens, opts.max_running, opts.max_loras_per_batch, opts.prefill_chunk},
+            pool) {
+    const io::ModelConfig& config = executor->config();
+    info.model_type = config.model_type;
+    info.vocab_size = config.vocab_size;
+    info.num_layers = config.num_hidden_layers;
+    info.max_position_embeddings = config.max_position_embeddings;
+    for (int64_t id : config.eos_token_ids) {
+      if (id >= 0 && id < config.vocab_size) info.eos_token_ids.push_back(static_cast<int32_t>(id));
+    }
+  }
+
+  // Reads an adapter for this model: the files (max_lora_rank applies), then the model's checks.
+  runtime::AdapterLoader loader() {
+    runtime::Executor* exec = executor.get();
+    const int64_t max_rank = options.max_lora_rank;
+    return [exec, max_rank](const std::string& name, const std::filesystem::path& dir) {
+      io::AdapterLoadOptions load;
+      load.max_rank = max_rank;
+      io::LoraAdapter adapter = io::load_adapter(dir, exec->config(), name, load);
+      exec->check_adapter(adapter);
+      return adapter;
+    };
+  }
+
+  void emit(RequestState& r, TokenEvent event) {
+    event.request_id = r.id;
+    pending.push_back({r.callback, std::move(event)});
+  }
+
+  // Removes a request that was admitted or waiting: scheduler, slot, sequence, state.
+  void drop(RequestId id) {
+    auto it = requests.find(id);
+    if (it == requests.end()) return;
+    scheduler.remove(id);  // releases the adapter slot when running
+    if (it->second->sequence >= 0) executor->free_sequence(it->second->sequence);
+    requests.erase(it);
+  }
+
+  void fail(RequestState& r, const std::string& message) {
+    TokenEvent event;
+    event.finished = true;
+    event.finish_reason = FinishReason::kError;
+    event.error = message;
+    emit(r, std::move(event));
+    ++stats.requests_failed;
+    drop(r.id);
+  }
+
+  Status validate(const Request& request) const;
+  void run_step(const runtime::StepPlan& plan);
+  void update_gauges();
+
+  EngineOptions options;
+  ModelInfo info;
+  std::unique_ptr<runtime::Executor> executor;
+  ExecutorSlotWriter writer;
+  runtime::AdapterPool pool;
+  runtime::Scheduler scheduler;
+
+  mutable std::mutex state_mutex;
+  std::mutex step_mutex;
+  std::map<RequestId, std::unique_ptr<RequestState>> requests;
+  std::vector<PendingEvent> pending;
+  RequestId next_id = 1;
+  EngineStats stats;
+};
+
+Status Engine::Impl::validate(const Request& request) const {
+  return capture([&] {
+    const auto bad = ErrorCode::kInvalidArgument;
+    const SamplingParams& s = request.sampling;
+    MOELORA_CHECK(!request.prompt.empty(), bad, "request: the prompt is empty");
+    for (size_t i = 0; i < request.prompt.size(); ++i) {
+      const int32_t id = request.prompt[i];
+      MOELORA_CHECK(id >= 0 && id < info.vocab_size, ErrorCode::kOutOfRange, "request: token id ",
+                    id, " at prompt position ", i, " is outside the vocabulary [0, ",
+                    info.vocab_size, ")");
+    }
+    MOELORA_CHECK(s.max_new_tokens >= 1, bad, "request: max_new_tokens must be >= 1, got ",
+                  s.max_new_tokens);
+    const int64_t context = static_cast<int64_t>(request.prompt.size()) + s.max_new_tokens;
+    MOELORA_CHECK(info.max_position_embeddings <= 0 || context <= info.max_position_embeddings,
+                  ErrorCode::kOutOfRange, "request: prompt (", request.prompt.size(),
+                  " tokens) + max_new_tokens (", s.max_new_tokens, ") = ", context,
+                  " exceeds the model's context of ", info.max_position_embeddings, " tokens");
+    for (int32_t id : s.stop_token_ids) {
+      MOELORA_CHECK(id >= 0 && id < info.vocab_size, ErrorCode::kOutOfRange,
+                    "request: stop token id ", id, " is outside the vocabulary [0, ",
+                    info.vocab_size, ")");
+    }
+    try {
+      model::check_sampling_params({s.temperature, s.top_p, s.top_k, s.seed});
+    } catch (const Error& e) {
+      MOELORA_THROW(e.code(), "request: ", e.what());
+    }
+    if (request.adapter.empty()) return;
+    if (!pool.contains(request.adapter)) {
+      try {
+        pool.refcount(request.adapter);  // throws kNotFound listing the registered adapters
+      } catch (const Error& e) {
+        MOELORA_THROW(e.code(), "request: ", e.what());
+      }
+    }
+    MOELORA_CHECK(options.max_loras_per_batch > 0, ErrorCode::kUnsupported, "request: adapter '",
+                  request.adapter, "' cannot run: LoRA is off (max_loras_per_batch is 0)");
+    MOELORA_CHECK(pool.can_ever_acquire(request.adapter), ErrorCode::kUnsupported,
+                  "request: adapter '", request.adapter, "' cannot get a slot: all ",
+                  pool.num_slots(), " adapter slots are pinned to other adapters");
+  });
+}
+
+void Engine::Impl::update_gauges() {
+  stats.running = scheduler.running();
+  stats.waiting = scheduler.waiting();
+  stats.peak_running = std::max(stats.peak_running, stats.running);
+  stats.kv_cache_bytes = executor->cache_bytes();
+  stats.peak_kv_cache_bytes = std::max(stats.peak_kv_cache_bytes, stats.kv_cache_bytes);
+}
+
+void Engine::Impl::run_step(const runtime::StepPlan& plan) {
+  for (const auto& [id, reason] : plan.failed) {
+    auto it = requests.find(id);
+    if (it != requests.end()) fail(*it->second, reason);
+  }
+  if (plan.empty()) return;
+
+  // The batch, in plan order. Spans point into the requests' prompts and last tokens, which stay
+  // put until the forward returns.
+  std::vector<runtime::BatchEntry> batch;
+  std::vector<RequestState*> owners;
+  batch.reserve(plan.items.size());
+  for (const runtime::StepItem& item : plan.items) {
+    RequestState& r = *requests.at(item.id);
+    if (item.admitted) r.sequence = executor->new_sequence();
+    const std::span<const int32_t> tokens =
+        item.decode
+            ? std::span<const int32_t>(&r.last_token, 1)
+            : std::span<const int32_t>(r.request.prompt)
+                  .subspan(static_cast<size_t>(item.begin), static_cast<size_t>(item.count));
+    batch.push_back({r.sequence, tokens, item.slot});
+    owners.push_back(&r);
+  }
+
+  const auto start = Clock::now();
+  std::vector<Tensor> logits;
+  try {
+    logits = executor->forward(batch);
+  } catch (const std::exception& e) {
+    // The backend refused the batch (a bug or a device failure): end its requests, keep going.
+    for (RequestState* r : owners) fail(*r, std::string("the forward pass failed: ") + e.what());
+    return;
+  }
+  int64_t sampled = 0;
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    const runtime::StepItem& item = plan.items[i];
+    if (!item.samples) continue;
+    RequestState& r = *owners[i];
+    int32_t token = -1;
+    try {
+      token = r.sampler.sample(logits[i]);
+    } catch (const std::exception& e) {
+      fail(r, std::string("sampling failed: ") + e.what());
+      continue;
+    }
+    ++sampled;
+    r.last_token = token;
+    TokenEvent event;
+    event.token = token;
+    event.index = r.generated++;
+    const bool stop =
+        std::find(r.stop_tokens.begin(), r.stop_tokens.end(), token) != r.stop_tokens.end();
+    if (stop || r.generated >= r.request.sampling.max_new_tokens) {
+      event.finished = true;
+      event.finish_reason = stop ? FinishReason::kStop : FinishReason::kLength;
+    }
+    const bool finished = event.finished;
+    emit(r, std::move(event));
+    if (finished) {
+      ++stats.requests_finished;
+      drop(r.id);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+  ++stats.steps;
+  stats.prompt_tokens += plan.prefill_tokens;
+  stats.decode_tokens += plan.decode_tokens;
+  stats.generated_tokens += sampled;
+  stats.peak_step_tokens = std::max(stats.peak_step_tokens, plan.tokens());
+  if (plan.prefill_tokens > 0) {
+    ++stats.prefill_steps;
+    stats.prefill_seconds += seconds;
+  } else {
+    stats.decode_seconds += seconds;
+    stats.decode_only_tokens += sampled;
+  }
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
+  std::unique_ptr<runtime::Executor> executor;
+  const Status status = capture([&] {
+    require_device(options.device);
+    check_options(options);
+    MOELORA_CHECK(!options.model_dir.empty(), ErrorCode::kInvalidArgument, "model_dir is empty");
+    executor =
+        runtime::CpuExecutor::load(options.model_dir, limits_of(options), options.show_progress);
+  });
+  if (!status) return status;
+  return create(std::move(executor), options);
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<runtime::Executor> executor,
+                                               const EngineOptions& options) {
+  std::unique_ptr<Impl> impl;
+  const Status status = capture([&] {
+    MOELORA_CHECK(executor != nullptr, ErrorCode::kInvalidArgument,
+                  "Engine::create: the executor is null");
+    check_options(options);
+    const runtime::ExecutorLimits& l = executor->limits();
+    MOELORA_CHECK(
+        l.max_batch_tokens >= options.max_batch_tokens && l.max_sequences >= options.max_running &&
+            l.num_slots == options.adapter_slots && l.max_lora_rank >= options.max_lora_rank,
+        ErrorCode::kInvalidArgument, "the executor's limits (max_batch_tokens ", l.max_batch_tokens,
+        ", max_sequences ", l.max_sequences, ", num_slots ", l.num_slots, ", max_lora_rank ",
+        l.max_lora_rank, ") do not cover the engine options (max_batch_tokens ",
+        options.max_batch_tokens, ", max_running ", options.max_running, ", adapter_slots ",
+        options.adapter_slots, ", max_lora_rank ", options.max_lora_rank, ")");
+    impl = std::make_unique<Impl>(std::move(executor), options);
+  });
+  if (!status) return status;
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+const ModelInfo& Engine::model_info() const {
+  return impl_->info;
+}
+
+const EngineOptions& Engine::options() const {
+  return impl_->options;
+}
+
+Status Engine::register_adapter(const std::string& name, const std::filesystem::path& dir,
+                                bool pin) {
+  Impl& im = *impl_;
+  return capture([&] {
+    MOELORA_CHECK(!name.empty(), ErrorCode::kInvalidArgument, "an adapter needs a non-empty name (",
+                  dir.string(), ")");
+    {
+      std::lock_guard lock(im.state_mutex);
+      MOELORA_CHECK(!im.pool.contains(name), ErrorCode::kInvalidArgument, "adapter '", name,
+                    "' is already registered; unregister it first");
+    }
+    // Read the files without the lock: steps go on meanwhile.
+    io::LoraAdapter adapter = im.loader()(name, dir);
+    std::lock_guard lock(im.state_mutex);
+    im.pool.add(name, dir, std::move(adapter), pin);
+  });
+}
+
+Status Engine::unregister_adapter(const std::string& name) {
+  Impl& im = *impl_;
+  return capture([&] {
+    std::lock_guard lock(im.state_mutex);
+    const int32_t refs = im.pool.refcount(name);  // kNotFound for an unknown name
+    const int32_t running = im.scheduler.running_with(name),
+                  waiting = im.scheduler.waiting_with(name);
+    MOELORA_ASSERT(refs == running, "pool refcount ", refs, " vs ", running, " running requests");
+    MOELORA_CHECK(running + waiting == 0, ErrorCode::kInvalidArgument, "adapter '", name,
+                  "' is in use by ", running + waiting, " request",
+                  running + waiting == 1 ? "" : "s", " (", running, " running, ", waiting,
+                  " waiting); cancel them or wait until they finish");
+    im.pool.remove(name);
+  });
+}
+
+std::vector<AdapterInfo> Engine::adapters() const {
+  std::lock_guard lock(impl_->state_mutex);
+  std::vector<AdapterInfo> out;
+  for (const runtime::AdapterPoolEntry& e : impl_->pool.list()) {
+    out.push_back({e.name, e.dir, e.pinned, e.slot, e.refcount, e.in_host_cache});
+  }
+  return out;
+}
+
+Result<RequestId> Engine::submit(Request request, TokenCallback callback) {
+  Impl& im = *impl_;
+  std::lock_guard lock(im.state_mutex);
+  const Status valid = im.validate(request);
+  if (!valid) return valid;
+  RequestId id = 0;
+  const Status queued = capture([&] {
+    auto r = std::make_unique<Impl::RequestState>();
+    const SamplingParams& s = request.sampling;
+    r->sampler = model::Sampler({s.temperature, s.top_p, s.top_k, s.seed});
+    r->stop_tokens = s.stop_token_ids;
+    if (!s.ignore_eos) {
+      r->stop_tokens.insert(r->stop_tokens.end(), im.info.eos_token_ids.begin(),
+                            im.info.eos_token_ids.end());
+    }
+    r->callback = std::make_shared<TokenCallback>(std::move(callback));
+    r->id = im.next_id;
+    im.scheduler.enqueue(r->id, request.adapter, static_cast<int64_t>(request.prompt.size()));
+    r->request = std::move(request);
+    id = r->id;
+    im.requests.emplace(id, std::move(r));
+    ++im.next_id;
+  });
+  if (!queued) return queued;
+  im.update_gauges();
+  return id;
+}
+
+Status Engine::cancel(RequestId id) {
+  Impl& im = *impl_;
+  std::lock_guard lock(im.state_mutex);
+  auto it = im.requests.find(id);
+  if (it == im.requests.end()) {
+    return Status(ErrorCode::kNotFound,
+                  "request " + std::to_string(id) +
+                      " is not waiting or running (unknown, finished or cancelled)");
+  }
+  return capture([&] {
+    TokenEvent event;
+    event.finished = true;
+    event.finish_reason = FinishReason::kCancelled;
+    im.emit(*it->second, std::move(event));
+    ++im.stats.requests_cancelled;
+    im.drop(id);
+    im.update_gauges();
+  });
+}
+
+Status Engine::step() {
+  Impl& im = *impl_;
+  std::lock_guard step_lock(im.step_mutex);
+  std::vector<Impl::PendingEvent> events;
+  const Status status = capture([&] {
+    std::lock_guard lock(im.state_mutex);
+    im.run_step(im.scheduler.schedule());
+    im.update_gauges();
+    events.swap(im.pending);
+  });
+  // Deliver outside the state lock. A callback that throws has its request cancelled quietly.
+  std::set<RequestId> muted;
+  for (Impl::PendingEvent& p : events) {
+    const RequestId id = p.event.request_id;
+    if (!p.callback || !*p.callback || muted.count(id)) continue;
+    try {
+      (*p.callback)(p.event);
+    } catch (...) {
+      muted.insert(id);
+      std::lock_guard lock(im.state_mutex);
+      if (im.requests.count(id)) {
+        ++im.stats.requests_cancelled;
+        capture([&] { im.drop(id); });
+      }
+    }
+  }
+  return status;
+}
+
+Status Engine::run_until_idle() {
+  while (!idle()) {
+    const EngineStats before = stats();
+    const Status status = step();
+    if (!status) return status;
+    const EngineStats after = stats();
+    // A step that ran nothing, finished nothing and delivered nothing while requests remain
+    // would repeat forever: report it instead of spinning.
+    const bool progress = after.steps != before.steps || after.waiting != before.waiting ||
+                          after.running != before.running ||
+                          after.requests_cancelled != before.requests_cancelled;
+    if (!progress && !idle()) {
+      return Status(ErrorCode::kInternal, "the engine made no progress with " +
+                                              std::to_string(after.waiting) + " waiting and " +
+                                              std::to_string(after.running) + " running requests");
+    }
+  }
+  return Status::ok();
+}
+
+bool Engine::idle() const {
+  std::lock_guard lock(impl_->state_mutex);
+  return impl_->requests.empty() && impl_->pending.empty();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard lock(impl_->state_mutex);
+  EngineStats s = impl_->stats;
+  const runtime::AdapterPoolStats& p = impl_->pool.stats();
+  s.pool_hits = p.hits;
+  s.pool_misses = p.misses;
+  s.pool_evictions = p.evictions;
+  s.host_hits = p.host_hits;
+  s.host_misses = p.host_misses;
+  return s;
+}
+
+}  // namespace moelora

@@ -1,0 +1,78 @@
+// The backend interface of the runtime: what the Engine needs from a device to run one step.
+//
+// The Engine (scheduling, sampling, adapter bookkeeping) is the same for every backend; an
+// Executor owns the model weights, the per-sequence KV caches and the adapter slot pool, and runs
+// one batched forward per step. CpuExecutor (cpu_executor.h) runs the fp32 reference model.
+//
+// Contract, written so that a GPU executor can honour it without allocating or synchronizing in
+// the steady state (DESIGN.md §4):
+//   - Sizes are fixed at creation by ExecutorLimits: tokens per forward, sequences per forward,
+//     adapter slots and their maximum rank. A GPU executor sizes its Workspace, slot buffers
+//     (A [S, Ea, Rmax, in], B [S, Eb, out, Rmax] per layer and target) and static batch-metadata
+//     buffers from them, and captures one decode graph per batch-size bucket up to max_sequences.
+//   - forward() gets each sequence's slot with its tokens (-1 = base only); the slot map is batch
+//     metadata, refreshed before the replay, so changing which adapters run never recaptures.
+//   - write_slot() / clear_slot() only rewrite slot buffers. A GPU executor may upload on a copy
+//     stream and make the next forward wait on the upload's event; the runtime guarantees that a
+//     slot is never rewritten while a sequence that uses it is live, so no in-flight forward can
+//     read a slot being written.
+//   - Executors throw moelora::Error (the Engine catches it at its boundary). A forward that
+//     throws leaves every sequence of the batch as it was before the call.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/tensor.h"
+#include "io/hf_config.h"
+#include "io/peft.h"
+
+namespace moelora::runtime {
+
+// Opaque handle of one sequence's state (KV cache) inside an executor.
+using SequenceHandle = int64_t;
+
+struct ExecutorLimits {
+  int64_t max_batch_tokens = 0;  // tokens in one forward (decode + prefill chunks)
+  int32_t max_sequences = 0;     // sequences in one forward
+  int32_t num_slots = 0;         // adapter slots
+  int64_t max_lora_rank = 0;     // largest adapter rank a slot holds
+};
+
+// The new tokens of one sequence in a forward.
+struct BatchEntry {
+  SequenceHandle sequence = -1;
+  std::span<const int32_t> tokens;  // at least one
+  int32_t slot = -1;                // adapter slot, -1 = base only; fixed for a sequence's lifetime
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+
+  virtual const io::ModelConfig& config() const = 0;
+  int64_t vocab_size() const { return config().vocab_size; }
+  virtual const ExecutorLimits& limits() const = 0;
+
+  // Adapters. check_adapter: throws (kInvalidArgument / kUnsupported naming the adapter, layer
+  // and target) when `adapter` cannot run on this model or exceeds max_lora_rank; stores nothing.
+  virtual void check_adapter(const io::LoraAdapter& adapter) const = 0;
+  // Puts `adapter` into `slot` (in [0, num_slots)), replacing what was there.
+  virtual void write_slot(int32_t slot, const io::LoraAdapter& adapter) = 0;
+  virtual void clear_slot(int32_t slot) = 0;
+
+  // Sequences: a fresh, empty one; free releases its cache (the handle becomes invalid).
+  virtual SequenceHandle new_sequence() = 0;
+  virtual void free_sequence(SequenceHandle sequence) = 0;
+  virtual int64_t sequence_length(SequenceHandle sequence) const = 0;
+  virtual int64_t live_sequences() const = 0;
+  virtual uint64_t cache_bytes() const = 0;  // KV cache bytes held by live sequences
+
+  // Appends every entry's tokens to its sequence and returns the logits of each entry's last
+  // token, F32 [1, V] per entry in batch order. Entries name distinct sequences; the batch
+  // respects limits() (max_batch_tokens, max_sequences).
+  virtual std::vector<Tensor> forward(std::span<const BatchEntry> batch) = 0;
+};
+
+}  // namespace moelora::runtime

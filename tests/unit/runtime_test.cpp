@@ -1,0 +1,1203 @@
+// Unit tests of the serving runtime (src/runtime, include/moelora/engine.h):
+//   - AdapterPool bookkeeping without a model (LRU eviction, pinning, refcounts, never evicting
+//     an adapter in use, host-cache hits, failing loads and slot writes);
+//   - Scheduler decisions without a model (token budget, decode first, chunked prefill,
+//     max_running, max_loras_per_batch, base requests going past a blocked adapter request, FIFO
+//     among adapter requests, cancellation);
+//   - the Engine end to end on the committed tiny fixtures: greedy and sampled outputs equal
+//     model::generate of each request alone while requests join and leave at different steps with
+//     mixed adapters and chunked prompts; the per-step limits as the backend sees them;
+//     cancellation frees the KV cache and the slot; adapter eviction and reloads; unregistering;
+//     bad requests and options rejected with clear messages;
+//   - `moelora bench` run as a user would (table, --json fields, errors).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "model/generate.h"
+#include "model/model.h"
+#include "moelora/engine.h"
+#include "runtime/adapter_pool.h"
+#include "runtime/cpu_executor.h"
+#include "runtime/scheduler.h"
+#include "support/test_support.h"
+
+namespace moelora::runtime {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// ================================================================ AdapterPool (no model)
+
+// Records what the pool asks the backend to do.
+class FakeWriter final : public SlotWriter {
+ public:
+  void write_slot(int32_t slot, const io::LoraAdapter& adapter) override {
+    if (fail_next_write) {
+      fail_next_write = false;
+      MOELORA_THROW(ErrorCode::kInternal, "simulated upload failure");
+    }
+    content[slot] = adapter.name;
+    ++writes;
+  }
+  void clear_slot(int32_t slot) override {
+    content.erase(slot);
+    ++clears;
+  }
+  std::map<int32_t, std::string> content;  // what each slot holds, as the backend sees it
+  int writes = 0, clears = 0;
+  bool fail_next_write = false;
+};
+
+// Counts disk reads; names listed in `broken` fail to load.
+struct FakeDisk {
+  std::map<std::string, int> reads;
+  std::set<std::string> broken;
+  AdapterLoader loader() {
+    return [this](const std::string& name, const fs::path& dir) {
+      ++reads[name];
+      MOELORA_CHECK(!broken.count(name), ErrorCode::kNotFound, dir.string(),
+                    ": adapter_config.json is missing");
+      io::LoraAdapter a;
+      a.name = name;
+      a.dir = dir;
+      return a;
+    };
+  }
+};
+
+TEST(AdapterPool, LoadsIntoFreeSlotsThenEvictsLeastRecentlyUsed) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(2, 8, writer, disk.loader());
+  for (const char* name : {"a", "b", "c"}) pool.add(name, std::string("/adapters/") + name);
+  EXPECT_EQ(writer.writes, 0);  // registration does not take a slot
+
+  const auto use = [&](const std::string& name) {
+    const std::optional<int32_t> slot = pool.acquire(name);
+    EXPECT_TRUE(slot.has_value()) << name;
+    pool.release(name);
+    return slot.value_or(-1);
+  };
+  const int32_t slot_a = use("a");
+  const int32_t slot_b = use("b");
+  EXPECT_NE(slot_a, slot_b);
+  EXPECT_EQ(use("a"), slot_a);  // hit: a is now more recent than b
+  EXPECT_EQ(pool.stats().hits, 1);
+  EXPECT_EQ(pool.stats().misses, 2);
+
+  EXPECT_EQ(use("c"), slot_b);  // b was least recently used
+  EXPECT_EQ(pool.stats().evictions, 1);
+  EXPECT_FALSE(pool.slot_of("b").has_value());
+  EXPECT_EQ(pool.slot_of("a"), slot_a);
+  EXPECT_EQ(writer.content[slot_b], "c");
+  EXPECT_EQ(writer.content[slot_a], "a");
+}
+
+TEST(AdapterPool, NeverEvictsAnAdapterInUse) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(2, 8, writer, disk.loader());
+  for (const char* name : {"a", "b", "c"}) pool.add(name, name);
+  const int32_t slot_a = pool.acquire("a").value();
+  ASSERT_TRUE(pool.acquire("b").has_value());
+  ASSERT_TRUE(pool.acquire("a").has_value());  // a second request on a
+  EXPECT_EQ(pool.refcount("a"), 2);
+  EXPECT_EQ(pool.adapters_in_use(), 2);
+
+  EXPECT_FALSE(pool.can_acquire("c"));
+  const int writes = writer.writes;
+  EXPECT_FALSE(pool.acquire("c").has_value());  // both slots are held
+  EXPECT_EQ(writer.writes, writes);
+  EXPECT_EQ(pool.refcount("c"), 0);
+
+  pool.release("a");
+  EXPECT_FALSE(pool.acquire("c").has_value());  // a is still used once
+  pool.release("a");
+  EXPECT_TRUE(pool.can_acquire("c"));
+  EXPECT_EQ(pool.acquire("c"), slot_a);  // now a's slot is free to take
+  EXPECT_EQ(pool.refcount("b"), 1);
+  EXPECT_EQ(writer.content[slot_a], "c");
+  EXPECT_TRUE(contains(error_of([&] { pool.release("a"); }), "released more often than acquired"));
+}
+
+TEST(AdapterPool, PinnedAdaptersKeepTheirSlot) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(2, 8, writer, disk.loader());
+  pool.add("p", "p", /*pin=*/true);
+  const std::optional<int32_t> pinned_slot = pool.slot_of("p");
+  ASSERT_TRUE(pinned_slot.has_value());
+  EXPECT_EQ(writer.content[*pinned_slot], "p");  // written at registration
+  EXPECT_TRUE(pool.pinned("p"));
+  EXPECT_EQ(pool.refcount("p"), 0);
+
+  pool.add("x", "x");
+  pool.add("y", "y");
+  const int32_t slot_x = pool.acquire("x").value();
+  pool.release("x");
+  EXPECT_EQ(pool.acquire("y"), slot_x);  // evicts idle x, not idle-but-pinned p
+  pool.release("y");
+  EXPECT_EQ(pool.slot_of("p"), pinned_slot);
+
+  // A second pin takes the last slot; then nothing is left for unpinned adapters.
+  EXPECT_EQ(error_of([&] { pool.add("q", "q", true); }), "<no error>");
+  EXPECT_EQ(pool.pinned_count(), 2);
+  EXPECT_FALSE(pool.can_ever_acquire("x"));
+  EXPECT_TRUE(pool.can_ever_acquire("p"));
+  EXPECT_FALSE(pool.acquire("x").has_value());
+  const std::string msg = error_of([&] { pool.add("r", "r", true); });
+  EXPECT_TRUE(contains(msg, "cannot pin adapter 'r'")) << msg;
+  EXPECT_FALSE(pool.contains("r"));  // nothing registered on failure
+}
+
+TEST(AdapterPool, HostCacheServesReloadsWithoutReadingFiles) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(1, 2, writer, disk.loader());
+  pool.add("a", "a");
+  pool.add("b", "b");
+  EXPECT_EQ(disk.reads["a"], 1);
+  EXPECT_EQ(disk.reads["b"], 1);
+  for (int round = 0; round < 3; ++round) {  // one slot: a and b evict each other every time
+    for (const char* name : {"a", "b"}) {
+      ASSERT_TRUE(pool.acquire(name).has_value());
+      pool.release(name);
+    }
+  }
+  EXPECT_EQ(disk.reads["a"], 1);  // every reload came from the host cache
+  EXPECT_EQ(disk.reads["b"], 1);
+  EXPECT_EQ(pool.stats().host_hits, 6);
+  EXPECT_EQ(pool.stats().host_misses, 2);  // the registrations
+  EXPECT_EQ(pool.stats().evictions, 5);
+
+  // A third adapter pushes the least recently used one (a) out of the 2-entry host cache.
+  pool.add("c", "c");
+  EXPECT_FALSE(pool.in_host_cache("a"));
+  EXPECT_TRUE(pool.in_host_cache("b"));
+  ASSERT_TRUE(pool.acquire("a").has_value());
+  EXPECT_EQ(disk.reads["a"], 2);  // read again
+  pool.release("a");
+}
+
+TEST(AdapterPool, ZeroHostCacheReadsEveryTime) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(1, 0, writer, disk.loader());
+  pool.add("a", "a");
+  pool.add("b", "b");
+  for (int i = 0; i < 2; ++i) {
+    for (const char* name : {"a", "b"}) {
+      ASSERT_TRUE(pool.acquire(name).has_value());
+      pool.release(name);
+    }
+  }
+  EXPECT_EQ(disk.reads["a"], 3);
+  EXPECT_EQ(pool.stats().host_hits, 0);
+}
+
+TEST(AdapterPool, FailuresLeaveAConsistentState) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(1, 0, writer, disk.loader());
+  disk.broken.insert("bad");
+  EXPECT_TRUE(
+      contains(error_of([&] { pool.add("bad", "/x/bad"); }), "adapter_config.json is missing"));
+  EXPECT_FALSE(pool.contains("bad"));
+
+  // Registered fine, files gone later (no host cache): acquire throws and changes nothing.
+  pool.add("gone", "/x/gone");
+  disk.broken.insert("gone");
+  EXPECT_TRUE(contains(error_of([&] { pool.acquire("gone"); }), "adapter_config.json is missing"));
+  EXPECT_EQ(pool.refcount("gone"), 0);
+  EXPECT_FALSE(pool.slot_of("gone").has_value());
+
+  // A slot write that fails leaves the slot empty (and cleared in the backend).
+  pool.add("ok", "/x/ok");
+  writer.fail_next_write = true;
+  EXPECT_TRUE(contains(error_of([&] { pool.acquire("ok"); }), "simulated upload failure"));
+  EXPECT_FALSE(pool.slot_of("ok").has_value());
+  EXPECT_TRUE(writer.content.empty());
+  EXPECT_EQ(pool.acquire("ok"), 0);  // and works next time
+
+  EXPECT_TRUE(contains(error_of([&] { pool.acquire("nope"); }),
+                       "unknown adapter 'nope'; registered: gone, ok"));
+  EXPECT_TRUE(contains(error_of([&] { pool.add("ok", "/y"); }), "already registered"));
+}
+
+TEST(AdapterPool, RemoveRefusesWhileInUseAndClearsTheSlot) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(2, 4, writer, disk.loader());
+  pool.add("a", "a");
+  const int32_t slot = pool.acquire("a").value();
+  const std::string msg = error_of([&] { pool.remove("a"); });
+  EXPECT_TRUE(contains(msg, "'a' is used by 1 running request")) << msg;
+  pool.release("a");
+  pool.remove("a");
+  EXPECT_FALSE(pool.contains("a"));
+  EXPECT_FALSE(writer.content.count(slot));
+  EXPECT_FALSE(pool.in_host_cache("a"));
+  EXPECT_TRUE(contains(error_of([&] { pool.remove("a"); }), "unknown adapter 'a'"));
+}
+
+// ================================================================ Scheduler (no model)
+
+struct SchedulerFixture {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool;
+  Scheduler scheduler;
+  SchedulerFixture(const SchedulerOptions& options, int32_t slots,
+                   std::vector<std::string> adapters = {})
+      : pool(slots, 8, writer, disk.loader()), scheduler(options, pool) {
+    for (const std::string& a : adapters) pool.add(a, a);
+  }
+};
+
+// (id, decode, begin, count, samples, admitted) of every item, for compact expectations.
+std::vector<std::tuple<RequestId, bool, int64_t, int64_t, bool, bool>> summary(
+    const StepPlan& plan) {
+  std::vector<std::tuple<RequestId, bool, int64_t, int64_t, bool, bool>> out;
+  for (const StepItem& i : plan.items)
+    out.emplace_back(i.id, i.decode, i.decode ? 0 : i.begin, i.count, i.samples, i.admitted);
+  return out;
+}
+
+TEST(Scheduler, TokenBudgetDecodeFirstAndChunkedPrefill) {
+  SchedulerFixture f({/*max_batch_tokens=*/10, /*max_running=*/4, 1, /*prefill_chunk=*/0}, 1);
+  f.scheduler.enqueue(1, "", 6);
+  f.scheduler.enqueue(2, "", 6);
+  f.scheduler.enqueue(3, "", 3);
+  using T = std::tuple<RequestId, bool, int64_t, int64_t, bool, bool>;
+  // Step 1: 1 whole, 2 gets the 4 tokens left, 3 does not fit.
+  StepPlan p = f.scheduler.schedule();
+  EXPECT_EQ(summary(p),
+            (std::vector<T>{{1, false, 0, 6, true, true}, {2, false, 0, 4, false, true}}));
+  EXPECT_EQ(p.prefill_tokens, 10);
+  EXPECT_EQ(f.scheduler.waiting(), 1);
+  // Step 2: 1 decodes, 2 finishes its prompt, 3 joins.
+  p = f.scheduler.schedule();
+  EXPECT_EQ(summary(p), (std::vector<T>{{1, true, 0, 1, true, false},
+                                        {2, false, 4, 2, true, false},
+                                        {3, false, 0, 3, true, true}}));
+  EXPECT_EQ(p.decode_tokens, 1);
+  EXPECT_EQ(p.prefill_tokens, 5);
+  // Request 1 finishes; the others decode.
+  f.scheduler.finish(1);
+  p = f.scheduler.schedule();
+  EXPECT_EQ(summary(p),
+            (std::vector<T>{{2, true, 0, 1, true, false}, {3, true, 0, 1, true, false}}));
+  EXPECT_EQ(f.scheduler.running(), 2);
+}
+
+TEST(Scheduler, LongPromptIsChunkedAcrossSteps) {
+  SchedulerFixture f({100, 4, 1, /*prefill_chunk=*/5}, 1);
+  f.scheduler.enqueue(7, "", 23);
+  std::vector<int64_t> chunks;
+  std::vector<bool> samples;
+  for (int step = 0; step < 6; ++step) {
+    const StepPlan p = f.scheduler.schedule();
+    ASSERT_EQ(p.items.size(), 1u);
+    EXPECT_EQ(p.items[0].admitted, step == 0);
+    if (p.items[0].decode) break;
+    EXPECT_EQ(p.items[0].begin, step * 5);
+    chunks.push_back(p.items[0].count);
+    samples.push_back(p.items[0].samples);
+  }
+  EXPECT_EQ(chunks, (std::vector<int64_t>{5, 5, 5, 5, 3}));
+  EXPECT_EQ(samples, (std::vector<bool>{false, false, false, false, true}));
+  EXPECT_EQ(f.scheduler.prefilled(7), 23);
+}
+
+TEST(Scheduler, MaxRunning) {
+  SchedulerFixture f({100, 2, 1, 0}, 1);
+  for (RequestId id = 1; id <= 3; ++id) f.scheduler.enqueue(id, "", 2);
+  StepPlan p = f.scheduler.schedule();
+  EXPECT_EQ(p.items.size(), 2u);
+  EXPECT_TRUE(f.scheduler.is_waiting(3));
+  p = f.scheduler.schedule();
+  EXPECT_EQ(p.decode_tokens, 2);
+  EXPECT_EQ(p.prefill_tokens, 0);  // still full
+  f.scheduler.finish(2);
+  p = f.scheduler.schedule();
+  EXPECT_TRUE(f.scheduler.is_running(3));
+  EXPECT_EQ(p.decode_tokens, 1);
+  EXPECT_EQ(p.prefill_tokens, 2);
+}
+
+TEST(Scheduler, MaxLorasPerBatchWithBaseRequestsGoingPast) {
+  SchedulerFixture f({100, 8, /*max_loras_per_batch=*/1, 0}, 2, {"a", "b"});
+  f.scheduler.enqueue(1, "a", 3);
+  f.scheduler.enqueue(2, "b", 3);  // a second distinct adapter: blocked
+  f.scheduler.enqueue(3, "", 3);   // base: goes past
+  f.scheduler.enqueue(4, "a", 3);  // a is in use, but adapter requests keep FIFO order behind 2
+  f.scheduler.enqueue(5, "", 3);
+  StepPlan p = f.scheduler.schedule();
+  std::set<RequestId> admitted;
+  for (const StepItem& i : p.items) admitted.insert(i.id);
+  EXPECT_EQ(admitted, (std::set<RequestId>{1, 3, 5}));
+  EXPECT_EQ(f.pool.adapters_in_use(), 1);
+  EXPECT_EQ(f.scheduler.waiting_ids(), (std::vector<RequestId>{2, 4}));
+  for (const StepItem& i : p.items) EXPECT_EQ(i.slot, i.id == 1 ? f.pool.slot_of("a").value() : -1);
+
+  // While request 1 runs, nothing changes for 2 and 4.
+  f.scheduler.schedule();
+  EXPECT_EQ(f.scheduler.waiting_ids(), (std::vector<RequestId>{2, 4}));
+  // Request 1 finishes: b gets its turn first (a is no longer in use, so 4 now needs a new
+  // distinct adapter and waits behind 2).
+  f.scheduler.finish(1);
+  p = f.scheduler.schedule();
+  EXPECT_EQ(f.scheduler.waiting_ids(), (std::vector<RequestId>{4}));
+  EXPECT_TRUE(f.scheduler.is_running(2));
+  EXPECT_EQ(f.pool.refcount("b"), 1);
+  EXPECT_EQ(f.pool.refcount("a"), 0);
+  f.scheduler.finish(2);
+  f.scheduler.schedule();
+  EXPECT_TRUE(f.scheduler.is_running(4));
+  EXPECT_EQ(f.scheduler.waiting(), 0);
+}
+
+TEST(Scheduler, SameAdapterSharesOneSlot) {
+  SchedulerFixture f({100, 8, 1, 0}, 1, {"a"});
+  for (RequestId id = 1; id <= 3; ++id) f.scheduler.enqueue(id, "a", 2);
+  const StepPlan p = f.scheduler.schedule();
+  EXPECT_EQ(p.items.size(), 3u);
+  EXPECT_EQ(f.pool.refcount("a"), 3);
+  EXPECT_EQ(f.pool.stats().misses, 1);
+  EXPECT_EQ(f.pool.stats().hits, 2);
+}
+
+TEST(Scheduler, SlotShortageBlocksLikeTheLoraLimit) {
+  // max_loras 2 with 2 slots, one pinned to an adapter nobody uses: only one slot is left.
+  SchedulerFixture f({100, 8, 2, 0}, 2, {"a", "b"});
+  f.pool.add("p", "p", /*pin=*/true);
+  f.scheduler.enqueue(1, "a", 2);
+  f.scheduler.enqueue(2, "b", 2);
+  f.scheduler.enqueue(3, "", 2);
+  f.scheduler.schedule();
+  EXPECT_TRUE(f.scheduler.is_running(1));
+  EXPECT_TRUE(f.scheduler.is_waiting(2));
+  EXPECT_TRUE(f.scheduler.is_running(3));
+  f.scheduler.finish(1);
+  f.scheduler.schedule();
+  EXPECT_TRUE(f.scheduler.is_running(2));
+}
+
+TEST(Scheduler, CancellationReleasesTheSlot) {
+  SchedulerFixture f({100, 8, 1, 4}, 1, {"a"});
+  f.scheduler.enqueue(1, "a", 10);
+  f.scheduler.enqueue(2, "a", 10);
+  f.scheduler.schedule();  // both admitted, mid-prefill
+  EXPECT_EQ(f.pool.refcount("a"), 2);
+  EXPECT_TRUE(f.scheduler.remove(1));
+  EXPECT_EQ(f.pool.refcount("a"), 1);
+  EXPECT_TRUE(f.scheduler.remove(2));
+  EXPECT_EQ(f.pool.refcount("a"), 0);
+  EXPECT_FALSE(f.scheduler.remove(2));
+  f.scheduler.enqueue(3, "", 1);
+  EXPECT_TRUE(f.scheduler.remove(3));  // waiting
+  EXPECT_TRUE(f.scheduler.schedule().empty());
+}
+
+TEST(Scheduler, UnloadableAdapterFailsOnlyItsRequest) {
+  FakeWriter writer;
+  FakeDisk disk;
+  AdapterPool pool(2, 0, writer, disk.loader());  // no host cache: admission reads the files
+  Scheduler scheduler({100, 8, 2, 0}, pool);
+  pool.add("gone", "/x/gone");
+  disk.broken.insert("gone");
+  scheduler.enqueue(1, "gone", 3);
+  scheduler.enqueue(2, "", 3);
+  const StepPlan p = scheduler.schedule();
+  ASSERT_EQ(p.failed.size(), 1u);
+  EXPECT_EQ(p.failed[0].first, 1u);
+  EXPECT_TRUE(contains(p.failed[0].second, "adapter_config.json is missing")) << p.failed[0].second;
+  EXPECT_TRUE(scheduler.is_running(2));
+  EXPECT_FALSE(scheduler.is_waiting(1));
+  EXPECT_EQ(pool.refcount("gone"), 0);
+}
+
+TEST(Scheduler, OptionsAreChecked) {
+  EXPECT_TRUE(contains(error_of([] {
+                         check_scheduler_options({4, 8, 1, 0}, 1);
+                       }),
+                       "max_batch_tokens (4) must be >= max_running (8)"));
+  EXPECT_TRUE(contains(error_of([] {
+                         check_scheduler_options({8, 8, 3, 0}, 2);
+                       }),
+                       "max_loras_per_batch (3) exceeds adapter_slots (2)"));
+  EXPECT_TRUE(contains(error_of([] {
+                         check_scheduler_options({8, 0, 1, 0}, 2);
+                       }),
+                       "max_running must be >= 1"));
+  EXPECT_TRUE(contains(error_of([] {
+                         check_scheduler_options({8, 8, 1, -1}, 2);
+                       }),
+                       "prefill_chunk"));
+}
+
+// ================================================================ Engine on the fixtures
+
+fs::path fixture(const std::string& model) {
+  return test::data_dir() / "parity" / model;
+}
+
+std::vector<int32_t> random_tokens(std::mt19937_64& rng, int64_t n, int64_t vocab) {
+  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  for (auto& t : out) t = dist(rng);
+  return out;
+}
+
+model::Model load_quiet(const fs::path& dir) {
+  model::ModelOptions options;
+  options.show_progress = false;
+  return model::Model::load(dir, options);
+}
+
+// AdapterSet in fixed-slot mode (what CpuExecutor uses for its slot pool).
+TEST(AdapterSlots, SetClearResize) {
+  model::Model m = load_quiet(fixture("qwen3_moe") / "base");
+  const fs::path dir = fixture("qwen3_moe");
+  model::AdapterSet& set = m.adapters();
+  set.resize(3);
+  EXPECT_EQ(set.size(), 3);
+  EXPECT_TRUE(set.names().empty());
+  const io::LoraAdapter a = io::load_adapter(dir / "lora_peft3d", m.config(), "a");
+  const io::LoraAdapter b = io::load_adapter(dir / "lora_shared_outer", m.config(), "b");
+  set.set(2, a);
+  EXPECT_TRUE(set.occupied(2));
+  EXPECT_FALSE(set.occupied(0));
+  EXPECT_EQ(set.slot_of("a"), 2);
+  EXPECT_EQ(set.names(), std::vector<std::string>{"a"});
+  EXPECT_TRUE(contains(error_of([&] { set.set(0, a); }), "'a' is already loaded in slot 2"));
+  EXPECT_TRUE(contains(error_of([&] { set.adapter(0); }), "adapter slot 0 is empty"));
+  EXPECT_TRUE(contains(error_of([&] { set.set(3, b); }), "adapter slot 3 is not in [0, 3)"));
+  EXPECT_TRUE(contains(error_of([&] { set.resize(2); }), "slot 2 holds adapter 'a'"));
+  // Empty slots have no factors; the occupied one has them.
+  const auto q = set.target(0, &io::LayerLora::q_proj);
+  ASSERT_EQ(q.size(), 3u);
+  EXPECT_EQ(q[0], nullptr);
+  EXPECT_NE(q[2], nullptr);
+  EXPECT_EQ(set.moe(0)[1].gate_up, nullptr);
+
+  // A sequence on the slot sees the adapter; replacing the slot changes what a new sequence sees.
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
+  model::Sequence on_a = m.new_sequence(2), base = m.new_sequence(-1);
+  const Tensor logits_a = m.forward(on_a, prompt);
+  const Tensor logits_base = m.forward(base, prompt);
+  EXPECT_GT(test::max_abs_diff(logits_a, logits_base), 1e-3);
+  set.set(2, b);
+  model::Sequence on_b = m.new_sequence(2);
+  const Tensor logits_b = m.forward(on_b, prompt);
+  EXPECT_GT(test::max_abs_diff(logits_b, logits_a), 1e-3);
+  model::Model reference = load_quiet(fixture("qwen3_moe") / "base");
+  const int32_t ref_slot = reference.load_adapter("b", dir / "lora_shared_outer");
+  model::Sequence ref = reference.new_sequence(ref_slot);
+  EXPECT_TRUE(test::all_close(logits_b, reference.forward(ref, prompt), 0.0f, 0.0f));
+  set.clear(2);
+  EXPECT_FALSE(set.occupied(2));
+  EXPECT_FALSE(set.contains("b"));
+  set.resize(1);
+  EXPECT_EQ(set.size(), 1);
+}
+
+// Wraps the CPU executor and records what every forward looked like.
+class RecordingExecutor final : public Executor {
+ public:
+  explicit RecordingExecutor(std::unique_ptr<Executor> inner) : inner_(std::move(inner)) {}
+  struct Forward {
+    int64_t tokens = 0;
+    int64_t sequences = 0;
+    std::set<int32_t> slots;  // adapter slots (>= 0) in the batch
+    int64_t base_sequences = 0;
+  };
+  std::vector<Forward> forwards;
+
+  const io::ModelConfig& config() const override { return inner_->config(); }
+  const ExecutorLimits& limits() const override { return inner_->limits(); }
+  void check_adapter(const io::LoraAdapter& a) const override { inner_->check_adapter(a); }
+  void write_slot(int32_t slot, const io::LoraAdapter& a) override { inner_->write_slot(slot, a); }
+  void clear_slot(int32_t slot) override { inner_->clear_slot(slot); }
+  SequenceHandle new_sequence() override { return inner_->new_sequence(); }
+  void free_sequence(SequenceHandle s) override { inner_->free_sequence(s); }
+  int64_t sequence_length(SequenceHandle s) const override { return inner_->sequence_length(s); }
+  int64_t live_sequences() const override { return inner_->live_sequences(); }
+  uint64_t cache_bytes() const override { return inner_->cache_bytes(); }
+  std::vector<Tensor> forward(std::span<const BatchEntry> batch) override {
+    Forward f;
+    for (const BatchEntry& b : batch) {
+      f.tokens += static_cast<int64_t>(b.tokens.size());
+      ++f.sequences;
+      if (b.slot >= 0) {
+        f.slots.insert(b.slot);
+      } else {
+        ++f.base_sequences;
+      }
+    }
+    forwards.push_back(f);
+    return inner_->forward(batch);
+  }
+
+ private:
+  std::unique_ptr<Executor> inner_;
+};
+
+EngineOptions small_options() {
+  EngineOptions o;
+  o.max_batch_tokens = 24;
+  o.max_running = 4;
+  o.max_loras_per_batch = 2;
+  o.adapter_slots = 2;
+  o.max_lora_rank = 16;
+  o.host_adapter_cache = 4;
+  o.prefill_chunk = 7;
+  return o;
+}
+
+struct TestEngine {
+  std::unique_ptr<Engine> engine;
+  RecordingExecutor* executor = nullptr;  // owned by the engine
+};
+
+TestEngine make_engine(const fs::path& model_dir, const EngineOptions& options) {
+  const ExecutorLimits limits{options.max_batch_tokens, options.max_running, options.adapter_slots,
+                              options.max_lora_rank};
+  auto recording = std::make_unique<RecordingExecutor>(
+      std::make_unique<CpuExecutor>(load_quiet(model_dir), limits));
+  TestEngine t;
+  t.executor = recording.get();
+  Result<std::unique_ptr<Engine>> created = Engine::create(std::move(recording), options);
+  EXPECT_TRUE(created.is_ok()) << created.status().message();
+  t.engine = std::move(created.value());
+  return t;
+}
+
+// Events of one request, as a client would collect them.
+struct Collected {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> indices;
+  int finals = 0;
+  FinishReason reason = FinishReason::kNone;
+  std::string error;
+};
+
+TokenCallback collect_into(Collected& c) {
+  return [&c](const TokenEvent& e) {
+    if (e.token >= 0) {
+      c.tokens.push_back(e.token);
+      c.indices.push_back(e.index);
+    }
+    if (e.finished) {
+      ++c.finals;
+      c.reason = e.finish_reason;
+      c.error = e.error;
+    }
+  };
+}
+
+struct Case {
+  std::vector<int32_t> prompt;
+  std::string adapter;  // "" = base
+  int64_t max_new = 0;
+  int join_step = 0;  // submitted before this step
+  double temperature = 0.0;
+};
+
+// Runs `cases` through the engine, each submitted before its join_step, and checks every output
+// against model::generate of that request alone (same adapter, same sampler seed).
+void expect_engine_matches_generate(const std::string& model,
+                                    const std::map<std::string, std::string>& adapters,
+                                    const std::vector<Case>& cases, const EngineOptions& options) {
+  TestEngine t = make_engine(fixture(model) / "base", options);
+  for (const auto& [name, dir] : adapters) {
+    const Status s = t.engine->register_adapter(name, fixture(model) / dir);
+    ASSERT_TRUE(s.is_ok()) << s.message();
+  }
+  std::vector<Collected> got(cases.size());
+  size_t submitted = 0;
+  for (int step = 0; submitted < cases.size() || !t.engine->idle(); ++step) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      if (cases[i].join_step != step) continue;
+      Request r;
+      r.prompt = cases[i].prompt;
+      r.adapter = cases[i].adapter;
+      r.sampling.max_new_tokens = cases[i].max_new;
+      r.sampling.ignore_eos = true;
+      r.sampling.temperature = cases[i].temperature;
+      r.sampling.top_p = cases[i].temperature > 0 ? 0.9 : 1.0;
+      r.sampling.seed = 1000 + i;
+      ASSERT_TRUE(t.engine->submit(r, collect_into(got[i])).is_ok());
+      ++submitted;
+    }
+    ASSERT_TRUE(t.engine->step().is_ok());
+    ASSERT_LT(step, 500) << "the engine does not finish";
+  }
+
+  model::Model reference = load_quiet(fixture(model) / "base");
+  for (const auto& [name, dir] : adapters) reference.load_adapter(name, fixture(model) / dir);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    model::GenerationRequest g;
+    g.prompt = cases[i].prompt;
+    g.slot = cases[i].adapter.empty() ? -1 : reference.adapters().slot_of(cases[i].adapter);
+    g.max_new_tokens = cases[i].max_new;
+    g.sampling = {cases[i].temperature, cases[i].temperature > 0 ? 0.9 : 1.0, 0, 1000 + i};
+    const model::GenerationResult alone = model::generate(reference, std::span(&g, 1));
+    EXPECT_EQ(got[i].tokens, alone.outputs[0].tokens)
+        << "request " << i << " (adapter '" << cases[i].adapter << "')";
+    EXPECT_EQ(got[i].finals, 1) << "request " << i;
+    EXPECT_EQ(got[i].reason, FinishReason::kLength) << "request " << i;
+    std::vector<int64_t> expected_indices(got[i].tokens.size());
+    std::iota(expected_indices.begin(), expected_indices.end(), 0);
+    EXPECT_EQ(got[i].indices, expected_indices);
+  }
+
+  // What the backend saw: within the limits, and really mixed.
+  bool mixed = false;
+  for (const auto& f : t.executor->forwards) {
+    EXPECT_LE(f.tokens, options.max_batch_tokens);
+    EXPECT_LE(f.sequences, options.max_running);
+    EXPECT_LE(static_cast<int32_t>(f.slots.size()), options.max_loras_per_batch);
+    mixed = mixed || (f.slots.size() >= 2 && f.base_sequences > 0);
+  }
+  if (adapters.size() >= 2 && options.max_loras_per_batch >= 2) {
+    EXPECT_TRUE(mixed) << "no step mixed two adapters and the base model";
+  }
+  const EngineStats stats = t.engine->stats();
+  EXPECT_EQ(stats.running, 0);
+  EXPECT_EQ(stats.kv_cache_bytes, 0u);
+  EXPECT_EQ(stats.steps, static_cast<int64_t>(t.executor->forwards.size()));
+  EXPECT_EQ(stats.requests_finished, static_cast<int64_t>(cases.size()));
+}
+
+TEST(Engine, ContinuousBatchingEqualsEachRequestAloneQwen) {
+  std::mt19937_64 rng(test::test_seed(71));
+  const int64_t vocab = 512;
+  // Requests join at different steps, with prompts longer than prefill_chunk (7) so that prefill
+  // chunks and decodes of other requests share steps, and leave at different steps.
+  std::vector<Case> cases = {
+      {random_tokens(rng, 19, vocab), "peft3d", 9, 0},
+      {random_tokens(rng, 5, vocab), "", 12, 0},
+      {random_tokens(rng, 11, vocab), "shared", 4, 0},
+      {random_tokens(rng, 3, vocab), "peft3d", 6, 2},
+      {random_tokens(rng, 23, vocab), "", 5, 3},
+      {random_tokens(rng, 1, vocab), "shared", 7, 5},
+      {random_tokens(rng, 8, vocab), "per_expert", 6, 6},
+      {random_tokens(rng, 13, vocab), "peft3d", 3, 9},
+      {random_tokens(rng, 6, vocab), "", 8, 9, /*temperature=*/0.8},
+  };
+  expect_engine_matches_generate("qwen3_moe",
+                                 {{"peft3d", "lora_peft3d"},
+                                  {"shared", "lora_shared_outer"},
+                                  {"per_expert", "lora_per_expert"}},
+                                 cases, small_options());
+}
+
+TEST(Engine, ContinuousBatchingEqualsEachRequestAloneDeepseek) {
+  std::mt19937_64 rng(test::test_seed(72));
+  std::vector<Case> cases = {
+      {random_tokens(rng, 9, 512), "dense", 6, 0},       {random_tokens(rng, 14, 512), "", 5, 0},
+      {random_tokens(rng, 4, 512), "peft3d", 8, 1},      {random_tokens(rng, 2, 512), "", 4, 4},
+      {random_tokens(rng, 10, 512), "dense", 3, 4, 0.7},
+  };
+  EngineOptions o = small_options();
+  o.max_batch_tokens = 16;
+  o.prefill_chunk = 0;  // only the step budget chunks
+  expect_engine_matches_generate(
+      "deepseek_v3", {{"dense", "lora_dense_shared"}, {"peft3d", "lora_peft3d"}}, cases, o);
+}
+
+TEST(Engine, OneSlotEvictsAndReloadsFromTheHostCache) {
+  std::mt19937_64 rng(test::test_seed(73));
+  std::vector<Case> cases;
+  const std::vector<std::string> order = {"a", "b", "", "a", "b", "a"};
+  for (size_t i = 0; i < order.size(); ++i) {
+    cases.push_back(
+        {random_tokens(rng, 4 + static_cast<int64_t>(i), 512), order[i], 3, static_cast<int>(i)});
+  }
+  EngineOptions o = small_options();
+  o.adapter_slots = 1;
+  o.max_loras_per_batch = 1;
+  expect_engine_matches_generate("qwen3_moe", {{"a", "lora_peft3d"}, {"b", "lora_per_expert"}},
+                                 cases, o);
+}
+
+TEST(Engine, PoolStatsAfterEvictions) {
+  EngineOptions o = small_options();
+  o.adapter_slots = 1;
+  o.max_loras_per_batch = 1;
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  ASSERT_TRUE(t.engine->register_adapter("a", fixture("qwen3_moe") / "lora_peft3d").is_ok());
+  ASSERT_TRUE(t.engine->register_adapter("b", fixture("qwen3_moe") / "lora_shared_outer").is_ok());
+  for (const char* name : {"a", "b", "a", "b"}) {
+    Request r;
+    r.prompt = {1, 2, 3};
+    r.adapter = name;
+    r.sampling.max_new_tokens = 2;
+    ASSERT_TRUE(t.engine->submit(r, {}).is_ok());
+    ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  }
+  const EngineStats s = t.engine->stats();
+  EXPECT_EQ(s.pool_misses, 4);  // one slot: every request loads its adapter
+  EXPECT_EQ(s.pool_hits, 0);
+  EXPECT_EQ(s.pool_evictions, 3);
+  EXPECT_EQ(s.host_misses, 2);  // the two registrations read the files; no slot load did
+  EXPECT_EQ(s.host_hits, 4);
+}
+
+TEST(Engine, CancelMidPrefillAndMidDecodeFreesCacheAndSlot) {
+  EngineOptions o = small_options();
+  o.prefill_chunk = 4;
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  ASSERT_TRUE(t.engine->register_adapter("a", fixture("qwen3_moe") / "lora_peft3d").is_ok());
+  std::mt19937_64 rng(test::test_seed(74));
+  Collected prefilling, decoding, other;
+  Request long_prompt{random_tokens(rng, 30, 512), "a", {}};
+  long_prompt.sampling.max_new_tokens = 5;
+  Request short_prompt{random_tokens(rng, 3, 512), "a", {}};
+  short_prompt.sampling.max_new_tokens = 50;
+  Request base{random_tokens(rng, 5, 512), "", {}};
+  base.sampling.max_new_tokens = 12;
+  for (Request* r : {&long_prompt, &short_prompt, &base}) r->sampling.ignore_eos = true;
+  const RequestId p = t.engine->submit(long_prompt, collect_into(prefilling)).value();
+  const RequestId d = t.engine->submit(short_prompt, collect_into(decoding)).value();
+  const RequestId b = t.engine->submit(base, collect_into(other)).value();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(t.engine->step().is_ok());
+  ASSERT_EQ(decoding.tokens.size(), 3u);  // d is decoding, p is still in prefill (30 > 3 * 4)
+  ASSERT_TRUE(prefilling.tokens.empty());
+  EXPECT_EQ(t.executor->live_sequences(), 3);
+  const auto adapter_users = [&] {
+    for (const AdapterInfo& a : t.engine->adapters())
+      if (a.name == "a") return a.running_requests;
+    return -1;
+  };
+  EXPECT_EQ(adapter_users(), 2);
+  const uint64_t bytes_before = t.engine->stats().kv_cache_bytes;
+
+  ASSERT_TRUE(t.engine->cancel(p).is_ok());
+  EXPECT_EQ(t.executor->live_sequences(), 2);
+  EXPECT_EQ(adapter_users(), 1);
+  EXPECT_LT(t.engine->stats().kv_cache_bytes, bytes_before);
+  ASSERT_TRUE(t.engine->cancel(d).is_ok());
+  EXPECT_EQ(t.executor->live_sequences(), 1);
+  EXPECT_EQ(adapter_users(), 0);
+  const Status again = t.engine->cancel(d);
+  EXPECT_EQ(again.code(), ErrorCode::kNotFound);
+  EXPECT_TRUE(contains(again.message(), "is not waiting or running")) << again.message();
+
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_EQ(prefilling.finals, 1);
+  EXPECT_EQ(prefilling.reason, FinishReason::kCancelled);
+  EXPECT_EQ(decoding.reason, FinishReason::kCancelled);
+  EXPECT_EQ(decoding.tokens.size(), 3u);  // nothing after the cancel
+  EXPECT_EQ(other.reason, FinishReason::kLength);
+  EXPECT_EQ(other.tokens.size(), 12u);
+  EXPECT_EQ(t.executor->live_sequences(), 0);
+  EXPECT_EQ(t.engine->stats().requests_cancelled, 2);
+  (void)b;
+
+  // The base request ran undisturbed: same tokens as alone.
+  model::Model reference = load_quiet(fixture("qwen3_moe") / "base");
+  model::GenerationRequest g;
+  g.prompt = base.prompt;
+  g.max_new_tokens = 12;
+  EXPECT_EQ(other.tokens, model::generate(reference, std::span(&g, 1)).outputs[0].tokens);
+}
+
+TEST(Engine, CancelWhileWaitingAndFromACallback) {
+  EngineOptions o = small_options();
+  o.max_running = 1;
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  Collected first, queued;
+  Request r{{4, 5, 6}, "", {}};
+  r.sampling.max_new_tokens = 20;
+  r.sampling.ignore_eos = true;
+  RequestId first_id = 0;
+  first_id = t.engine
+                 ->submit(r,
+                          [&](const TokenEvent& e) {
+                            collect_into(first)(e);
+                            if (e.index == 2) {
+                              EXPECT_TRUE(t.engine->cancel(first_id).is_ok());
+                            }
+                          })
+                 .value();
+  const RequestId q = t.engine->submit(r, collect_into(queued)).value();
+  ASSERT_TRUE(t.engine->cancel(q).is_ok());  // still waiting
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_EQ(first.tokens.size(), 3u);
+  EXPECT_EQ(first.reason, FinishReason::kCancelled);
+  EXPECT_EQ(first.finals, 1);
+  EXPECT_TRUE(queued.tokens.empty());
+  EXPECT_EQ(queued.reason, FinishReason::kCancelled);
+  EXPECT_TRUE(t.engine->idle());
+}
+
+TEST(Engine, ThrowingCallbackCancelsOnlyItsRequest) {
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  Request r{{7, 8, 9}, "", {}};
+  r.sampling.max_new_tokens = 6;
+  r.sampling.ignore_eos = true;
+  int thrower_calls = 0;
+  Collected good;
+  ASSERT_TRUE(t.engine
+                  ->submit(r,
+                           [&](const TokenEvent&) {
+                             ++thrower_calls;
+                             throw std::runtime_error("client went away");
+                           })
+                  .is_ok());
+  ASSERT_TRUE(t.engine->submit(r, collect_into(good)).is_ok());
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_EQ(thrower_calls, 1);
+  EXPECT_EQ(good.tokens.size(), 6u);
+  EXPECT_EQ(t.engine->stats().requests_cancelled, 1);
+  EXPECT_EQ(t.executor->live_sequences(), 0);
+}
+
+TEST(Engine, StopTokensEndARequest) {
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  Request r{{11, 12, 13, 14}, "", {}};
+  r.sampling.max_new_tokens = 10;
+  r.sampling.ignore_eos = true;
+  Collected free_run;
+  ASSERT_TRUE(t.engine->submit(r, collect_into(free_run)).is_ok());
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  ASSERT_EQ(free_run.tokens.size(), 10u);
+  r.sampling.stop_token_ids = {free_run.tokens[4]};
+  Collected stopped;
+  ASSERT_TRUE(t.engine->submit(r, collect_into(stopped)).is_ok());
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  const auto first = std::find(free_run.tokens.begin(), free_run.tokens.end(), free_run.tokens[4]);
+  EXPECT_EQ(stopped.tokens, std::vector<int32_t>(free_run.tokens.begin(), first + 1));
+  EXPECT_EQ(stopped.reason, FinishReason::kStop);
+}
+
+TEST(Engine, EndOfSequenceStopsUnlessIgnored) {
+  // Find prompts whose greedy continuation contains the model's EOS id: every one-token prompt,
+  // 6 tokens each (deterministic: the same candidates on every run).
+  EngineOptions o = small_options();
+  o.max_running = 64;
+  o.max_batch_tokens = 64;
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  const int32_t eos = t.engine->model_info().eos_token_ids.at(0);
+  std::vector<Request> candidates(512);
+  std::vector<Collected> free_runs(candidates.size());
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    candidates[i].prompt = {static_cast<int32_t>(i)};
+    candidates[i].sampling.max_new_tokens = 6;
+    candidates[i].sampling.ignore_eos = true;
+    ASSERT_TRUE(t.engine->submit(candidates[i], collect_into(free_runs[i])).is_ok());
+  }
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  int checked = 0;
+  for (size_t i = 0; i < candidates.size() && checked < 3; ++i) {
+    const std::vector<int32_t>& free_run = free_runs[i].tokens;
+    const auto first = std::find(free_run.begin(), free_run.end(), eos);
+    if (first == free_run.end()) continue;
+    Request r = candidates[i];
+    r.sampling.ignore_eos = false;
+    Collected stopped;
+    ASSERT_TRUE(t.engine->submit(r, collect_into(stopped)).is_ok());
+    ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+    EXPECT_EQ(stopped.tokens, std::vector<int32_t>(free_run.begin(), first + 1))
+        << "candidate " << i;
+    EXPECT_EQ(stopped.reason, FinishReason::kStop);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 3) << "too few candidate prompts generate the EOS token";
+}
+
+TEST(Engine, UnregisterRefusedWhileInUseAllowedAfter) {
+  EngineOptions o = small_options();
+  o.max_running = 1;
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  ASSERT_TRUE(t.engine->register_adapter("a", fixture("qwen3_moe") / "lora_peft3d").is_ok());
+  Request r{{1, 2, 3}, "a", {}};
+  r.sampling.max_new_tokens = 3;
+  ASSERT_TRUE(t.engine->submit(r, {}).is_ok());
+  ASSERT_TRUE(t.engine->submit(r, {}).is_ok());
+  Status s = t.engine->unregister_adapter("a");  // both waiting
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_TRUE(contains(s.message(), "'a' is in use by 2 requests (0 running, 2 waiting)"))
+      << s.message();
+  ASSERT_TRUE(t.engine->step().is_ok());
+  s = t.engine->unregister_adapter("a");
+  EXPECT_TRUE(contains(s.message(), "(1 running, 1 waiting)")) << s.message();
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_TRUE(t.engine->unregister_adapter("a").is_ok());
+  EXPECT_TRUE(t.engine->adapters().empty());
+  EXPECT_EQ(t.engine->unregister_adapter("a").code(), ErrorCode::kNotFound);
+  const Result<RequestId> late = t.engine->submit(r, {});
+  EXPECT_FALSE(late.is_ok());
+  EXPECT_TRUE(contains(late.status().message(), "unknown adapter 'a'; no adapters are registered"))
+      << late.status().message();
+  // Registering again under the same name works.
+  EXPECT_TRUE(t.engine->register_adapter("a", fixture("qwen3_moe") / "lora_shared_outer").is_ok());
+}
+
+TEST(Engine, PinnedAdapterAndAdapterErrors) {
+  EngineOptions o = small_options();
+  o.max_lora_rank = 6;  // lora_peft3d: r 4, and 6 on one o_proj
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  ASSERT_TRUE(
+      t.engine->register_adapter("p", fixture("qwen3_moe") / "lora_peft3d", /*pin=*/true).is_ok());
+  const std::vector<AdapterInfo> list = t.engine->adapters();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_TRUE(list[0].pinned);
+  EXPECT_GE(list[0].slot, 0);
+
+  // per-expert gate and up LoRA of rank 4 are one rank-8 gate_up LoRA: above max_lora_rank 6.
+  Status s = t.engine->register_adapter("big", fixture("qwen3_moe") / "lora_per_expert");
+  EXPECT_EQ(s.code(), ErrorCode::kUnsupported);
+  EXPECT_TRUE(contains(s.message(), "rank")) << s.message();
+  s = t.engine->register_adapter("p", fixture("qwen3_moe") / "lora_shared_outer");
+  EXPECT_TRUE(contains(s.message(), "'p' is already registered")) << s.message();
+  s = t.engine->register_adapter("missing", fixture("qwen3_moe") / "no_such_adapter");
+  EXPECT_EQ(s.code(), ErrorCode::kNotFound);
+  EXPECT_TRUE(contains(s.message(), "no_such_adapter")) << s.message();
+  // An adapter made for the other architecture.
+  s = t.engine->register_adapter("other", fixture("deepseek_v3") / "lora_peft3d");
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_TRUE(contains(s.message(), "other")) << s.message();
+  EXPECT_EQ(t.engine->adapters().size(), 1u);
+}
+
+TEST(Engine, BadRequestsAreRejectedWithClearMessages) {
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  ASSERT_TRUE(t.engine->register_adapter("a", fixture("qwen3_moe") / "lora_peft3d").is_ok());
+  const auto rejected = [&](Request r) {
+    const Result<RequestId> id = t.engine->submit(std::move(r), {});
+    EXPECT_FALSE(id.is_ok());
+    return id.status().message();
+  };
+  Request good{{1, 2, 3}, "", {}};
+  good.sampling.ignore_eos = true;
+  Request r = good;
+  r.prompt.clear();
+  EXPECT_EQ(rejected(r), "request: the prompt is empty");
+  r = good;
+  r.prompt = {1, 2, 512, 3};
+  EXPECT_EQ(rejected(r),
+            "request: token id 512 at prompt position 2 is outside the vocabulary [0, 512)");
+  r.prompt = {-4};
+  EXPECT_TRUE(contains(rejected(r), "token id -4 at prompt position 0"));
+  r = good;
+  r.adapter = "zzz";
+  EXPECT_EQ(rejected(r), "request: unknown adapter 'zzz'; registered: a");
+  r = good;
+  r.sampling.max_new_tokens = 0;
+  EXPECT_EQ(rejected(r), "request: max_new_tokens must be >= 1, got 0");
+  r = good;
+  r.sampling.max_new_tokens = 510;
+  EXPECT_TRUE(contains(rejected(r), "= 513 exceeds the model's context of 512 tokens"));
+  r = good;
+  r.sampling.temperature = -1;
+  EXPECT_TRUE(contains(rejected(r), "request: temperature must be"));
+  r = good;
+  r.sampling.top_p = 0;
+  EXPECT_TRUE(contains(rejected(r), "top_p"));
+  r = good;
+  r.sampling.stop_token_ids = {600};
+  EXPECT_TRUE(contains(rejected(r), "stop token id 600"));
+  // Nothing was queued, and the engine still works.
+  EXPECT_TRUE(t.engine->idle());
+  Collected c;
+  ASSERT_TRUE(t.engine->submit(good, collect_into(c)).is_ok());
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_EQ(c.tokens.size(), 16u);  // the default max_new_tokens
+}
+
+TEST(Engine, BadOptionsAreRejected) {
+  EngineOptions o;
+  o.model_dir = fixture("qwen3_moe") / "base";
+  const auto error = [](const EngineOptions& options) {
+    const Result<std::unique_ptr<Engine>> e = Engine::create(options);
+    EXPECT_FALSE(e.is_ok());
+    return e.status().message();
+  };
+  EngineOptions bad = o;
+  bad.device = "cuda";
+  EXPECT_TRUE(contains(error(bad), "device 'cuda'"));
+  EXPECT_EQ(check_device("cuda").code(), ErrorCode::kUnsupported);
+  EXPECT_TRUE(check_device("cpu").is_ok());
+  bad.device = "tpu";
+  EXPECT_TRUE(contains(error(bad), "device 'tpu' is unknown"));
+  bad = o;
+  bad.max_batch_tokens = 8;
+  bad.max_running = 16;
+  EXPECT_TRUE(contains(error(bad), "max_batch_tokens (8) must be >= max_running (16)"));
+  bad = o;
+  bad.max_loras_per_batch = 9;
+  EXPECT_TRUE(contains(error(bad), "max_loras_per_batch (9) exceeds adapter_slots (8)"));
+  bad = o;
+  bad.model_dir = fixture("qwen3_moe") / "does_not_exist";
+  EXPECT_TRUE(contains(error(bad), "does_not_exist"));
+  // The defaults work and describe the model.
+  Result<std::unique_ptr<Engine>> e = Engine::create(o);
+  ASSERT_TRUE(e.is_ok()) << e.status().message();
+  EXPECT_EQ(e.value()->model_info().vocab_size, 512);
+  EXPECT_EQ(e.value()->model_info().model_type, "qwen3_moe");
+  EXPECT_EQ(e.value()->model_info().eos_token_ids, std::vector<int32_t>{2});
+}
+
+TEST(Engine, LoraOffRejectsAdapterRequests) {
+  EngineOptions o = small_options();
+  o.max_loras_per_batch = 0;
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  ASSERT_TRUE(t.engine->register_adapter("a", fixture("qwen3_moe") / "lora_peft3d").is_ok());
+  const Result<RequestId> id = t.engine->submit({{1, 2}, "a", {}}, {});
+  EXPECT_FALSE(id.is_ok());
+  EXPECT_TRUE(contains(id.status().message(), "LoRA is off")) << id.status().message();
+}
+
+TEST(Engine, SubmitFromAnotherThreadWhileStepping) {
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  constexpr int kRequests = 6;
+  std::vector<Collected> got(kRequests);
+  std::atomic<int> submitted{0};
+  std::thread client([&] {
+    for (int i = 0; i < kRequests; ++i) {
+      Request r{{static_cast<int32_t>(10 + i), 20, 30}, "", {}};
+      r.sampling.max_new_tokens = 4;
+      r.sampling.ignore_eos = true;
+      EXPECT_TRUE(t.engine->submit(r, collect_into(got[i])).is_ok());
+      ++submitted;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  while (submitted < kRequests || !t.engine->idle()) {
+    ASSERT_TRUE(t.engine->step().is_ok());
+    std::this_thread::yield();
+  }
+  client.join();
+  model::Model reference = load_quiet(fixture("qwen3_moe") / "base");
+  for (int i = 0; i < kRequests; ++i) {
+    model::GenerationRequest g;
+    g.prompt = {static_cast<int32_t>(10 + i), 20, 30};
+    g.max_new_tokens = 4;
+    EXPECT_EQ(got[i].tokens, model::generate(reference, std::span(&g, 1)).outputs[0].tokens) << i;
+  }
+}
+
+// ================================================================ moelora bench
+
+std::string quote(const fs::path& p) {
+  return "'" + p.string() + "'";
+}
+
+TEST(BenchCli, TableAndJson) {
+  test::TempDir tmp;
+  const fs::path json = tmp / "bench.json";
+  const fs::path q = fixture("qwen3_moe");
+  const auto r = test::run_moelora(
+      "bench --model " + quote(q / "base") + " --adapters a=" + quote(q / "lora_peft3d") +
+      ",b=" + quote(q / "lora_shared_outer") +
+      " --adapter-dist skewed --base-share 0.34 --batch-sizes 2,3 --input-len 5 "
+      "--output-len 4 --seed 3 --json " +
+      quote(json));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "| B | adapters | prefill tok/s | decode tok/s | overall tok/s |"))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "base-only requests match the no-LoRA run")) << r.output;
+
+  const nlohmann::json j = nlohmann::json::parse(test::read_text_file(json));
+  EXPECT_EQ(j["device"], "cpu");
+  EXPECT_EQ(j["input_len"], 5);
+  EXPECT_EQ(j["output_len"], 4);
+  EXPECT_EQ(j["adapter_dist"], "skewed");
+  EXPECT_EQ(j["model"]["model_type"], "qwen3_moe");
+  EXPECT_TRUE(j["targets"].is_array());
+  ASSERT_EQ(j["runs"].size(), 4u);  // per B: no-LoRA, LoRA
+  for (size_t i = 0; i < 4; ++i) {
+    const nlohmann::json& run = j["runs"][i];
+    const bool lora = i % 2 == 1;
+    const int64_t b = i < 2 ? 2 : 3;
+    EXPECT_EQ(run["batch_size"], b);
+    EXPECT_EQ(run["lora"], lora);
+    for (const char* field : {"prefill_tokens_per_s", "decode_tokens_per_s", "overall_tokens_per_s",
+                              "latency_s", "peak_rss_mb", "peak_kv_cache_mb"}) {
+      ASSERT_TRUE(run[field].is_number()) << field;
+      EXPECT_GT(run[field].get<double>(), 0.0) << field << " of run " << i;
+    }
+    EXPECT_GT(run["ttft_ms"]["max"].get<double>(), 0.0);
+    EXPECT_LE(run["ttft_ms"]["p50"].get<double>(), run["ttft_ms"]["max"].get<double>());
+    const double overall = run["overall_tokens_per_s"];
+    EXPECT_NEAR(overall, static_cast<double>(b * (5 + 4)) / run["latency_s"].get<double>(),
+                1e-6 * overall);
+    if (lora) {
+      EXPECT_GT(run["pct_of_no_lora"]["overall"].get<double>(), 0.0);
+      EXPECT_EQ(run["base_requests_match"], true);
+      EXPECT_EQ(run["base_requests"], 1);  // 0.34 of 2 or 3 requests
+    } else {
+      EXPECT_TRUE(run["pct_of_no_lora"].is_null());
+      EXPECT_EQ(run["adapters_in_batch"], 0);
+    }
+  }
+}
+
+TEST(BenchCli, DistinctAdaptersAndSynthesizedPreset) {
+  test::TempDir tmp;
+  const fs::path json = tmp / "bench.json";
+  const auto r = test::run_moelora(
+      "bench --preset tiny-qwen3-moe --synth-adapters 1 --synth-rank 4 --adapter-dist distinct "
+      "--batch-sizes 3 "
+      "--input-len 4 --output-len 3 --max-batch-tokens 5 --json " +
+      quote(json));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(test::read_text_file(json));
+  ASSERT_EQ(j["runs"].size(), 2u);
+  EXPECT_EQ(j["runs"][1]["adapters_in_batch"], 3);  // one slot per request
+  EXPECT_EQ(j["max_batch_tokens"], 5);              // prompts chunked over several steps
+  EXPECT_GT(j["runs"][0]["steps"].get<int64_t>(), 3);
+  EXPECT_EQ(j["model"]["preset"], "tiny-qwen3-moe");
+}
+
+TEST(BenchCli, ErrorsAreOneClearLine) {
+  const fs::path q = fixture("qwen3_moe") / "base";
+  struct BadCase {
+    std::string args, message;
+  };
+  const std::vector<BadCase> cases = {
+      {"bench --model " + quote(q) + " --device cuda", "device 'cuda'"},
+      {"bench --input-len 4", "give exactly one of --model DIR and --preset NAME"},
+      {"bench --model " + quote(q) + " --adapter-dist zipf", "--adapter-dist 'zipf' is unknown"},
+      {"bench --model " + quote(q) + " --batch-sizes 4,x", "--batch-sizes: 'x' is not an integer"},
+      {"bench --model " + quote(q) + " --adapters a", "must be given as NAME=DIR"},
+      {"bench --model " + quote(q) + " --base-share 2", "--base-share must be in [0, 1]"},
+  };
+  for (const BadCase& c : cases) {
+    const auto r = test::run_moelora(c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args;
+    EXPECT_TRUE(contains(r.output, c.message)) << c.args << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace moelora::runtime

@@ -1,0 +1,628 @@
+// `moelora bench`: engine-level throughput of one batch (PERF.md "How to benchmark").
+//
+//   moelora bench (--model DIR | --preset NAME) --input-len N --output-len N --batch-sizes 16,32,64
+//                 [--adapters none | --adapters a=DIR,b=DIR | --adapter NAME=DIR ... |
+//                  --synth-adapters K] [--adapter-dist uniform|distinct|skewed] [--base-share F]
+//                 [--json FILE] [--device cpu|cuda] [--seed S] [--max-batch-tokens N]
+//                 [--prefill-chunk N]
+//
+// For every batch size B: B prompts of random token ids (seeded, the same for every run of that
+// B) are submitted at once to the Engine and generated greedily with EOS ignored, first without
+// LoRA, then (when adapters are given) with the adapters assigned to the requests by
+// --adapter-dist. Reported per run: prefill and decode throughput (the engine's step times: a step
+// with prompt tokens counts as prefill), overall throughput B * (in + out) / latency, time to
+// first token (mean, median, max over the batch), peak resident memory (getrusage: the process
+// peak so far) and KV cache, and for LoRA runs the percentage of the no-LoRA run's throughput.
+// Before a LoRA run counts, its output is checked against the no-LoRA run: base-only requests
+// (--base-share) must produce exactly the same tokens, since a request's tokens may not depend on
+// its batch; requests on adapters are counted when they differ (adapters with random weights
+// change the output).
+//
+// --preset writes a random checkpoint with `moelora synth` (and --synth-adapters K random PEFT
+// adapters with `moelora synth-adapter`) into a temporary directory, through the same binary's
+// subcommands, so the benchmark runs anywhere with nothing to download. The adapters are pinned
+// in the slot pool (one slot each), so slot loads stay out of the timed runs.
+//
+// Output: a Markdown table on stdout, a progress bar per run on stderr, and with --json FILE one
+// object: {"benchmark", "date", "host", "device", "threads", "model", "input_len", "output_len",
+// "seed", "max_batch_tokens", "prefill_chunk", "adapters", "adapter_dist", "base_share", "runs":
+// [{"batch_size", "lora", "adapters_in_batch", "base_requests", "prefill_tokens_per_s",
+// "decode_tokens_per_s", "overall_tokens_per_s", "latency_s", "ttft_ms": {"mean", "p50", "max"},
+// "peak_rss_mb", "peak_kv_cache_mb", "steps", "pct_of_no_lora": null or {"overall", "decode",
+// "prefill"}, "base_requests_match": null or bool, "adapter_requests_changed": null or int}],
+// "targets": []}. The E1-E3 targets of PERF.md are defined for the H200 engine; a CPU run
+// measures none of them, so `targets` stays empty.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "core/error.h"
+#include "core/progress.h"
+#include "core/threads.h"
+#include "io/hf_config.h"
+#include "io/peft.h"
+#include "model/model_setup.h"
+#include "moelora/engine.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using moelora::ErrorCode;
+using Clock = std::chrono::steady_clock;
+
+struct BenchArgs {
+  std::string model_dir;
+  std::string preset;
+  std::string adapters = "none";
+  std::vector<std::string> adapter_list;  // --adapter NAME=DIR (repeatable)
+  int64_t synth_adapters = 0;
+  int64_t synth_rank = 16;
+  std::string synth_layout = "per-expert";
+  std::string synth_targets = "all";
+  std::string dist = "uniform";
+  double base_share = 0.0;
+  int64_t input_len = 128;
+  int64_t output_len = 32;
+  std::string batch_sizes = "16,32,64";
+  std::string json;
+  std::string device = "cpu";
+  uint64_t seed = 0;
+  int64_t max_batch_tokens = 0;  // 0 = auto
+  int64_t prefill_chunk = 0;
+};
+
+// Runs another subcommand of this binary with `args`, as if typed after its name.
+void run_subcommand(const std::string& name, std::vector<std::string> args) {
+  for (const moelora::cli::Subcommand& sub : moelora::cli::registry()) {
+    if (sub.name != name) continue;
+    CLI::App app{sub.description, "moelora " + name};
+    std::function<int()> run = sub.setup(app);
+    std::reverse(args.begin(), args.end());  // CLI11 takes the argument vector back to front
+    try {
+      app.parse(args);
+    } catch (const CLI::ParseError& e) {
+      MOELORA_THROW(ErrorCode::kInternal, "moelora ", name, ": ", e.what());
+    }
+    const int code = run();
+    MOELORA_CHECK(code == 0, ErrorCode::kInternal, "moelora ", name, " exited with ", code);
+    return;
+  }
+  MOELORA_THROW(ErrorCode::kInternal, "the subcommand '", name, "' is not built into this binary");
+}
+
+// A fresh directory under the system temp dir, removed (with its content) when this dies.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (fs::temp_directory_path() / "moelora-bench-XXXXXX").string();
+    MOELORA_CHECK(mkdtemp(pattern.data()) != nullptr, ErrorCode::kInvalidArgument,
+                  "cannot create a temporary directory ", pattern);
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+// Unwraps a public-API result, turning a failed Status into the library's exception.
+void check(const moelora::Status& status) {
+  if (!status) throw moelora::Error(status.code(), status.message());
+}
+
+double peak_rss_mb() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // Linux: kilobytes
+}
+
+struct Ttft {
+  double mean = 0, p50 = 0, max = 0;  // milliseconds
+};
+
+Ttft summarize(std::vector<double> ms) {
+  Ttft t;
+  if (ms.empty()) return t;
+  std::sort(ms.begin(), ms.end());
+  for (double v : ms) t.mean += v / static_cast<double>(ms.size());
+  const size_t n = ms.size();
+  t.p50 = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  t.max = ms.back();
+  return t;
+}
+
+struct RunResult {
+  int64_t batch_size = 0;
+  bool lora = false;
+  int64_t adapters_in_batch = 0;  // distinct adapters among the requests
+  int64_t base_requests = 0;
+  double prefill_tps = 0, decode_tps = 0, overall_tps = 0, latency_s = 0;
+  Ttft ttft;
+  double peak_rss_mb = 0, peak_kv_mb = 0;
+  int64_t steps = 0;
+  std::vector<std::vector<int32_t>> outputs;  // per request
+  std::vector<std::string> adapter_of;        // per request ("" = base)
+  // LoRA runs, against the no-LoRA run of the same B.
+  std::optional<double> pct_overall, pct_decode, pct_prefill;
+  std::optional<bool> base_match;
+  std::optional<int64_t> adapter_changed;
+};
+
+std::vector<std::vector<int32_t>> random_prompts(int64_t batch, int64_t len, int64_t vocab,
+                                                 uint64_t seed) {
+  std::mt19937_64 rng(seed * 1000003ull + static_cast<uint64_t>(batch));
+  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
+  for (auto& p : prompts) {
+    p.resize(static_cast<size_t>(len));
+    for (auto& t : p) t = dist(rng);
+  }
+  return prompts;
+}
+
+// Adapter of each of `batch` requests ("" = base). `names` are the registered adapters: for
+// "distinct" one per request (batch of them), else the K given ones.
+std::vector<std::string> assign_adapters(int64_t batch, const std::vector<std::string>& names,
+                                         const std::string& dist, double base_share,
+                                         uint64_t seed) {
+  std::vector<std::string> out(static_cast<size_t>(batch));
+  if (names.empty()) return out;
+  std::mt19937_64 rng(seed + 17);
+  // Zipf weights 1/(k+1) for "skewed": adapter 0 gets the most requests.
+  std::vector<double> weights;
+  for (size_t k = 0; k < names.size(); ++k) weights.push_back(1.0 / static_cast<double>(k + 1));
+  std::discrete_distribution<size_t> zipf(weights.begin(), weights.end());
+  int64_t adapter_index = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    // round(batch * share) base-only requests, spread evenly: request i is base when
+    // round((i + 1) * share) steps up.
+    const bool base = std::floor(static_cast<double>(i + 1) * base_share + 0.5) >
+                      std::floor(static_cast<double>(i) * base_share + 0.5);
+    if (base) continue;
+    if (dist == "skewed") {
+      out[i] = names[zipf(rng)];
+    } else {  // uniform: round-robin over the adapters; distinct: one name per request
+      out[i] = names[static_cast<size_t>(adapter_index % static_cast<int64_t>(names.size()))];
+    }
+    ++adapter_index;
+  }
+  return out;
+}
+
+RunResult run_batch(moelora::Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                    const std::vector<std::string>& adapter_of, int64_t output_len,
+                    const std::string& label) {
+  const int64_t batch = static_cast<int64_t>(prompts.size());
+  RunResult r;
+  r.batch_size = batch;
+  r.adapter_of = adapter_of;
+  r.outputs.resize(prompts.size());
+  std::vector<double> first_ms(prompts.size(), -1.0);
+  std::string error;
+  moelora::ProgressBar progress(label, static_cast<uint64_t>(batch * output_len), "tokens");
+  const moelora::EngineStats before = engine.stats();
+  const auto start = Clock::now();
+  auto last_event = start;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    moelora::Request request;
+    request.prompt = prompts[i];
+    request.adapter = adapter_of[i];
+    request.sampling.max_new_tokens = output_len;
+    request.sampling.ignore_eos = true;
+    moelora::Result<moelora::RequestId> id =
+        engine.submit(std::move(request), [&, i](const moelora::TokenEvent& event) {
+          last_event = Clock::now();
+          if (event.finish_reason == moelora::FinishReason::kError && error.empty())
+            error = event.error;
+          if (event.token < 0) return;
+          if (first_ms[i] < 0)
+            first_ms[i] = std::chrono::duration<double, std::milli>(last_event - start).count();
+          r.outputs[i].push_back(event.token);
+          progress.advance();
+        });
+    check(id.status());
+  }
+  double peak_kv = 0;
+  while (!engine.idle()) {
+    check(engine.step());
+    peak_kv = std::max(peak_kv, static_cast<double>(engine.stats().kv_cache_bytes) / 1e6);
+  }
+  progress.finish();
+  MOELORA_CHECK(error.empty(), ErrorCode::kInternal, label, ": a request failed: ", error);
+  const moelora::EngineStats after = engine.stats();
+  r.latency_s = std::chrono::duration<double>(last_event - start).count();
+  const double prefill_s = after.prefill_seconds - before.prefill_seconds;
+  const double decode_s = after.decode_seconds - before.decode_seconds;
+  r.prefill_tps = prefill_s > 0
+                      ? static_cast<double>(after.prompt_tokens - before.prompt_tokens) / prefill_s
+                      : 0;
+  r.decode_tps =
+      decode_s > 0
+          ? static_cast<double>(after.decode_only_tokens - before.decode_only_tokens) / decode_s
+          : 0;
+  const int64_t input_len = prompts.empty() ? 0 : static_cast<int64_t>(prompts[0].size());
+  r.overall_tps =
+      r.latency_s > 0 ? static_cast<double>(batch * (input_len + output_len)) / r.latency_s : 0;
+  r.ttft = summarize(first_ms);
+  r.peak_rss_mb = peak_rss_mb();
+  r.peak_kv_mb = peak_kv;
+  r.steps = after.steps - before.steps;
+  std::vector<std::string> distinct;
+  for (const std::string& a : adapter_of) {
+    if (a.empty()) {
+      ++r.base_requests;
+    } else if (std::find(distinct.begin(), distinct.end(), a) == distinct.end()) {
+      distinct.push_back(a);
+    }
+  }
+  r.lora = !distinct.empty();
+  r.adapters_in_batch = static_cast<int64_t>(distinct.size());
+  return r;
+}
+
+void compare_with_baseline(RunResult& lora, const RunResult& base) {
+  auto pct = [](double a, double b) {
+    return b > 0 ? std::optional<double>(100.0 * a / b) : std::nullopt;
+  };
+  lora.pct_overall = pct(lora.overall_tps, base.overall_tps);
+  lora.pct_decode = pct(lora.decode_tps, base.decode_tps);
+  lora.pct_prefill = pct(lora.prefill_tps, base.prefill_tps);
+  bool match = true;
+  int64_t changed = 0;
+  for (size_t i = 0; i < lora.outputs.size(); ++i) {
+    if (lora.adapter_of[i].empty()) {
+      match = match && lora.outputs[i] == base.outputs[i];
+    } else {
+      changed += lora.outputs[i] != base.outputs[i];
+    }
+  }
+  lora.base_match = match;
+  lora.adapter_changed = changed;
+}
+
+std::string fmt(double v, const char* format = "%.1f") {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+nlohmann::json opt_json(const std::optional<double>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+std::string iso_date() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return buf;
+}
+
+int run_bench(const BenchArgs& a) {
+  const auto bad = ErrorCode::kInvalidArgument;
+  check(moelora::check_device(a.device));
+  MOELORA_CHECK(
+      a.model_dir.empty() != a.preset.empty(), bad,
+      "give exactly one of --model DIR and --preset NAME (e.g. --preset small-qwen3-moe)");
+  MOELORA_CHECK(a.input_len >= 1, bad, "--input-len must be >= 1, got ", a.input_len);
+  MOELORA_CHECK(a.output_len >= 1, bad, "--output-len must be >= 1, got ", a.output_len);
+  MOELORA_CHECK(a.dist == "uniform" || a.dist == "distinct" || a.dist == "skewed", bad,
+                "--adapter-dist '", a.dist, "' is unknown; expected uniform, distinct or skewed");
+  MOELORA_CHECK(a.base_share >= 0.0 && a.base_share <= 1.0, bad,
+                "--base-share must be in [0, 1], got ", a.base_share);
+  MOELORA_CHECK(a.synth_adapters >= 0, bad, "--synth-adapters must be >= 0, got ",
+                a.synth_adapters);
+  MOELORA_CHECK(a.max_batch_tokens >= 0 && a.prefill_chunk >= 0, bad,
+                "--max-batch-tokens and --prefill-chunk must be >= 0 (0 = automatic / no cap)");
+  std::vector<int64_t> batch_sizes;
+  for (int32_t b : moelora::cli::parse_int_list(a.batch_sizes, "--batch-sizes")) {
+    MOELORA_CHECK(b >= 1, bad, "--batch-sizes: every size must be >= 1, got ", b);
+    batch_sizes.push_back(b);
+  }
+  std::vector<moelora::model::AdapterSpec> specs;
+  if (a.adapters != "none" && !a.adapters.empty()) {
+    size_t pos = 0;
+    while (pos <= a.adapters.size()) {
+      const size_t end = std::min(a.adapters.find(',', pos), a.adapters.size());
+      specs.push_back(moelora::model::parse_adapter_spec(a.adapters.substr(pos, end - pos)));
+      pos = end + 1;
+    }
+  }
+  for (const std::string& s : a.adapter_list)
+    specs.push_back(moelora::model::parse_adapter_spec(s));
+  for (size_t i = 0; i < specs.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      MOELORA_CHECK(specs[i].name != specs[j].name, bad, "adapter name '", specs[i].name,
+                    "' is given twice");
+    }
+  }
+
+  std::unique_ptr<ScratchDir> scratch;
+  fs::path model_dir = a.model_dir;
+  if (!a.preset.empty() || a.synth_adapters > 0) scratch = std::make_unique<ScratchDir>();
+  if (!a.preset.empty()) {
+    model_dir = scratch->path() / "model";
+    std::fprintf(stderr, "writing a random %s checkpoint to %s\n", a.preset.c_str(),
+                 model_dir.string().c_str());
+    run_subcommand("synth", {"--preset", a.preset, "--seed", std::to_string(a.seed), "--out",
+                             model_dir.string()});
+  }
+  for (int64_t i = 0; i < a.synth_adapters; ++i) {
+    const std::string name = "synth-r" + std::to_string(a.synth_rank) + "-" + std::to_string(i);
+    const fs::path dir = scratch->path() / name;
+    run_subcommand(
+        "synth-adapter",
+        {"--model", model_dir.string(), "--layout", a.synth_layout, "--targets", a.synth_targets,
+         "--rank", std::to_string(a.synth_rank), "--alpha", std::to_string(2 * a.synth_rank),
+         "--seed", std::to_string(a.seed + 1 + i), "--out", dir.string()});
+    specs.push_back({name, dir});
+  }
+  MOELORA_CHECK(
+      a.dist != "distinct" || !specs.empty() || a.base_share == 1.0, bad,
+      "--adapter-dist distinct needs adapters (--adapters, --adapter or --synth-adapters)");
+
+  const moelora::io::ModelConfig config = moelora::io::load_model_config(model_dir);
+  const int64_t max_batch = *std::max_element(batch_sizes.begin(), batch_sizes.end());
+  // Registered names: the adapters themselves, or for "distinct" one name per request of the
+  // largest batch (the given directories round-robin), so every request has its own slot.
+  std::vector<moelora::model::AdapterSpec> registered = specs;
+  if (a.dist == "distinct" && !specs.empty()) {
+    registered.clear();
+    for (int64_t i = 0; i < max_batch; ++i) {
+      const auto& s = specs[static_cast<size_t>(i) % specs.size()];
+      registered.push_back({s.name + "#" + std::to_string(i), s.dir});
+    }
+  }
+  int64_t max_rank = 1;
+  for (const auto& s : specs) {
+    max_rank = std::max(max_rank, moelora::io::load_adapter(s.dir, config, s.name).max_rank);
+  }
+
+  moelora::EngineOptions options;
+  options.model_dir = model_dir;
+  options.device = a.device;
+  options.max_running = static_cast<int32_t>(max_batch);
+  // Default budget: the whole batch's prompts in one step, up to 8192 tokens (then chunked).
+  options.max_batch_tokens =
+      a.max_batch_tokens > 0
+          ? a.max_batch_tokens
+          : std::max<int64_t>(max_batch, std::min<int64_t>(max_batch * a.input_len, 8192));
+  options.prefill_chunk = a.prefill_chunk;
+  options.adapter_slots = static_cast<int32_t>(registered.size());
+  options.max_loras_per_batch = static_cast<int32_t>(registered.size());
+  options.host_adapter_cache = static_cast<int32_t>(registered.size());
+  options.max_lora_rank = max_rank;
+  options.show_progress = true;
+  moelora::Result<std::unique_ptr<moelora::Engine>> created = moelora::Engine::create(options);
+  check(created.status());
+  moelora::Engine& engine = *created.value();
+  for (const auto& s : registered) check(engine.register_adapter(s.name, s.dir, /*pin=*/true));
+  std::vector<std::string> names;
+  for (const auto& s : registered) names.push_back(s.name);
+
+  std::printf(
+      "moelora bench: %s, %lld layers, hidden %lld, %lld experts top-%lld, vocab %lld; device %s, "
+      "%d threads\n",
+      config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
+      static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_experts),
+      static_cast<long long>(config.num_experts_per_tok), static_cast<long long>(config.vocab_size),
+      a.device.c_str(), moelora::num_threads());
+  std::printf(
+      "one batch per run: input %lld, output %lld tokens per request, greedy, EOS ignored; %lld "
+      "tokens per step\n",
+      static_cast<long long>(a.input_len), static_cast<long long>(a.output_len),
+      static_cast<long long>(options.max_batch_tokens));
+  if (!specs.empty()) {
+    std::string list;
+    for (const auto& s : specs) list += (list.empty() ? "" : ", ") + s.name;
+    std::printf("adapters: %s; distribution %s%s\n", list.c_str(), a.dist.c_str(),
+                a.base_share > 0 ? (", base-only share " + fmt(a.base_share, "%.2f")).c_str() : "");
+  }
+  std::fflush(stdout);
+
+  {  // warm-up (threads, first touch of the weights and of every adapter), not reported
+    const int64_t b =
+        std::min<int64_t>(max_batch, std::max<int64_t>(2, static_cast<int64_t>(names.size())));
+    const auto prompts =
+        random_prompts(b, std::min<int64_t>(a.input_len, 8), config.vocab_size, a.seed + 99);
+    run_batch(engine, prompts, std::vector<std::string>(static_cast<size_t>(b)), 2, "warm-up");
+    if (!names.empty()) {
+      std::vector<std::string> all(static_cast<size_t>(b));
+      for (int64_t i = 0; i < b; ++i) all[i] = names[static_cast<size_t>(i) % names.size()];
+      run_batch(engine, prompts, all, 2, "warm-up lora");
+    }
+  }
+
+  std::vector<RunResult> runs;
+  bool all_match = true;
+  for (int64_t b : batch_sizes) {
+    const auto prompts = random_prompts(b, a.input_len, config.vocab_size, a.seed);
+    RunResult base = run_batch(engine, prompts, std::vector<std::string>(static_cast<size_t>(b)),
+                               a.output_len, "bench B=" + std::to_string(b) + " no-lora");
+    runs.push_back(base);
+    if (specs.empty()) continue;
+    const auto adapter_of = assign_adapters(b, names, a.dist, a.base_share, a.seed);
+    RunResult lora = run_batch(engine, prompts, adapter_of, a.output_len,
+                               "bench B=" + std::to_string(b) + " lora");
+    compare_with_baseline(lora, base);
+    all_match = all_match && lora.base_match.value_or(true);
+    runs.push_back(lora);
+  }
+
+  std::printf(
+      "\n| B | adapters | prefill tok/s | decode tok/s | overall tok/s | TTFT ms mean / p50 / max "
+      "| "
+      "latency s | peak RSS MB | KV MB | %% of no-LoRA overall (decode) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const RunResult& r : runs) {
+    std::string adapters = "none";
+    if (r.lora) {
+      adapters = std::to_string(r.adapters_in_batch) + " " + a.dist;
+      if (r.base_requests > 0) adapters += ", " + std::to_string(r.base_requests) + " base";
+    }
+    std::string pct = "-";
+    if (r.pct_overall)
+      pct = fmt(*r.pct_overall) + " % (" + (r.pct_decode ? fmt(*r.pct_decode) + " %" : "-") + ")";
+    std::printf("| %lld | %s | %s | %s | %s | %s / %s / %s | %s | %s | %s | %s |\n",
+                static_cast<long long>(r.batch_size), adapters.c_str(), fmt(r.prefill_tps).c_str(),
+                fmt(r.decode_tps).c_str(), fmt(r.overall_tps).c_str(), fmt(r.ttft.mean).c_str(),
+                fmt(r.ttft.p50).c_str(), fmt(r.ttft.max).c_str(), fmt(r.latency_s, "%.3f").c_str(),
+                fmt(r.peak_rss_mb, "%.0f").c_str(), fmt(r.peak_kv_mb, "%.1f").c_str(), pct.c_str());
+  }
+  for (const RunResult& r : runs) {
+    if (!r.lora) continue;
+    const std::string base_check =
+        r.base_requests == 0 ? std::string("no base-only requests")
+                             : std::to_string(r.base_requests) + " base-only requests " +
+                                   (*r.base_match ? "match" : "DO NOT MATCH") + " the no-LoRA run";
+    std::printf("check B=%lld: %s; %lld of %lld adapter requests changed the output\n",
+                static_cast<long long>(r.batch_size), base_check.c_str(),
+                static_cast<long long>(r.adapter_changed.value_or(0)),
+                static_cast<long long>(r.batch_size - r.base_requests));
+  }
+
+  if (!a.json.empty()) {
+    nlohmann::json j;
+    j["benchmark"] = "moelora bench";
+    j["date"] = iso_date();
+    char host[256] = {0};
+    gethostname(host, sizeof host - 1);
+    j["host"] = {{"name", host},
+                 {"hardware_threads", static_cast<int64_t>(sysconf(_SC_NPROCESSORS_ONLN))}};
+    j["device"] = a.device;
+    j["threads"] = moelora::num_threads();
+    j["model"] = {{"dir", a.preset.empty() ? model_dir.string() : std::string()},
+                  {"preset", a.preset},
+                  {"model_type", config.model_type},
+                  {"layers", config.num_hidden_layers},
+                  {"hidden", config.hidden_size},
+                  {"experts", config.num_experts},
+                  {"top_k", config.num_experts_per_tok},
+                  {"vocab", config.vocab_size}};
+    j["input_len"] = a.input_len;
+    j["output_len"] = a.output_len;
+    j["seed"] = a.seed;
+    j["max_batch_tokens"] = options.max_batch_tokens;
+    j["prefill_chunk"] = options.prefill_chunk;
+    j["adapters"] = nlohmann::json::array();
+    for (const auto& s : specs)
+      j["adapters"].push_back({{"name", s.name}, {"dir", s.dir.string()}});
+    j["adapter_dist"] = a.dist;
+    j["base_share"] = a.base_share;
+    j["runs"] = nlohmann::json::array();
+    for (const RunResult& r : runs) {
+      nlohmann::json run = {
+          {"batch_size", r.batch_size},
+          {"lora", r.lora},
+          {"adapters_in_batch", r.adapters_in_batch},
+          {"base_requests", r.base_requests},
+          {"prefill_tokens_per_s", r.prefill_tps},
+          {"decode_tokens_per_s", r.decode_tps},
+          {"overall_tokens_per_s", r.overall_tps},
+          {"latency_s", r.latency_s},
+          {"ttft_ms", {{"mean", r.ttft.mean}, {"p50", r.ttft.p50}, {"max", r.ttft.max}}},
+          {"peak_rss_mb", r.peak_rss_mb},
+          {"peak_kv_cache_mb", r.peak_kv_mb},
+          {"steps", r.steps}};
+      run["pct_of_no_lora"] = r.pct_overall ? nlohmann::json{{"overall", opt_json(r.pct_overall)},
+                                                             {"decode", opt_json(r.pct_decode)},
+                                                             {"prefill", opt_json(r.pct_prefill)}}
+                                            : nlohmann::json(nullptr);
+      run["base_requests_match"] =
+          r.base_match ? nlohmann::json(*r.base_match) : nlohmann::json(nullptr);
+      run["adapter_requests_changed"] =
+          r.adapter_changed ? nlohmann::json(*r.adapter_changed) : nlohmann::json(nullptr);
+      j["runs"].push_back(run);
+    }
+    j["targets"] = nlohmann::json::array();
+    std::ofstream out(a.json);
+    MOELORA_CHECK(out.good(), bad, "--json: cannot write ", a.json);
+    out << j.dump(2) << "\n";
+    MOELORA_CHECK(out.good(), bad, "--json: writing ", a.json, " failed");
+    std::printf("\nwrote %s\n", a.json.c_str());
+  }
+  if (!all_match) {
+    std::fprintf(stderr,
+                 "moelora bench: base-only requests produced different tokens in a mixed batch\n");
+    return 1;
+  }
+  return 0;
+}
+
+std::function<int()> setup_bench(CLI::App& app) {
+  auto a = std::make_shared<BenchArgs>();
+  app.add_option("--model", a->model_dir, "Checkpoint directory (config.json + *.safetensors)");
+  app.add_option("--preset", a->preset,
+                 "Synthesize a random checkpoint of this `moelora synth` preset instead (e.g. "
+                 "small-qwen3-moe)");
+  app.add_option("--adapters", a->adapters, "none, or NAME=DIR[,NAME=DIR...]")
+      ->capture_default_str();
+  app.add_option("--adapter", a->adapter_list, "One more adapter NAME=DIR (repeatable)");
+  app.add_option("--synth-adapters", a->synth_adapters,
+                 "Synthesize K random PEFT adapters for the model")
+      ->capture_default_str();
+  app.add_option("--synth-rank", a->synth_rank, "Rank of the synthesized adapters")
+      ->capture_default_str();
+  app.add_option("--synth-layout", a->synth_layout,
+                 "Expert layout of the synthesized adapters (per-expert, "
+                 "peft-3d, shared-outer)")
+      ->capture_default_str();
+  app.add_option("--synth-targets", a->synth_targets,
+                 "Targets of the synthesized adapters (see synth-adapter)")
+      ->capture_default_str();
+  app.add_option(
+         "--adapter-dist", a->dist,
+         "Requests to adapters: uniform (round-robin), distinct (every request its own adapter "
+         "name and slot), skewed (Zipf: adapter k with weight 1/(k+1))")
+      ->capture_default_str();
+  app.add_option("--base-share", a->base_share,
+                 "Share of base-only requests in LoRA runs, in [0, 1]")
+      ->capture_default_str();
+  app.add_option("--input-len", a->input_len, "Prompt tokens per request")->capture_default_str();
+  app.add_option("--output-len", a->output_len, "Generated tokens per request")
+      ->capture_default_str();
+  app.add_option("--batch-sizes", a->batch_sizes, "Comma list of batch sizes B")
+      ->capture_default_str();
+  app.add_option("--json", a->json, "Also write the results as JSON to FILE");
+  app.add_option("--device", a->device, "cpu (cuda: not available yet)")->capture_default_str();
+  app.add_option("--seed", a->seed,
+                 "Seed of the prompts (and of --preset / --synth-adapters weights)")
+      ->capture_default_str();
+  app.add_option("--max-batch-tokens", a->max_batch_tokens,
+                 "Tokens per engine step (0 = the largest batch's prompts, at most 8192)")
+      ->capture_default_str();
+  app.add_option("--prefill-chunk", a->prefill_chunk,
+                 "Prompt tokens per request per step (0 = no cap)")
+      ->capture_default_str();
+  app.footer(
+      "\nExample (CPU, a few seconds):\n"
+      "  moelora bench --preset small-qwen3-moe --synth-adapters 2 --batch-sizes 4 --input-len 32 "
+      "--output-len 16\n"
+      "Each batch size runs without LoRA, then with the adapters; LoRA runs report the % of the "
+      "no-LoRA\n"
+      "throughput and check that base-only requests produce the same tokens as without LoRA.");
+  return [a] { return run_bench(*a); };
+}
+
+}  // namespace
+
+MOELORA_SUBCOMMAND("bench",
+                   "Engine throughput of one batch of B prompts, without and with LoRA adapters",
+                   20, setup_bench);
