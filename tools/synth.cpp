@@ -36,13 +36,14 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
-#include "format.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/progress.h"
 #include "core/threads.h"
+#include "format.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
+#include "synth.h"
 
 namespace moelora::cli {
 namespace {
@@ -989,6 +990,7 @@ struct AdapterOptions {
   std::string targets;
   uint64_t seed = 0;
   bool rslora = false;
+  std::string dtype = "f32";  // of the LoRA factors: f32 or bf16
   std::string out;
 };
 
@@ -1168,6 +1170,9 @@ int run_synth_adapter(const AdapterOptions& o) {
   MOELORA_CHECK(std::isfinite(o.alpha) && o.alpha > 0, ErrorCode::kInvalidArgument,
                 "--alpha must be positive, got ", o.alpha);
   const AdapterLayout layout = parse_layout(o.layout);
+  MOELORA_CHECK(o.dtype == "f32" || o.dtype == "bf16", ErrorCode::kInvalidArgument, "--dtype '",
+                o.dtype, "' is not supported; supported: f32, bf16");
+  const DType factor_dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   const std::set<std::string> targets = parse_targets(o.targets, c, model_dir.string());
   const fs::path out(o.out);
   prepare_output_dir(out);
@@ -1180,8 +1185,10 @@ int run_synth_adapter(const AdapterOptions& o) {
     const Source src{stream_key(o.seed, f.name), f.init};
     const int64_t numel = shape_numel(f.shape);
     parameters += static_cast<uint64_t>(numel);
-    writer.add(f.name, DType::kF32, f.shape,
-               [src, numel](void* dst) { fill_float(dst, DType::kF32, src, numel); });
+    // fill_float splits each tensor over the thread pool; bf16 rounds each value once.
+    writer.add(f.name, factor_dtype, f.shape, [src, numel, factor_dtype](void* dst) {
+      fill_float(dst, factor_dtype, src, numel);
+    });
   });
   MOELORA_CHECK(writer.size() > 0, ErrorCode::kInvalidArgument, "--targets ", o.targets,
                 ": no module of ", model_dir.string(), " matches");
@@ -1221,10 +1228,13 @@ std::function<int()> setup_synth_adapter(CLI::App& app) {
       ->required();
   app.add_option("--seed", o->seed, "Random seed (default 0)");
   app.add_flag("--rslora", o->rslora, "use_rslora: scaling alpha / sqrt(r)");
+  app.add_option("--dtype", o->dtype,
+                 "dtype of the LoRA factors: f32 (the default) or bf16 (half the file size)");
   app.add_option("--out", o->out, "Output directory")->required();
   app.footer(
       "\nWrites adapter_config.json (peft_type LORA, bias none, base_model_name_or_path =\n"
-      "--model) and adapter_model.safetensors (F32, keys base_model.model.<module>.lora_{A,B}\n"
+      "--model) and adapter_model.safetensors (F32 or --dtype bf16, keys "
+      "base_model.model.<module>.lora_{A,B}\n"
       ".weight). B is random, not zero, so the adapter changes the model's outputs. Attention\n"
       "targets exist on every attention layer, experts and shared_experts on MoE layers, mlp on\n"
       "dense layers.");
@@ -1239,4 +1249,18 @@ MOELORA_SUBCOMMAND("synth-adapter",
                    setup_synth_adapter);
 
 }  // namespace
+}  // namespace moelora::cli
+
+namespace moelora::cli {
+
+io::ModelConfig preset_config(const std::string& preset, int64_t layers, const std::string& quant) {
+  io::ModelConfig c = find_preset(preset).make();
+  MOELORA_CHECK(layers >= 0, ErrorCode::kInvalidArgument, "layers must be >= 0 (0 = all), got ",
+                layers);
+  if (layers > 0 && layers < c.num_hidden_layers) set_layers(c, layers);
+  c.quant = make_quant(c, parse_quant(quant));
+  c.validate("preset " + preset);
+  return c;
+}
+
 }  // namespace moelora::cli

@@ -9,7 +9,9 @@
 //                               and draw from the kept tokens in proportion to p.
 // Ties in probability are ranked by lower token id. The draw uses std::mt19937_64 seeded with
 // `seed` and maps its 64-bit output to [0, 1) as (x >> 11) * 2^-53, so a seed gives the same
-// tokens on every platform and standard library.
+// tokens on every platform and standard library. The rule itself is ops::sample_row_ref (the
+// oracle of the GPU sampler), so a request's draws give the same tokens on the CPU and the GPU
+// path up to fp32-vs-double rounding at a decision boundary.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +40,8 @@ int32_t argmax(std::span<const float> logits);
 // The distribution a non-greedy draw uses: probabilities after temperature, top-k and top-p,
 // renormalized over the kept tokens, 0 for the others ([V], double). For temperature 0: a one-hot
 // vector at argmax.
-std::vector<double> sampling_probabilities(std::span<const float> logits, const SamplingParams& params);
+std::vector<double> sampling_probabilities(std::span<const float> logits,
+                                           const SamplingParams& params);
 
 class Sampler {
  public:
@@ -48,10 +51,11 @@ class Sampler {
   int32_t sample(std::span<const float> logits);
   // logits: F32 [V] or [1, V].
   int32_t sample(const Tensor& logits);
+  // The next number of the seeded stream, in [0, 1): what sample() consumes for a non-greedy
+  // row, and what the engine hands to the GPU sampler instead.
+  double next_uniform();
 
  private:
-  double uniform();  // [0, 1)
-
   SamplingParams params_;
   std::mt19937_64 rng_;
 };

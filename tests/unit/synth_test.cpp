@@ -418,6 +418,39 @@ TEST_F(SynthAdapterTest, PerExpertLayout) {
   EXPECT_FALSE(a.layers[1].experts_gate_up.defined());
 }
 
+// --dtype bf16: the same values as the f32 adapter of the same seed, rounded to bf16 once, in files
+// of half the size; the adapter loader reads them; an unknown dtype is one clear error.
+TEST_F(SynthAdapterTest, Bf16FactorsAreTheRoundedF32Factors) {
+  const std::string args =
+      "--model " + quoted(qwen_) + " --rank 5 --targets q_proj,experts --seed 9";
+  const fs::path f32_dir = adapter("f32", args);
+  const fs::path bf16_dir = adapter("bf16", args + " --dtype bf16");
+  const SafetensorsStore f32 = SafetensorsStore::open_dir(f32_dir, "adapter_model");
+  const SafetensorsStore bf16 = SafetensorsStore::open_dir(bf16_dir, "adapter_model");
+  ASSERT_EQ(bf16.names(), f32.names());
+  size_t checked = 0;
+  for (const std::string& name : f32.names()) {
+    ASSERT_EQ(bf16.info(name).dtype, DType::kBF16) << name;
+    ASSERT_EQ(bf16.info(name).shape, f32.info(name).shape) << name;
+    const Tensor a = f32.tensor(name), b = bf16.tensor(name);
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      ASSERT_EQ(b.data<uint16_t>()[i], f32_to_bf16_bits(a.data<float>()[i]))
+          << name << " element " << i;
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 0u);
+  const auto f32_bytes = fs::file_size(f32_dir / "adapter_model.safetensors");
+  const auto bf16_bytes = fs::file_size(bf16_dir / "adapter_model.safetensors");
+  EXPECT_LT(bf16_bytes, f32_bytes * 6 / 10);
+
+  const LoraAdapter a = load_adapter(bf16_dir, load_model_config(qwen_), "bf16");
+  EXPECT_EQ(a.expert_layout, ExpertLoraLayout::kPerExpert);
+  EXPECT_TRUE(a.layers[0].experts_gate_up.defined());
+  expect_cli_error("synth-adapter " + args + " --dtype f16 --out " + quoted(tmp_ / "bad"),
+                   {"--dtype", "f16", "f32, bf16"});
+}
+
 TEST_F(SynthAdapterTest, Peft3dLayout) {
   const fs::path dir =
       adapter("p3", "--model " + quoted(qwen_) +

@@ -1,0 +1,25 @@
+// Token embedding on the GPU: out[t, :] = table[ids[t], :] (bf16 rows copied as they are).
+// Ids were validated on the host by the scheduler (embedding_ref's kOutOfRange is the contract);
+// the kernel still clamps nothing and reads ids < vocab only: an id outside [0, vocab) writes a
+// zero row instead of reading out of bounds.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moelora::ops::cuda {
+
+struct EmbeddingArgs {
+  const __nv_bfloat16* table = nullptr;  // [V, H]
+  const int32_t* ids = nullptr;          // [T]
+  __nv_bfloat16* out = nullptr;          // [T, H]
+  int tokens = 0;                        // T (grid capacity; rows >= *num_tokens are skipped)
+  const int32_t* num_tokens = nullptr;   // [1] valid rows (device), nullptr = tokens
+  int hidden = 0;                        // H, multiple of 8
+  int vocab = 0;                         // V
+};
+void launch_embedding(const EmbeddingArgs& args, cudaStream_t stream);
+
+}  // namespace moelora::ops::cuda

@@ -1,0 +1,591 @@
+// GPU kernels of the dense parts of the models against their CPU references, on random inputs
+// (seed printed), odd sizes and the real models' shapes:
+//   - embedding vs embedding_ref (bit-exact; an out-of-range id gives a zero row; rows past the
+//     device count are untouched);
+//   - rms_norm vs rms_norm_ref: hidden rows with and without the fused residual add (residual
+//     written back bit-exactly), Qwen3's per-head q/k norm on a [T, heads, 128] view with
+//     rows_per_token, MLA's kv_a_layernorm on the first 512 of 576 columns, both NormStyles,
+//     scalar (unaligned) rows, in place;
+//   - rope vs apply_rope_inplace_ref: Qwen3 rotate-half D = 128, Kimi-K2.5 MLA interleaved rope 64
+//     at dim_offset 128 with a YaRN table, Qwen3.5 partial rotary 64 of 256, an odd unaligned case
+//     with attention_factor != 1;
+//   - silu_mul vs silu_mul_fused_ref, add_rows (bit-exact, base-only rows untouched);
+//   - sample vs sample_row_ref: greedy bit-exact (ties, masked rows), sampled rows with random u
+//     equal to the reference except where the reference's own margin is below 1e-5 (counted,
+//     required rare).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/dtype.h"
+#include "gpu/gpu_test_util.cuh"
+#include "ops/embedding/embedding.h"
+#include "ops/embedding/embedding_cuda.cuh"
+#include "ops/linear/linear.h"
+#include "ops/linear/linear_cuda.cuh"
+#include "ops/norm/norm.h"
+#include "ops/norm/norm_cuda.cuh"
+#include "ops/rope/rope.h"
+#include "ops/rope/rope_cuda.cuh"
+#include "ops/sample/sample.h"
+#include "ops/sample/sample_cuda.cuh"
+#include "support/test_support.h"
+
+namespace moelora {
+namespace {
+
+using test::download_vector;
+using test::upload_vector;
+
+// Random bf16 values (as raw bits) and their exact fp32 values.
+std::vector<uint16_t> random_bf16(std::mt19937_64& rng, size_t n, float stddev, float mean = 0.0f) {
+  std::normal_distribution<float> dist(mean, stddev);
+  std::vector<uint16_t> out(n);
+  for (auto& v : out) v = f32_to_bf16_bits(dist(rng));
+  return out;
+}
+std::vector<float> to_f32(const std::vector<uint16_t>& bits) {
+  std::vector<float> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_bits_to_f32(bits[i]);
+  return out;
+}
+Tensor f32_tensor(const std::vector<float>& v, Shape shape) {
+  return Tensor::from_f32(v, std::move(shape));
+}
+
+// ---------------------------------------------------------------- embedding
+
+TEST(Sm90_DenseOps, EmbeddingGathersRowsExactly) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(301));
+  for (const auto& [V, H] : std::vector<std::pair<int, int>>{{1001, 2048}, {163, 7168}, {57, 24}}) {
+    const int T = 37, valid = 29;
+    const std::vector<uint16_t> table = random_bf16(rng, static_cast<size_t>(V) * H, 1.0f);
+    std::vector<int32_t> ids(T);
+    std::uniform_int_distribution<int32_t> id_dist(0, V - 1);
+    for (auto& id : ids) id = id_dist(rng);
+    ids[5] = V;  // out of range: zero row
+    ids[6] = -3;
+    std::vector<int32_t> ref_ids = ids;
+    ref_ids[5] = ref_ids[6] = 0;
+    Tensor table_t = Tensor::empty(DType::kBF16, {V, H});
+    std::memcpy(table_t.raw_data(), table.data(), table.size() * 2);
+    const Tensor ref = ops::embedding_ref(table_t, std::span<const int32_t>(ref_ids));
+
+    auto table_d = upload_vector(table);
+    auto ids_d = upload_vector(ids);
+    auto count_d = upload_vector(std::vector<int32_t>{valid});
+    std::vector<uint16_t> sentinel(static_cast<size_t>(T) * H, 0x7f7f);
+    auto out_d = upload_vector(sentinel);
+    ops::cuda::EmbeddingArgs a;
+    a.table = table_d.as<__nv_bfloat16>();
+    a.ids = ids_d.as<int32_t>();
+    a.out = out_d.as<__nv_bfloat16>();
+    a.tokens = T;
+    a.num_tokens = count_d.as<int32_t>();
+    a.hidden = H;
+    a.vocab = V;
+    ops::cuda::launch_embedding(a, nullptr);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> out = download_vector<uint16_t>(out_d, sentinel.size());
+    for (int t = 0; t < T; ++t) {
+      for (int h = 0; h < H; ++h) {
+        const uint16_t got = out[static_cast<size_t>(t) * H + h];
+        if (t >= valid) {
+          ASSERT_EQ(got, 0x7f7f) << "row " << t << " past num_tokens was written";
+        } else if (t == 5 || t == 6) {
+          ASSERT_EQ(got, 0) << "row " << t << " with a bad id must be zero";
+        } else {
+          ASSERT_EQ(bf16_bits_to_f32(got), ref.data<float>()[static_cast<size_t>(t) * H + h])
+              << "V " << V << " H " << H << " row " << t << " col " << h;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- rms_norm
+
+struct NormCase {
+  const char* name;
+  int tokens, rows_per_token, dim;
+  int64_t x_stride, y_stride;  // 0 = dim
+  bool residual, in_place;
+  NormStyle style;
+  float eps;
+};
+
+void check_norm(const NormCase& c, uint64_t seed) {
+  SCOPED_TRACE(c.name);
+  std::mt19937_64 rng(test::test_seed(seed));
+  const int capacity_tokens = c.tokens + 3, valid_tokens = c.tokens;
+  const int rows = capacity_tokens * c.rows_per_token, valid_rows = valid_tokens * c.rows_per_token;
+  const int64_t xs = c.x_stride ? c.x_stride : c.dim, ys = c.y_stride ? c.y_stride : c.dim;
+  const std::vector<uint16_t> x = random_bf16(rng, static_cast<size_t>(rows) * xs, 1.3f, 0.2f);
+  const std::vector<uint16_t> res = random_bf16(rng, static_cast<size_t>(rows) * c.dim, 0.8f);
+  const std::vector<uint16_t> w = random_bf16(rng, static_cast<size_t>(c.dim), 0.2f,
+                                              c.style == NormStyle::kWeight ? 1.0f : 0.0f);
+
+  // Reference: r = bf16(x + residual) (or x), y = rms_norm_ref(r).
+  std::vector<float> r(static_cast<size_t>(valid_rows) * c.dim);
+  std::vector<uint16_t> r_bits(r.size());
+  for (int i = 0; i < valid_rows; ++i) {
+    for (int d = 0; d < c.dim; ++d) {
+      float v = bf16_bits_to_f32(x[static_cast<size_t>(i) * xs + d]);
+      if (c.residual)
+        v = round_to_bf16(v + bf16_bits_to_f32(res[static_cast<size_t>(i) * c.dim + d]));
+      r[static_cast<size_t>(i) * c.dim + d] = v;
+      r_bits[static_cast<size_t>(i) * c.dim + d] = f32_to_bf16_bits(v);
+    }
+  }
+  ops::RmsNormParams params;
+  params.eps = c.eps;
+  params.style = c.style;
+  const Tensor ref =
+      ops::rms_norm_ref(f32_tensor(r, {valid_rows, c.dim}), f32_tensor(to_f32(w), {c.dim}), params);
+
+  auto x_d = upload_vector(x);
+  auto res_d = upload_vector(res);
+  auto w_d = upload_vector(w);
+  std::vector<uint16_t> y_init(static_cast<size_t>(rows) * ys, 0x7f7f);
+  auto y_d = upload_vector(y_init);
+  auto count_d = upload_vector(std::vector<int32_t>{valid_tokens});
+  ops::cuda::RmsNormArgs a;
+  a.x = x_d.as<__nv_bfloat16>();
+  a.residual = c.residual ? res_d.as<__nv_bfloat16>() : nullptr;
+  a.weight = w_d.as<__nv_bfloat16>();
+  a.y = c.in_place ? x_d.as<__nv_bfloat16>() : y_d.as<__nv_bfloat16>();
+  a.rows = rows;
+  a.num_rows = count_d.as<int32_t>();
+  a.rows_per_token = c.rows_per_token;
+  a.dim = c.dim;
+  a.x_stride = c.x_stride;
+  a.y_stride = c.in_place ? c.x_stride : c.y_stride;
+  a.eps = c.eps;
+  a.style = c.style;
+  ops::cuda::launch_rms_norm(a, nullptr);
+  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+
+  const int64_t out_stride = c.in_place ? xs : ys;
+  const std::vector<uint16_t> y = c.in_place ? download_vector<uint16_t>(x_d, x.size())
+                                             : download_vector<uint16_t>(y_d, y_init.size());
+  std::vector<float> got(static_cast<size_t>(valid_rows) * c.dim);
+  for (int i = 0; i < valid_rows; ++i)
+    for (int d = 0; d < c.dim; ++d)
+      got[static_cast<size_t>(i) * c.dim + d] =
+          bf16_bits_to_f32(y[static_cast<size_t>(i) * out_stride + d]);
+  EXPECT_TRUE(test::close_bf16(f32_tensor(got, {valid_rows, c.dim}), ref));
+  // Rows past the device count and columns past dim are untouched.
+  for (int i = 0; i < rows; ++i) {
+    for (int64_t d = 0; d < out_stride; ++d) {
+      if (i < valid_rows && d < c.dim) continue;
+      const size_t at = static_cast<size_t>(i) * out_stride + d;
+      ASSERT_EQ(y[at], c.in_place ? x[at] : uint16_t{0x7f7f}) << "row " << i << " col " << d;
+    }
+  }
+  if (c.residual) {
+    const std::vector<uint16_t> res_out = download_vector<uint16_t>(res_d, res.size());
+    for (size_t i = 0; i < res.size(); ++i) {
+      const uint16_t expected = i < r_bits.size() ? r_bits[i] : res[i];
+      ASSERT_EQ(res_out[i], expected) << "residual element " << i;
+    }
+  }
+}
+
+TEST(Sm90_DenseOps, RmsNormMatchesReference) {
+  MOELORA_REQUIRE_SM90();
+  const std::vector<NormCase> cases = {
+      {"qwen3 hidden 2048 + residual", 37, 1, 2048, 0, 0, true, false, NormStyle::kWeight, 1e-6f},
+      {"kimi hidden 7168", 5, 1, 7168, 0, 0, false, false, NormStyle::kWeight, 1e-5f},
+      {"kimi hidden 7168 + residual", 9, 1, 7168, 0, 0, true, false, NormStyle::kWeight, 1e-5f},
+      {"qwen3 q_norm [T, 32, 128] in place", 13, 32, 128, 128, 0, false, true, NormStyle::kWeight,
+       1e-6f},
+      {"qwen3.5 k_norm (1 + w) [T, 2, 256]", 11, 2, 256, 256, 0, false, false,
+       NormStyle::kOnePlusWeight, 1e-6f},
+      {"qwen3.5 hidden (1 + w) + residual", 7, 1, 2048, 0, 0, true, false,
+       NormStyle::kOnePlusWeight, 1e-6f},
+      {"kimi kv_a_layernorm 512 of 576", 17, 1, 512, 576, 520, false, false, NormStyle::kWeight,
+       1e-6f},
+      {"kimi q_a_layernorm 1536", 6, 1, 1536, 0, 0, false, false, NormStyle::kWeight, 1e-6f},
+      {"odd unaligned D 6 stride 10", 23, 3, 6, 10, 14, true, false, NormStyle::kWeight, 1e-6f},
+      {"odd unaligned D 1030", 4, 1, 1030, 1034, 0, true, false, NormStyle::kOnePlusWeight, 1e-6f},
+  };
+  uint64_t seed = 311;
+  for (const NormCase& c : cases) check_norm(c, seed++);
+}
+
+// ---------------------------------------------------------------- rope
+
+struct RopeCase {
+  const char* name;
+  int tokens, heads, head_dim, dim_offset;
+  RopeStyle style;
+  ops::RopeParams params;
+  int max_position;
+};
+
+void check_rope(const RopeCase& c, uint64_t seed) {
+  SCOPED_TRACE(c.name);
+  std::mt19937_64 rng(test::test_seed(seed));
+  const ops::RopeTable table = ops::make_rope_table(c.params);
+  const int capacity = c.tokens + 2;
+  const size_t n = static_cast<size_t>(capacity) * c.heads * c.head_dim;
+  const std::vector<uint16_t> x = random_bf16(rng, n, 1.0f);
+  std::vector<int32_t> pos(capacity);
+  std::uniform_int_distribution<int32_t> pos_dist(0, c.max_position);
+  for (auto& p : pos) p = pos_dist(rng);
+  pos[0] = 0;
+
+  std::vector<float> x_f = to_f32(x);
+  x_f.resize(static_cast<size_t>(c.tokens) * c.heads * c.head_dim);
+  Tensor ref = f32_tensor(x_f, {c.tokens, c.heads, c.head_dim});
+  std::vector<int64_t> pos64(pos.begin(), pos.begin() + c.tokens);
+  ops::RopeApplyParams ap;
+  ap.style = c.style;
+  ap.dim_offset = c.dim_offset;
+  ops::apply_rope_inplace_ref(ref, pos64, table, ap);
+
+  auto x_d = upload_vector(x);
+  auto pos_d = upload_vector(pos);
+  auto freq_d = upload_vector(table.inv_freq);
+  auto count_d = upload_vector(std::vector<int32_t>{c.tokens});
+  ops::cuda::RopeCudaArgs a;
+  a.x = x_d.as<__nv_bfloat16>();
+  a.tokens = capacity;
+  a.num_tokens = count_d.as<int32_t>();
+  a.positions = pos_d.as<int32_t>();
+  a.heads = c.heads;
+  a.token_stride = static_cast<int64_t>(c.heads) * c.head_dim;
+  a.head_stride = c.head_dim;
+  a.dim_offset = c.dim_offset;
+  a.rotary_dim = static_cast<int>(table.rotary_dim);
+  a.inv_freq = freq_d.as<float>();
+  a.attention_factor = table.attention_factor;
+  a.style = c.style;
+  ops::cuda::launch_rope(a, nullptr);
+  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> y = download_vector<uint16_t>(x_d, n);
+  const size_t valid = static_cast<size_t>(c.tokens) * c.heads * c.head_dim;
+  std::vector<float> got(valid);
+  for (size_t i = 0; i < valid; ++i) got[i] = bf16_bits_to_f32(y[i]);
+  EXPECT_TRUE(test::close_bf16(f32_tensor(got, {c.tokens, c.heads, c.head_dim}), ref));
+  // Dims outside the rotated range and tokens past the count are untouched.
+  for (size_t i = 0; i < n; ++i) {
+    const int d = static_cast<int>(i % c.head_dim);
+    if (i < valid && d >= c.dim_offset && d < c.dim_offset + table.rotary_dim) continue;
+    ASSERT_EQ(y[i], x[i]) << "element " << i << " (dim " << d << ") changed";
+  }
+}
+
+TEST(Sm90_DenseOps, RopeMatchesReference) {
+  MOELORA_REQUIRE_SM90();
+  ops::RopeParams qwen3;
+  qwen3.theta = 1e6;
+  qwen3.rotary_dim = 128;
+  ops::RopeParams kimi;  // DeepSeek-V3 / Kimi-K2.5 YaRN
+  kimi.type = ops::RopeType::kYarn;
+  kimi.theta = 50000;
+  kimi.rotary_dim = 64;
+  kimi.factor = 64;
+  kimi.original_max_position_embeddings = 4096;
+  kimi.beta_fast = 32;
+  kimi.beta_slow = 1;
+  kimi.mscale = 1;
+  kimi.mscale_all_dim = 1;
+  ops::RopeParams qwen35;
+  qwen35.theta = 1e7;
+  qwen35.rotary_dim = 64;
+  ops::RopeParams scaled;  // YaRN without mscale keys: attention_factor 1 + 0.1 ln 4
+  scaled.type = ops::RopeType::kYarn;
+  scaled.rotary_dim = 6;
+  scaled.factor = 4;
+  scaled.original_max_position_embeddings = 256;
+  const std::vector<RopeCase> cases = {
+      {"qwen3 q [T, 32, 128] rotate-half", 19, 32, 128, 0, RopeStyle::kRotateHalf, qwen3, 40000},
+      {"qwen3 k [T, 4, 128] rotate-half", 7, 4, 128, 0, RopeStyle::kRotateHalf, qwen3, 40000},
+      {"kimi q [T, 64, 192] interleaved rope 64 at 128, YaRN", 9, 64, 192, 128,
+       RopeStyle::kInterleaved, kimi, 200000},
+      {"kimi k_rope [T, 1, 64] interleaved, YaRN", 21, 1, 64, 0, RopeStyle::kInterleaved, kimi,
+       200000},
+      {"qwen3.5 partial rotary 64 of 256", 11, 16, 256, 0, RopeStyle::kRotateHalf, qwen35, 250000},
+      {"odd: rotary 6 at 3 of 11, rotate-half, factor 1.1386", 5, 3, 11, 3, RopeStyle::kRotateHalf,
+       scaled, 999},
+      {"odd: rotary 6 at 1 of 9, interleaved", 6, 5, 9, 1, RopeStyle::kInterleaved, scaled, 999},
+  };
+  uint64_t seed = 331;
+  for (const RopeCase& c : cases) check_rope(c, seed++);
+}
+
+// ---------------------------------------------------------------- silu_mul, add_rows
+
+TEST(Sm90_DenseOps, SiluMulMatchesReference) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(351));
+  for (int inter : {768, 2048, 13}) {
+    SCOPED_TRACE(inter);
+    const int T = 23, valid = 19;
+    const std::vector<uint16_t> gu = random_bf16(rng, static_cast<size_t>(T) * 2 * inter, 2.0f);
+    const std::vector<float> gu_f = to_f32(gu);
+    const Tensor ref = ops::silu_mul_fused_ref(f32_tensor(
+        std::vector<float>(gu_f.begin(), gu_f.begin() + static_cast<int64_t>(valid) * 2 * inter),
+        {valid, 2 * inter}));
+    auto gu_d = upload_vector(gu);
+    std::vector<uint16_t> init(static_cast<size_t>(T) * inter, 0x7f7f);
+    auto out_d = upload_vector(init);
+    auto count_d = upload_vector(std::vector<int32_t>{valid});
+    ops::cuda::SiluMulArgs a;
+    a.gate_up = gu_d.as<__nv_bfloat16>();
+    a.out = out_d.as<__nv_bfloat16>();
+    a.tokens = T;
+    a.num_tokens = count_d.as<int32_t>();
+    a.inter = inter;
+    ops::cuda::launch_silu_mul(a, nullptr);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> out = download_vector<uint16_t>(out_d, init.size());
+    std::vector<float> got(static_cast<size_t>(valid) * inter);
+    for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_bits_to_f32(out[i]);
+    EXPECT_TRUE(test::close_bf16(f32_tensor(got, {valid, inter}), ref));
+    for (size_t i = got.size(); i < out.size(); ++i) ASSERT_EQ(out[i], 0x7f7f) << i;
+  }
+}
+
+TEST(Sm90_DenseOps, AddRowsAddsOnlyLoraRows) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(361));
+  for (const auto& [cols, stride] :
+       std::vector<std::pair<int, int>>{{2048, 2056}, {7168, 0}, {45, 51}}) {
+    SCOPED_TRACE(cols);
+    const int T = 29, valid = 26;
+    const int64_t ys = stride ? stride : cols;
+    const std::vector<uint16_t> y = random_bf16(rng, static_cast<size_t>(T) * ys, 1.0f);
+    const std::vector<uint16_t> delta = random_bf16(rng, static_cast<size_t>(T) * cols, 0.1f);
+    std::vector<int32_t> slot(T);
+    std::uniform_int_distribution<int32_t> slot_dist(-1, 3);
+    for (auto& s : slot) s = slot_dist(rng);
+    slot[0] = -1;
+    slot[1] = 0;
+    auto y_d = upload_vector(y);
+    auto d_d = upload_vector(delta);
+    auto slot_d = upload_vector(slot);
+    auto count_d = upload_vector(std::vector<int32_t>{valid});
+    ops::cuda::AddRowsArgs a;
+    a.y = y_d.as<__nv_bfloat16>();
+    a.delta = d_d.as<__nv_bfloat16>();
+    a.row_slot = slot_d.as<int32_t>();
+    a.tokens = T;
+    a.num_tokens = count_d.as<int32_t>();
+    a.cols = cols;
+    a.y_stride = stride;
+    ops::cuda::launch_add_rows(a, nullptr);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> out = download_vector<uint16_t>(y_d, y.size());
+    for (int t = 0; t < T; ++t) {
+      for (int64_t c = 0; c < ys; ++c) {
+        const size_t at = static_cast<size_t>(t) * ys + c;
+        uint16_t expected = y[at];
+        if (t < valid && slot[t] >= 0 && c < cols)
+          expected = f32_to_bf16_bits(bf16_bits_to_f32(y[at]) +
+                                      bf16_bits_to_f32(delta[static_cast<size_t>(t) * cols + c]));
+        ASSERT_EQ(out[at], expected) << "row " << t << " (slot " << slot[t] << ") col " << c;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- sample
+
+// Runs the GPU sampler on rows [B, V] (row stride `stride`), returning its tokens.
+std::vector<int32_t> run_sampler(const std::vector<float>& logits, int rows, int vocab,
+                                 int64_t stride, const std::vector<ops::SampleRowParams>& params,
+                                 const std::vector<float>& u, int valid_rows) {
+  auto logits_d = upload_vector(logits);
+  auto params_d = upload_vector(params);
+  auto u_d = upload_vector(u);
+  auto tokens_d = upload_vector(std::vector<int32_t>(rows, -7));
+  auto count_d = upload_vector(std::vector<int32_t>{valid_rows});
+  ops::cuda::SampleArgs a;
+  a.logits = logits_d.as<float>();
+  a.stride = stride;
+  a.params = params_d.as<ops::SampleRowParams>();
+  a.uniform = u_d.as<float>();
+  a.tokens = tokens_d.as<int32_t>();
+  a.rows = rows;
+  a.num_rows = count_d.as<int32_t>();
+  a.vocab = vocab;
+  ops::cuda::launch_sample(a, nullptr);
+  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+  return download_vector<int32_t>(tokens_d, static_cast<size_t>(rows));
+}
+
+TEST(Sm90_DenseOps, GreedySampleIsBitExact) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(371));
+  for (int vocab : {151936, 163840, 1001, 7}) {
+    SCOPED_TRACE(vocab);
+    const int rows = 9, valid = 8;
+    const int64_t stride = vocab + 5;
+    std::normal_distribution<float> dist(0.0f, 3.0f);
+    std::vector<float> logits(static_cast<size_t>(rows) * stride,
+                              1e30f);  // padding must be ignored
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < vocab; ++i)
+        logits[static_cast<size_t>(r) * stride + i] = round_to_bf16(dist(rng));
+    std::uniform_int_distribution<int> pick(0, vocab - 1);
+    // Row 1: the maximum planted three times; row 2: all equal; row 3: all -inf but one late token.
+    const float top = 40.0f;
+    for (int k = 0; k < 3; ++k) logits[static_cast<size_t>(stride) + pick(rng)] = top;
+    for (int i = 0; i < vocab; ++i) logits[static_cast<size_t>(2) * stride + i] = -1.5f;
+    for (int i = 0; i < vocab; ++i) logits[static_cast<size_t>(3) * stride + i] = -INFINITY;
+    logits[static_cast<size_t>(3) * stride + vocab - 1] = -100.0f;
+    std::vector<ops::SampleRowParams> params(rows, ops::SampleRowParams{0.0f, 0.5f, 7});
+    params[4].temperature = -1.0f;
+    std::vector<float> u(rows, 0.73f);
+    const std::vector<int32_t> got = run_sampler(logits, rows, vocab, stride, params, u, valid);
+    for (int r = 0; r < valid; ++r) {
+      const std::span<const float> row(logits.data() + static_cast<size_t>(r) * stride,
+                                       static_cast<size_t>(vocab));
+      EXPECT_EQ(got[r], ops::sample_row_ref(row, params[r], u[r])) << "row " << r;
+    }
+    EXPECT_EQ(got[rows - 1], -7) << "a row past num_rows was written";
+  }
+}
+
+// Whether the reference's decision for this row is within `margin` (relative to the masses
+// involved) of flipping: a cumulative mass near u * kept, a top-p prefix near top_p, or a
+// probability tie between distinct logits at the top-k / top-p boundary.
+bool near_decision_boundary(std::span<const float> logits, const ops::SampleRowParams& params,
+                            double u, double margin) {
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> p(logits.size());
+  double total = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    p[i] = std::exp((static_cast<double>(logits[i]) - max_logit) / params.temperature);
+    total += p[i];
+  }
+  std::vector<int32_t> order(p.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+  size_t kept = order.size();
+  if (params.top_k > 0) kept = std::min(kept, static_cast<size_t>(params.top_k));
+  bool near = false;
+  if (params.top_p < 1.0f) {
+    const double limit = static_cast<double>(params.top_p) * total;
+    double before = 0;
+    size_t n = 0;
+    while (n < kept && (n == 0 || before < limit)) {
+      if (n > 0 && std::fabs(before - limit) <= margin * total) near = true;
+      before += p[order[n++]];
+    }
+    if (n < kept && std::fabs(before - limit) <= margin * total) near = true;
+    kept = n;
+  }
+  if (kept < order.size() && p[order[kept - 1]] == p[order[kept]] &&
+      logits[order[kept - 1]] != logits[order[kept]])
+    near = true;
+  double kept_mass = 0;
+  for (size_t i = 0; i < kept; ++i) kept_mass += p[order[i]];
+  const double target = u * kept_mass;
+  double cumulative = 0;
+  for (size_t i = 0; i < kept; ++i) {
+    cumulative += p[order[i]];
+    if (std::fabs(cumulative - target) <= margin * kept_mass) near = true;
+    if (i + 1 < kept && p[order[i]] == p[order[i + 1]] &&
+        logits[order[i]] != logits[order[i + 1]] && cumulative >= target &&
+        cumulative - p[order[i]] <= target)
+      near = true;
+  }
+  return near;
+}
+
+TEST(Sm90_DenseOps, SampledRowsMatchTheReference) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(381));
+  const std::vector<ops::SampleRowParams> settings = {
+      {1.0f, 1.0f, 0},    {0.7f, 0.9f, 0}, {0.6f, 0.95f, 20}, {1.3f, 0.5f, 50}, {1.0f, 1.0f, 1},
+      {0.8f, 0.8f, 5000}, {2.0f, 1.0f, 0}, {0.3f, 0.99f, 0},  {1.0f, 0.05f, 0}, {1.1f, 1.0f, 3},
+  };
+  int rows_checked = 0, skipped = 0;
+  for (int vocab : {163840, 151936, 1001, 37}) {
+    SCOPED_TRACE(vocab);
+    const int rows = vocab > 10000 ? 64 : 128;
+    for (int trial = 0; trial < 2; ++trial) {
+      std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+      std::vector<ops::SampleRowParams> params(rows);
+      std::vector<float> u(rows);
+      std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+      for (int r = 0; r < rows; ++r) {
+        // Logit scales of real models (std 2-4); every third row rounded to bf16 (many exact ties),
+        // every fifth with a block of masked tokens.
+        std::normal_distribution<float> dist(0.0f, 2.0f + static_cast<float>(r % 3));
+        for (int i = 0; i < vocab; ++i) {
+          float v = dist(rng);
+          if (r % 3 == 0) v = round_to_bf16(v);
+          if (r % 5 == 0 && i % 7 == 0) v = -INFINITY;
+          logits[static_cast<size_t>(r) * vocab + i] = v;
+        }
+        params[r] = settings[static_cast<size_t>(r) % settings.size()];
+        u[r] = std::min(unit(rng), std::nextafter(1.0f, 0.0f));
+      }
+      const std::vector<int32_t> got = run_sampler(logits, rows, vocab, 0, params, u, rows);
+      for (int r = 0; r < rows; ++r) {
+        const std::span<const float> row(logits.data() + static_cast<size_t>(r) * vocab,
+                                         static_cast<size_t>(vocab));
+        const int32_t expected = ops::sample_row_ref(row, params[r], static_cast<double>(u[r]));
+        ++rows_checked;
+        ASSERT_GE(got[r], 0);
+        ASSERT_LT(got[r], vocab);
+        if (got[r] == expected) continue;
+        ASSERT_TRUE(near_decision_boundary(row, params[r], static_cast<double>(u[r]), 1e-5))
+            << "row " << r << " (T " << params[r].temperature << ", top_p " << params[r].top_p
+            << ", top_k " << params[r].top_k << ", u " << u[r] << "): GPU token " << got[r]
+            << " (p-rank by logit " << row[got[r]] << "), reference " << expected << " (logit "
+            << row[expected] << ")";
+        ++skipped;
+      }
+    }
+  }
+  std::printf("sampled rows checked: %d, differences at a decision boundary: %d\n", rows_checked,
+              skipped);
+  EXPECT_LE(skipped * 100, rows_checked) << "boundary differences must be rare (<= 1%)";
+}
+
+TEST(Sm90_DenseOps, SampledDistributionFollowsSoftmax) {
+  MOELORA_REQUIRE_SM90();
+  // One logits row repeated over many rows with u on a stratified grid: the GPU's token counts
+  // reproduce the renormalized top-k / top-p distribution of the reference token by token.
+  std::mt19937_64 rng(test::test_seed(391));
+  const int vocab = 4099, rows = 2048;
+  std::normal_distribution<float> dist(0.0f, 2.5f);
+  std::vector<float> one(vocab);
+  for (float& v : one) v = dist(rng);
+  for (const ops::SampleRowParams& p :
+       {ops::SampleRowParams{0.9f, 1.0f, 0}, ops::SampleRowParams{1.0f, 0.8f, 0},
+        ops::SampleRowParams{0.7f, 1.0f, 10}}) {
+    std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+    for (int r = 0; r < rows; ++r)
+      std::copy(one.begin(), one.end(), logits.begin() + static_cast<int64_t>(r) * vocab);
+    std::vector<float> u(rows);
+    for (int r = 0; r < rows; ++r) u[r] = (static_cast<float>(r) + 0.5f) / rows;
+    const std::vector<int32_t> got =
+        run_sampler(logits, rows, vocab, 0, std::vector<ops::SampleRowParams>(rows, p), u, rows);
+    std::vector<int> gpu_counts(vocab, 0), ref_counts(vocab, 0);
+    for (int r = 0; r < rows; ++r) {
+      ++gpu_counts[got[r]];
+      ++ref_counts[ops::sample_row_ref(one, p, static_cast<double>(u[r]))];
+    }
+    int differing = 0;
+    for (int i = 0; i < vocab; ++i) differing += std::abs(gpu_counts[i] - ref_counts[i]);
+    // A grid point that sits within rounding of a boundary may move to the neighbour token.
+    EXPECT_LE(differing, 4) << "T " << p.temperature << " top_p " << p.top_p << " top_k "
+                            << p.top_k;
+  }
+}
+
+}  // namespace
+}  // namespace moelora
