@@ -17,18 +17,19 @@
 namespace moelora::ops::cuda {
 
 struct MoeGemmFp8Args {
-  const uint8_t* act = nullptr;        // e4m3 [rows, K]
-  const float* act_scale = nullptr;    // [rows, K/128]
-  const int32_t* gather = nullptr;     // [P] activation row of each sorted position; nullptr = identity
-  const uint8_t* weight = nullptr;     // e4m3 [E, N, K] row-major
-  const float* weight_scale = nullptr; // [E, ceil(N/128), K/128]
+  const uint8_t* act = nullptr;      // e4m3 [rows, K]
+  const float* act_scale = nullptr;  // [rows, K/128]
+  const int32_t* gather =
+      nullptr;  // [P] activation row of each sorted position; nullptr = identity
+  const uint8_t* weight = nullptr;          // e4m3 [E, N, K] row-major
+  const float* weight_scale = nullptr;      // [E, ceil(N/128), K/128]
   const int32_t* expert_offsets = nullptr;  // [E + 1] sorted-position ranges per expert
   const int32_t* active_experts = nullptr;  // [E] experts with pairs, first *num_active valid
   const int32_t* num_active = nullptr;      // [1]
-  __nv_bfloat16* out = nullptr;        // [P, N], rows in sorted order
-  int num_experts = 0;  // E
-  int n = 0;            // N (output features)
-  int k = 0;            // K (input features), a multiple of 128
+  __nv_bfloat16* out = nullptr;             // [P, N], rows in sorted order
+  int num_experts = 0;                      // E
+  int n = 0;                                // N (output features)
+  int k = 0;                                // K (input features), a multiple of 128
   // Capacity used to size the grid and pick the instance (host-side values, fixed per graph):
   int max_active_experts = 0;     // upper bound on *num_active (min(E, max pairs))
   int max_tokens_per_expert = 0;  // upper bound on the tokens of one expert (the batch's tokens)
@@ -70,5 +71,44 @@ void launch_moe_gemm_fp8_prefill(const MoeGemmFp8Args& args, const MoeGemmPrefil
 
 // Argument checks shared by both paths; throws moelora::Error naming the bad field.
 void check_moe_gemm_fp8_args(const MoeGemmFp8Args& args);
+
+// ---- bf16 experts (moe_gemm_bf16_cuda.cu) ----
+//
+//   out[q, n] = sum_k act[row(q), k] * W[e(q), n, k]   (bf16 in, fp32 accumulation, bf16 out)
+//
+// for every sorted position q of an active expert, row(q) = gather[q] (or q). Used by the MoE
+// layer when the routed experts are bf16: GEMM1 reads x rows through the align's sorted_token,
+// GEMM2 reads the activation's bf16 rows in sorted order. mma.sync m16n8k16 on tensor cores.
+
+// Tile shape of the bf16 kernel: kDecode = 64 weight rows x 16 tokens per CTA (few tokens per
+// expert, weight streaming), kPrefill = 128 x 64 (many tokens per expert, tensor-core bound).
+enum class MoeGemmBf16Tile { kAuto, kDecode, kPrefill };
+
+struct MoeGemmBf16Args {
+  const __nv_bfloat16* act = nullptr;     // [rows, K]
+  const int32_t* gather = nullptr;        // [P] act row of each sorted position; nullptr = identity
+  const __nv_bfloat16* weight = nullptr;  // [E, N, K] row-major
+  const int32_t* expert_offsets = nullptr;  // [E + 1] sorted-position ranges per expert
+  const int32_t* active_experts = nullptr;  // [E] experts with pairs, first *num_active valid
+  const int32_t* num_active = nullptr;      // [1]
+  __nv_bfloat16* out = nullptr;             // [P, N], rows in sorted order
+  int num_experts = 0;                      // E
+  int n = 0;                                // N, a multiple of 8
+  int k = 0;                                // K, a multiple of 8
+  // Capacity used to size the grid (host values, fixed per captured graph): grid.y =
+  // max_active_experts, grid.z = row splits for max_tokens_per_expert rows. An expert with more
+  // rows than that is still covered (each CTA loops over its share of token tiles).
+  int max_active_experts = 0;     // upper bound on *num_active (min(E, max pairs))
+  int max_tokens_per_expert = 0;  // expected rows of the busiest expert
+  MoeGemmBf16Tile tile = MoeGemmBf16Tile::kAuto;
+};
+
+// kAuto's choice: kDecode up to 32 expected rows per expert, kPrefill beyond.
+MoeGemmBf16Tile choose_moe_gemm_bf16_tile(int max_tokens_per_expert);
+// Throws moelora::Error naming the bad field (null pointers, N or K not a multiple of 8,
+// max_active_experts outside [1, E], pointers not 16-byte aligned).
+void check_moe_gemm_bf16_args(const MoeGemmBf16Args& args);
+// Never allocates or synchronizes; CTAs past *num_active exit at once (graph-capturable).
+void launch_moe_gemm_bf16(const MoeGemmBf16Args& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda

@@ -1,9 +1,10 @@
-// One MoE layer with multi-LoRA on the GPU: FP8 block-scaled routed experts, an optional bf16
-// shared expert (with Qwen's sigmoid gate), LoRA at both seams and on the shared expert, on a
-// main and a side stream (docs/gpu_moe.md §1). Owns its device weights, its slice of the adapter
-// pool and a Workspace sized at construction from (max tokens, slots, max rank): forward()
-// allocates nothing and never synchronizes, so it can be captured into a CUDA graph and replayed
-// with other routing, other slot maps and other adapters written into the pool.
+// One MoE layer with multi-LoRA on the GPU: FP8 block-scaled routed experts (or bf16 ones, for
+// non-quantized checkpoints and the tiny parity models), an optional bf16 shared expert (with
+// Qwen's sigmoid gate), LoRA at both seams and on the shared expert, on a main and a side stream
+// (docs/gpu_moe.md §1). Owns its device weights, its slice of the adapter pool and a Workspace
+// sized at construction from (max tokens, slots, max rank): forward() allocates nothing and never
+// synchronizes, so it can be captured into a CUDA graph and replayed with other routing, other slot
+// maps and other adapters written into the pool.
 #pragma once
 
 #include <cublas_v2.h>
@@ -23,28 +24,35 @@ namespace moelora::ops::cuda {
 
 struct MoeLayerConfig {
   int hidden = 0;        // H
-  int inter = 0;         // I (multiple of 128 for FP8 experts)
+  int inter = 0;         // I (multiple of 128 for FP8 experts, of 8 for bf16 experts)
   int num_experts = 0;   // E
   int top_k = 0;         // k
   RouteParams route;     // router kind, renormalize, groups, routed scaling
   int shared_inter = 0;  // Is, 0 = no shared expert
   bool shared_gate = false;
   // capacities (fixed at construction)
-  int max_tokens = 0;    // T
-  int num_slots = 0;     // S, adapter slots in the pool (0 = no LoRA)
-  int max_rank = 0;      // R (multiple of 8)
-  bool per_expert_pool = true;  // pool keeps Ea = Eb = E; false: shared-outer only (Ea = 1 for gate_up A, Eb = 1 for down B)
+  int max_tokens = 0;           // T
+  int num_slots = 0;            // S, adapter slots in the pool (0 = no LoRA)
+  int max_rank = 0;             // R (multiple of 8)
+  bool per_expert_pool = true;  // pool keeps Ea = Eb = E; false: shared-outer only (Ea = 1 for
+                                // gate_up A, Eb = 1 for down B)
+  // Routed experts in bf16 instead of FP8: w13 / w2 are uploaded as bf16 (no scales), GEMM1
+  // reads the bf16 x rows through the align's sorted order, GEMM2 the activation's bf16 copy;
+  // nothing is quantized. H and I need only be multiples of 8.
+  bool bf16_experts = false;
 };
 
 // Host weights of one layer, as loaded (fp32 where not quantized). FP8 tensors use the canonical
 // layouts of DESIGN.md §2. Leave w13 undefined to only allocate (then call randomize_weights).
+// With config.bf16_experts, w13 / w2 are float tensors of any dtype (uploaded as bf16) and the
+// scales are not used.
 struct MoeLayerHostWeights {
   Tensor router;           // [E, H] any float dtype (uploaded as bf16)
   Tensor correction_bias;  // [E] f32 or undefined
-  Tensor w13;              // F8_E4M3 [E, 2I, H]
-  Tensor w13_scale;        // F32 [E, 2I/128, ceil(H/128)]
-  Tensor w2;               // F8_E4M3 [E, H, I]
-  Tensor w2_scale;         // F32 [E, ceil(H/128), I/128]
+  Tensor w13;              // F8_E4M3 [E, 2I, H] (bf16 experts: any float dtype)
+  Tensor w13_scale;        // F32 [E, 2I/128, ceil(H/128)] (bf16 experts: unused)
+  Tensor w2;               // F8_E4M3 [E, H, I] (bf16 experts: any float dtype)
+  Tensor w2_scale;         // F32 [E, ceil(H/128), I/128] (bf16 experts: unused)
   Tensor shared_w13;       // [2Is, H] any float dtype, or undefined
   Tensor shared_w2;        // [H, Is]
   Tensor shared_gate;      // [1, H] or undefined
@@ -61,28 +69,30 @@ struct MoeLayerAdapter {
 };
 
 struct MoeForwardArgs {
-  const __nv_bfloat16* x = nullptr;   // [T, H]
-  const int32_t* slot = nullptr;      // [T] (-1 = base), nullptr = all base
-  const int32_t* num_tokens = nullptr;  // [1] valid tokens (device value), nullptr = tokens
-  const float* router_logits = nullptr; // [T, E]: skip the router GEMM (routed-experts-only runs)
-  int tokens = 0;                     // T of this call (<= max_tokens); fixed per captured graph
-  bool lora = true;                   // false: the no-LoRA pipeline (no side-stream work at all)
+  const __nv_bfloat16* x = nullptr;      // [T, H]
+  const int32_t* slot = nullptr;         // [T] (-1 = base), nullptr = all base
+  const int32_t* num_tokens = nullptr;   // [1] valid tokens (device value), nullptr = tokens
+  const float* router_logits = nullptr;  // [T, E]: skip the router GEMM (routed-experts-only runs)
+  int tokens = 0;                        // T of this call (<= max_tokens); fixed per captured graph
+  bool lora = true;                      // false: the no-LoRA pipeline (no side-stream work at all)
   // The batch's adapter slots as the scheduler knows them on the host: >= 0 when every token
   // with an adapter uses this one slot (the single-adapter path: dense cuBLAS shrinks over all
   // tokens where the factor is shared by the experts), -1 (default) for any other mix. Never
   // inferred from slot 0.
   int single_slot = -1;
-  bool shared = true;                 // false: skip the shared expert
-  __nv_bfloat16* out = nullptr;       // [T, H]
+  bool shared = true;            // false: skip the shared expert
+  __nv_bfloat16* out = nullptr;  // [T, H]
 };
 
+// Which expert GEMM kernels the layer uses. FP8 experts: the swap-AB decode kernel or the
+// CUTLASS grouped GEMM. bf16 experts: the decode or the prefill tile of the bf16 grouped GEMM.
 enum class GemmPath { kAuto, kDecode, kPrefill };
 
 class MoeLayerCuda {
  public:
   // Streams must outlive the layer; they are created before any capture.
-  MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeights& weights, cudaStream_t main_stream,
-               cudaStream_t side_stream);
+  MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeights& weights,
+               cudaStream_t main_stream, cudaStream_t side_stream);
   ~MoeLayerCuda();
   MoeLayerCuda(const MoeLayerCuda&) = delete;
   MoeLayerCuda& operator=(const MoeLayerCuda&) = delete;
@@ -103,26 +113,31 @@ class MoeLayerCuda {
   void set_gemm_path(GemmPath path) { gemm_path_ = path; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
-  // incl. scales, router, shared expert): the byte roofline's numerator.
+  // incl. scales or bf16 experts, router, shared expert): the byte roofline's numerator.
   uint64_t expert_bytes() const;
   uint64_t router_bytes() const;
   uint64_t shared_bytes() const;
   size_t workspace_bytes() const;
 
   // Read-only views of the device weights and pool (benchmark baselines and tests).
+  // FP8 experts fill w13 .. w2_scale (w13_bf16 / w2_bf16 are nullptr); bf16 experts the reverse.
   struct DeviceView {
-    const uint8_t* w13;        // e4m3 [E, 2I, Hp]
-    const float* w13_scale;    // [E, 2I/128, Hp/128]
-    const uint8_t* w2;         // e4m3 [E, H, I]
-    const float* w2_scale;     // [E, ceil(H/128), I/128]
-    const __nv_bfloat16* router;  // [E, H]
+    const uint8_t* w13;               // e4m3 [E, 2I, Hp]
+    const float* w13_scale;           // [E, 2I/128, Hp/128]
+    const uint8_t* w2;                // e4m3 [E, H, I]
+    const float* w2_scale;            // [E, ceil(H/128), I/128]
+    const __nv_bfloat16* w13_bf16;    // [E, 2I, H]
+    const __nv_bfloat16* w2_bf16;     // [E, H, I]
+    const float* correction_bias;     // [E] or nullptr
+    const __nv_bfloat16* router;      // [E, H]
     const __nv_bfloat16* shared_w13;  // [2Is, H] or nullptr
     const __nv_bfloat16* shared_w2;   // [H, Is] or nullptr
     const __nv_bfloat16* lora_a13;    // pool [S, Ea, R, H]
     const __nv_bfloat16* lora_b13;    // pool [S, E, 2I, R]
     const __nv_bfloat16* lora_a2;     // pool [S, E, R, I]
     const __nv_bfloat16* lora_b2;     // pool [S, Eb, H, R]
-    int hidden_padded, lora_a13_experts, lora_b2_experts, max_rank;
+    int hidden_padded, lora_a13_experts, lora_b2_experts,
+        max_rank;  // hidden_padded = H for bf16 experts
   };
   DeviceView device_view() const;
 
