@@ -1,10 +1,20 @@
 // `moelora bench`: engine-level throughput of one batch (PERF.md "How to benchmark").
 //
-//   moelora bench (--model DIR | --preset NAME) --input-len N --output-len N --batch-sizes 16,32,64
+//   moelora bench (--model DIR | --preset NAME [--random-weights] [--quant bf16|fp8|nvfp4])
+//                 --input-len N --output-len N --batch-sizes 16,32,64
 //                 [--adapters none | --adapters a=DIR,b=DIR | --adapter NAME=DIR ... |
-//                  --synth-adapters K] [--adapter-dist uniform|distinct|skewed] [--base-share F]
-//                 [--json FILE] [--device cpu|cuda] [--seed S] [--max-batch-tokens N]
-//                 [--prefill-chunk N]
+//                  --synth-adapters K | --random-adapters K] [--synth-rank R]
+//                 [--synth-layout per-expert|shared-outer|peft-3d]
+//                 [--adapter-dist uniform|distinct|skewed] [--base-share F] [--json FILE]
+//                 [--device cpu|cuda] [--seed S] [--max-batch-tokens N] [--prefill-chunk N]
+//                 [--max-layers N] [--gpu-memory-fraction F]
+//
+// --device defaults to cuda when this build has CUDA and a device is visible, else cpu.
+// --random-weights (GPU only) takes the preset's config.json without writing any weights: the
+// GPU model draws them on the device, so presets of real sizes (qwen3-30b-a3b, kimi-k2.5 with
+// --max-layers) run in seconds; --random-adapters K registers K seeded random adapters of
+// --synth-rank in --synth-layout the same way (Engine::register_random_adapter). --max-layers N
+// runs the first N decoder layers only (per-layer figures stay comparable).
 //
 // For every batch size B: B prompts of random token ids (seeded, the same for every run of that
 // B) are submitted at once to the Engine and generated greedily with EOS ignored, first without
@@ -30,8 +40,23 @@
 // "decode_tokens_per_s", "overall_tokens_per_s", "latency_s", "ttft_ms": {"mean", "p50", "max"},
 // "peak_rss_mb", "peak_kv_cache_mb", "steps", "pct_of_no_lora": null or {"overall", "decode",
 // "prefill"}, "base_requests_match": null or bool, "adapter_requests_changed": null or int}],
-// "targets": []}. The E1-E3 targets of PERF.md are defined for the H200 engine; a CPU run
-// measures none of them, so `targets` stays empty.
+// "targets": []}. GPU runs add "gpu" {name, sm, driver, cuda_runtime, memory_gb, sm_clock_mhz},
+// "commit", "copy_bandwidth_gbps" (a 1 GiB device-to-device copy timed in the same run, read +
+// write counted), and per run "peak_gpu_memory_mb" (device bytes in use at the peak, from
+// cudaMemGetInfo after every step), "decode_step_ms", "decode_us_per_layer", "step_bytes_mb" and
+// "roofline_fraction" (the byte model below over the measured step time), and fill `targets`
+// with the E1-E3 entries of PERF.md that the runs measure:
+//   E1  a run with 1 adapter: (LoRA / no-LoRA decode throughput) / (ideal ratio from bytes),
+//       target 0.97; with shared-outer adapters also the plain ratio, target 0.95;
+//   E2  a no-LoRA run: ideal decode step time (bytes / copy bandwidth) / measured, target 0.80;
+//   E3  runs with 4 or 8 distinct adapters: LoRA / no-LoRA decode throughput, target 0.92.
+// Byte model of one decode step of B tokens (PERF.md "Byte roofline"): every non-expert weight
+// once (attention, dense MLPs, shared experts, routers, lm_head), D(B) = E (1 - (1 - k/E)^B)
+// experts per MoE layer (FP8: 1 byte per weight + block scales; bf16: 2), the KV cache of every
+// sequence at the run's mean decode context (input + output / 2), and with LoRA each adapter's
+// factors for its share of the batch: dense targets whole, routed experts for the D(B / K)
+// experts its tokens touch (shared-outer: the shared factors once). A CPU run measures none of
+// the targets, so `targets` stays empty there.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -57,6 +82,8 @@
 #include "io/peft.h"
 #include "model/model_setup.h"
 #include "moelora/engine.h"
+#include "runtime/gpu_executor.h"
+#include "synth.h"
 
 namespace {
 
@@ -79,10 +106,15 @@ struct BenchArgs {
   int64_t output_len = 32;
   std::string batch_sizes = "16,32,64";
   std::string json;
-  std::string device = "cpu";
+  std::string device;  // "" = cuda when available, else cpu
   uint64_t seed = 0;
   int64_t max_batch_tokens = 0;  // 0 = auto
   int64_t prefill_chunk = 0;
+  bool random_weights = false;
+  std::string quant;  // "" = fp8 with --random-weights, else bf16
+  int64_t random_adapters = 0;
+  int64_t max_layers = 0;
+  double gpu_memory_fraction = 0.9;
 };
 
 // Runs another subcommand of this binary with `args`, as if typed after its name.
@@ -157,7 +189,11 @@ struct RunResult {
   double prefill_tps = 0, decode_tps = 0, overall_tps = 0, latency_s = 0;
   Ttft ttft;
   double peak_rss_mb = 0, peak_kv_mb = 0;
+  std::optional<double> peak_gpu_mb;  // GPU runs: device bytes in use at the peak
   int64_t steps = 0;
+  int64_t decode_steps = 0;                   // decode-only steps
+  double decode_s = 0;                        // their time
+  std::optional<double> step_bytes;           // GPU runs: the byte model of a decode step
   std::vector<std::vector<int32_t>> outputs;  // per request
   std::vector<std::string> adapter_of;        // per request ("" = base)
   // LoRA runs, against the no-LoRA run of the same B.
@@ -209,7 +245,7 @@ std::vector<std::string> assign_adapters(int64_t batch, const std::vector<std::s
 
 RunResult run_batch(moelora::Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
                     const std::vector<std::string>& adapter_of, int64_t output_len,
-                    const std::string& label) {
+                    const std::string& label, bool gpu) {
   const int64_t batch = static_cast<int64_t>(prompts.size());
   RunResult r;
   r.batch_size = batch;
@@ -240,11 +276,15 @@ RunResult run_batch(moelora::Engine& engine, const std::vector<std::vector<int32
         });
     check(id.status());
   }
-  double peak_kv = 0;
+  double peak_kv = 0, peak_gpu = 0;
   while (!engine.idle()) {
     check(engine.step());
     peak_kv = std::max(peak_kv, static_cast<double>(engine.stats().kv_cache_bytes) / 1e6);
+    if (gpu)
+      peak_gpu =
+          std::max(peak_gpu, static_cast<double>(moelora::runtime::gpu_memory_in_use()) / 1e6);
   }
+  if (gpu) r.peak_gpu_mb = peak_gpu;
   progress.finish();
   MOELORA_CHECK(error.empty(), ErrorCode::kInternal, label, ": a request failed: ", error);
   const moelora::EngineStats after = engine.stats();
@@ -265,6 +305,8 @@ RunResult run_batch(moelora::Engine& engine, const std::vector<std::vector<int32
   r.peak_rss_mb = peak_rss_mb();
   r.peak_kv_mb = peak_kv;
   r.steps = after.steps - before.steps;
+  r.decode_steps = (after.steps - after.prefill_steps) - (before.steps - before.prefill_steps);
+  r.decode_s = decode_s;
   std::vector<std::string> distinct;
   for (const std::string& a : adapter_of) {
     if (a.empty()) {
@@ -315,9 +357,119 @@ std::string iso_date() {
   return buf;
 }
 
-int run_bench(const BenchArgs& a) {
+// The commit of the source tree the binary runs from, or "unknown".
+std::string git_commit() {
+  FILE* pipe = popen("git rev-parse --short=12 HEAD 2>/dev/null", "r");
+  if (pipe == nullptr) return "unknown";
+  char buf[64] = {0};
+  const bool got = std::fgets(buf, sizeof buf, pipe) != nullptr;
+  pclose(pipe);
+  std::string commit = got ? buf : "";
+  while (!commit.empty() && (commit.back() == '\n' || commit.back() == ' ')) commit.pop_back();
+  return commit.empty() ? "unknown" : commit;
+}
+
+// ---- byte model of a decode step (see the file comment)
+
+// Distinct experts B uniformly routed tokens touch: E (1 - (1 - k/E)^B).
+double distinct_experts(double experts, double top_k, double tokens) {
+  if (experts <= 0 || tokens <= 0) return 0;
+  return experts * (1.0 - std::pow(1.0 - std::min(top_k, experts) / experts, tokens));
+}
+
+// Calls fn(out, in) for every dense (non-routed-expert) linear of layer `l` that LoRA can target.
+template <typename Fn>
+void for_each_dense_linear(const moelora::io::ModelConfig& c, int64_t l, Fn&& fn) {
+  const double H = static_cast<double>(c.hidden_size);
+  const double Hq = static_cast<double>(c.num_attention_heads);
+  if (c.use_mla) {
+    const double qk = static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim);
+    const double kvr = static_cast<double>(c.kv_lora_rank);
+    if (c.q_lora_rank > 0) {
+      fn(static_cast<double>(c.q_lora_rank), H);
+      fn(Hq * qk, static_cast<double>(c.q_lora_rank));
+    } else {
+      fn(Hq * qk, H);
+    }
+    fn(kvr + static_cast<double>(c.qk_rope_head_dim), H);
+    fn(Hq * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim), kvr);
+    fn(H, Hq * static_cast<double>(c.v_head_dim));
+  } else {
+    const double D = static_cast<double>(c.head_dim);
+    const double Hkv = static_cast<double>(c.num_key_value_heads);
+    fn(Hq * D * (c.attention_output_gate ? 2 : 1), H);
+    fn(Hkv * D, H);
+    fn(Hkv * D, H);
+    fn(H, Hq * D);
+  }
+  const double I = static_cast<double>(c.is_moe_layer(l) ? c.shared_expert_intermediate_size
+                                                         : c.intermediate_size);
+  if (I > 0) {
+    fn(I, H);  // gate
+    fn(I, H);  // up
+    fn(H, I);  // down
+  }
+}
+
+struct StepBytes {
+  double base = 0;  // weights + KV of a no-LoRA step
+  double lora = 0;  // the adapters' factors on top
+};
+
+// One decode step of `batch` sequences at mean context `context`; `adapters` distinct adapters of
+// `rank` share `adapter_tokens` of the rows evenly.
+StepBytes decode_step_bytes(const moelora::io::ModelConfig& c, int64_t batch, double context,
+                            int64_t adapters, int64_t adapter_tokens, int64_t rank,
+                            bool shared_outer) {
+  const bool fp8 =
+      c.quant.method == moelora::io::QuantMethod::kFp8Block && c.moe_intermediate_size % 128 == 0;
+  const double H = static_cast<double>(c.hidden_size), V = static_cast<double>(c.vocab_size);
+  const double E = static_cast<double>(c.num_experts),
+               k = static_cast<double>(c.num_experts_per_tok);
+  const double I = static_cast<double>(c.moe_intermediate_size);
+  const double R = static_cast<double>(rank);
+  StepBytes b;
+  b.base = V * H * 2;  // lm_head
+  double dense_lora = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    for_each_dense_linear(c, l, [&](double out, double in) {
+      b.base += out * in * 2;
+      dense_lora += (out + in) * R * 2;
+    });
+    if (!c.is_moe_layer(l)) continue;
+    const double expert_bytes = fp8 ? 3 * H * I * (1.0 + 4.0 / (128 * 128)) : 3 * H * I * 2;
+    b.base += E * H * 2 + distinct_experts(E, k, static_cast<double>(batch)) * expert_bytes;
+    if (adapters > 0) {
+      const double touched = distinct_experts(
+          E, k, static_cast<double>(adapter_tokens) / static_cast<double>(adapters));
+      // gate_up: A [R, H], B [2I, R]; down: A [R, I], B [H, R]; bf16
+      const double per_expert =
+          shared_outer ? (2 * I * R + R * I) * 2 : (R * H + 2 * I * R + R * I + H * R) * 2;
+      const double shared = shared_outer ? (R * H + H * R) * 2 : 0;
+      b.lora += static_cast<double>(adapters) * (touched * per_expert + shared);
+    }
+  }
+  b.lora += static_cast<double>(adapters) * dense_lora;
+  b.base += static_cast<double>(batch) * context *
+            static_cast<double>(moelora::runtime::estimate_kv_bytes_per_token(c));
+  return b;
+}
+
+int run_bench(const BenchArgs& arg_in) {
   const auto bad = ErrorCode::kInvalidArgument;
+  BenchArgs a = arg_in;
+  if (a.device.empty()) a.device = moelora::default_device();
   check(moelora::check_device(a.device));
+  const bool gpu = a.device == "cuda" || a.device == "gpu";
+  MOELORA_CHECK(!a.random_weights || (gpu && !a.preset.empty()), bad,
+                "--random-weights needs --preset NAME and --device cuda (the GPU draws the "
+                "weights; the CPU backend needs files: drop --random-weights)");
+  MOELORA_CHECK(a.random_adapters == 0 || a.random_weights, bad,
+                "--random-adapters needs --random-weights (use --synth-adapters with files)");
+  MOELORA_CHECK(a.random_adapters >= 0 && a.max_layers >= 0, bad,
+                "--random-adapters and --max-layers must be >= 0");
+  MOELORA_CHECK(a.synth_rank >= 1, bad, "--synth-rank must be >= 1, got ", a.synth_rank);
+  const std::string quant = !a.quant.empty() ? a.quant : a.random_weights ? "fp8" : "bf16";
   MOELORA_CHECK(
       a.model_dir.empty() != a.preset.empty(), bad,
       "give exactly one of --model DIR and --preset NAME (e.g. --preset small-qwen3-moe)");
@@ -357,12 +509,25 @@ int run_bench(const BenchArgs& a) {
   std::unique_ptr<ScratchDir> scratch;
   fs::path model_dir = a.model_dir;
   if (!a.preset.empty() || a.synth_adapters > 0) scratch = std::make_unique<ScratchDir>();
-  if (!a.preset.empty()) {
+  if (!a.preset.empty() && a.random_weights) {
+    // Only the configuration: the GPU draws the weights.
+    model_dir = scratch->path() / "model";
+    fs::create_directories(model_dir);
+    const moelora::io::ModelConfig preset =
+        moelora::cli::preset_config(a.preset, a.max_layers, quant);
+    std::ofstream out(model_dir / "config.json");
+    out << moelora::io::model_config_to_json(preset).dump(2) << "\n";
+    MOELORA_CHECK(out.good(), ErrorCode::kInvalidArgument, "cannot write ",
+                  (model_dir / "config.json").string());
+  } else if (!a.preset.empty()) {
     model_dir = scratch->path() / "model";
     std::fprintf(stderr, "writing a random %s checkpoint to %s\n", a.preset.c_str(),
                  model_dir.string().c_str());
-    run_subcommand("synth", {"--preset", a.preset, "--seed", std::to_string(a.seed), "--out",
-                             model_dir.string()});
+    std::vector<std::string> synth = {
+        "--preset", a.preset, "--seed", std::to_string(a.seed), "--out", model_dir.string()};
+    if (a.max_layers > 0) synth.insert(synth.end(), {"--layers", std::to_string(a.max_layers)});
+    if (!a.quant.empty()) synth.insert(synth.end(), {"--quant", a.quant});
+    run_subcommand("synth", synth);
   }
   for (int64_t i = 0; i < a.synth_adapters; ++i) {
     const std::string name = "synth-r" + std::to_string(a.synth_rank) + "-" + std::to_string(i);
@@ -378,7 +543,17 @@ int run_bench(const BenchArgs& a) {
       a.dist != "distinct" || !specs.empty() || a.base_share == 1.0, bad,
       "--adapter-dist distinct needs adapters (--adapters, --adapter or --synth-adapters)");
 
-  const moelora::io::ModelConfig config = moelora::io::load_model_config(model_dir);
+  const moelora::io::ModelConfig config =
+      moelora::runtime::first_layers(moelora::io::load_model_config(model_dir), a.max_layers);
+  // Random adapters (GPU): registered by name, drawn on the device.
+  const bool shared_outer = a.synth_layout == "shared-outer";
+  MOELORA_CHECK(a.random_adapters == 0 || shared_outer || a.synth_layout == "per-expert", bad,
+                "--synth-layout '", a.synth_layout,
+                "' with --random-adapters: expected per-expert or shared-outer");
+  for (int64_t i = 0; i < a.random_adapters; ++i) {
+    specs.push_back(
+        {"random-r" + std::to_string(a.synth_rank) + "-" + std::to_string(i), fs::path()});
+  }
   const int64_t max_batch = *std::max_element(batch_sizes.begin(), batch_sizes.end());
   // Registered names: the adapters themselves, or for "distinct" one name per request of the
   // largest batch (the given directories round-robin), so every request has its own slot.
@@ -390,9 +565,17 @@ int run_bench(const BenchArgs& a) {
       registered.push_back({s.name + "#" + std::to_string(i), s.dir});
     }
   }
-  int64_t max_rank = 1;
+  int64_t max_rank = a.random_adapters > 0 ? a.synth_rank : 1;
   for (const auto& s : specs) {
+    if (s.dir.empty()) continue;  // random
     max_rank = std::max(max_rank, moelora::io::load_adapter(s.dir, config, s.name).max_rank);
+  }
+  // GPU ceilings measured before the model takes the memory.
+  double copy_bandwidth = 0;
+  moelora::runtime::GpuDeviceReport device_report;
+  if (gpu) {
+    device_report = moelora::runtime::gpu_device_report();
+    copy_bandwidth = moelora::runtime::measure_copy_bandwidth();
   }
 
   moelora::EngineOptions options;
@@ -410,10 +593,23 @@ int run_bench(const BenchArgs& a) {
   options.host_adapter_cache = static_cast<int32_t>(registered.size());
   options.max_lora_rank = max_rank;
   options.show_progress = true;
+  options.max_layers = a.max_layers;
+  options.random_weights = a.random_weights;
+  options.random_seed = a.seed;
+  options.gpu_memory_fraction = a.gpu_memory_fraction;
+  if (gpu) options.max_seq_len = std::max<int64_t>(a.input_len + a.output_len, 64);
   moelora::Result<std::unique_ptr<moelora::Engine>> created = moelora::Engine::create(options);
   check(created.status());
   moelora::Engine& engine = *created.value();
-  for (const auto& s : registered) check(engine.register_adapter(s.name, s.dir, /*pin=*/true));
+  for (size_t i = 0; i < registered.size(); ++i) {
+    const auto& s = registered[i];
+    if (s.dir.empty()) {
+      check(engine.register_random_adapter(s.name, a.synth_rank, shared_outer,
+                                           a.seed + 1 + static_cast<uint64_t>(i), /*pin=*/true));
+    } else {
+      check(engine.register_adapter(s.name, s.dir, /*pin=*/true));
+    }
+  }
   std::vector<std::string> names;
   for (const auto& s : registered) names.push_back(s.name);
 
@@ -429,6 +625,15 @@ int run_bench(const BenchArgs& a) {
       "tokens per step\n",
       static_cast<long long>(a.input_len), static_cast<long long>(a.output_len),
       static_cast<long long>(options.max_batch_tokens));
+  if (gpu) {
+    std::printf(
+        "GPU: %s (sm_%d%d, %d SMs, %.0f GB), driver %d, CUDA runtime %d; device-to-device "
+        "copy %.0f GB/s (read + write)%s\n",
+        device_report.name.c_str(), device_report.sm_major, device_report.sm_minor,
+        device_report.num_sms, static_cast<double>(device_report.total_bytes) / 1e9,
+        device_report.driver_version, device_report.runtime_version, copy_bandwidth / 1e9,
+        a.random_weights ? "; random weights drawn on the device" : "");
+  }
   if (!specs.empty()) {
     std::string list;
     for (const auto& s : specs) list += (list.empty() ? "" : ", ") + s.name;
@@ -442,11 +647,11 @@ int run_bench(const BenchArgs& a) {
         std::min<int64_t>(max_batch, std::max<int64_t>(2, static_cast<int64_t>(names.size())));
     const auto prompts =
         random_prompts(b, std::min<int64_t>(a.input_len, 8), config.vocab_size, a.seed + 99);
-    run_batch(engine, prompts, std::vector<std::string>(static_cast<size_t>(b)), 2, "warm-up");
+    run_batch(engine, prompts, std::vector<std::string>(static_cast<size_t>(b)), 2, "warm-up", gpu);
     if (!names.empty()) {
       std::vector<std::string> all(static_cast<size_t>(b));
       for (int64_t i = 0; i < b; ++i) all[i] = names[static_cast<size_t>(i) % names.size()];
-      run_batch(engine, prompts, all, 2, "warm-up lora");
+      run_batch(engine, prompts, all, 2, "warm-up lora", gpu);
     }
   }
 
@@ -455,22 +660,77 @@ int run_bench(const BenchArgs& a) {
   for (int64_t b : batch_sizes) {
     const auto prompts = random_prompts(b, a.input_len, config.vocab_size, a.seed);
     RunResult base = run_batch(engine, prompts, std::vector<std::string>(static_cast<size_t>(b)),
-                               a.output_len, "bench B=" + std::to_string(b) + " no-lora");
+                               a.output_len, "bench B=" + std::to_string(b) + " no-lora", gpu);
     runs.push_back(base);
     if (specs.empty()) continue;
     const auto adapter_of = assign_adapters(b, names, a.dist, a.base_share, a.seed);
     RunResult lora = run_batch(engine, prompts, adapter_of, a.output_len,
-                               "bench B=" + std::to_string(b) + " lora");
+                               "bench B=" + std::to_string(b) + " lora", gpu);
     compare_with_baseline(lora, base);
     all_match = all_match && lora.base_match.value_or(true);
     runs.push_back(lora);
   }
 
+  // Byte model, roofline and the PERF.md targets (GPU runs only).
+  const double context = static_cast<double>(a.input_len) + static_cast<double>(a.output_len) / 2;
+  const int64_t layers = std::max<int64_t>(config.num_hidden_layers, 1);
+  nlohmann::json targets = nlohmann::json::array();
+  struct TargetLine {
+    std::string id, config;
+    double value, target;
+  };
+  std::vector<TargetLine> target_lines;
+  auto step_ms = [](const RunResult& r) {
+    return r.decode_steps > 0 ? 1e3 * r.decode_s / static_cast<double>(r.decode_steps) : 0.0;
+  };
+  if (gpu) {
+    const RunResult* base = nullptr;
+    for (RunResult& r : runs) {
+      if (!r.lora) base = &r;
+      const StepBytes bytes =
+          decode_step_bytes(config, r.batch_size, context, r.adapters_in_batch,
+                            r.batch_size - r.base_requests, max_rank, shared_outer);
+      r.step_bytes = bytes.base + bytes.lora;
+      if (base == nullptr || step_ms(r) <= 0 || step_ms(*base) <= 0) continue;
+      const std::string cfg =
+          (a.preset.empty() ? config.model_type : a.preset) + " B=" + std::to_string(r.batch_size) +
+          " in=" + std::to_string(a.input_len) + " out=" + std::to_string(a.output_len);
+      if (!r.lora) {
+        const double ideal_ms = 1e3 * bytes.base / copy_bandwidth;
+        target_lines.push_back({"E2", cfg + " no LoRA", ideal_ms / step_ms(r), 0.80});
+        continue;
+      }
+      const double ratio = step_ms(*base) / step_ms(r);  // decode throughput, LoRA / no-LoRA
+      const std::string lora_cfg = cfg + " r" + std::to_string(max_rank) + " " +
+                                   std::to_string(r.adapters_in_batch) + " adapter" +
+                                   (r.adapters_in_batch == 1 ? "" : "s") + " " +
+                                   (shared_outer ? "shared-outer" : "per-expert");
+      if (r.adapters_in_batch == 1) {
+        const double ideal = bytes.base / (bytes.base + bytes.lora);
+        target_lines.push_back({"E1",
+                                lora_cfg + " (over the ideal ratio " + fmt(ideal, "%.3f") + ")",
+                                ratio / ideal, 0.97});
+        if (shared_outer) target_lines.push_back({"E1", lora_cfg + " (absolute)", ratio, 0.95});
+      }
+      if (r.adapters_in_batch == 4 || r.adapters_in_batch == 8)
+        target_lines.push_back({"E3", lora_cfg, ratio, 0.92});
+    }
+    for (const TargetLine& t : target_lines) {
+      targets.push_back({{"id", t.id},
+                         {"config", t.config},
+                         {"value", t.value},
+                         {"target", t.target},
+                         {"met", t.value >= t.target}});
+    }
+  }
+
   std::printf(
       "\n| B | adapters | prefill tok/s | decode tok/s | overall tok/s | TTFT ms mean / p50 / max "
       "| "
-      "latency s | peak RSS MB | KV MB | %% of no-LoRA overall (decode) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+      "latency s | peak RSS MB | KV MB | %% of no-LoRA overall (decode) | decode step ms "
+      "(us/layer) "
+      "| peak GPU MB | %% of byte roofline |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const RunResult& r : runs) {
     std::string adapters = "none";
     if (r.lora) {
@@ -480,11 +740,27 @@ int run_bench(const BenchArgs& a) {
     std::string pct = "-";
     if (r.pct_overall)
       pct = fmt(*r.pct_overall) + " % (" + (r.pct_decode ? fmt(*r.pct_decode) + " %" : "-") + ")";
-    std::printf("| %lld | %s | %s | %s | %s | %s / %s / %s | %s | %s | %s | %s |\n",
+    const double ms = step_ms(r);
+    const std::string step =
+        ms > 0 ? fmt(ms, "%.3f") + " (" + fmt(1e3 * ms / static_cast<double>(layers)) + ")" : "-";
+    const std::string gpu_mb = r.peak_gpu_mb ? fmt(*r.peak_gpu_mb, "%.0f") : "-";
+    const std::string roof =
+        r.step_bytes && ms > 0 && copy_bandwidth > 0
+            ? fmt(100.0 * (*r.step_bytes / copy_bandwidth) / (ms * 1e-3)) + " %"
+            : "-";
+    std::printf("| %lld | %s | %s | %s | %s | %s / %s / %s | %s | %s | %s | %s | %s | %s | %s |\n",
                 static_cast<long long>(r.batch_size), adapters.c_str(), fmt(r.prefill_tps).c_str(),
                 fmt(r.decode_tps).c_str(), fmt(r.overall_tps).c_str(), fmt(r.ttft.mean).c_str(),
                 fmt(r.ttft.p50).c_str(), fmt(r.ttft.max).c_str(), fmt(r.latency_s, "%.3f").c_str(),
-                fmt(r.peak_rss_mb, "%.0f").c_str(), fmt(r.peak_kv_mb, "%.1f").c_str(), pct.c_str());
+                fmt(r.peak_rss_mb, "%.0f").c_str(), fmt(r.peak_kv_mb, "%.1f").c_str(), pct.c_str(),
+                step.c_str(), gpu_mb.c_str(), roof.c_str());
+  }
+  if (!target_lines.empty()) {
+    std::printf("\n| target | config | value | target | met |\n|---|---|---|---|---|\n");
+    for (const TargetLine& t : target_lines) {
+      std::printf("| %s | %s | %.3f | %.2f | %s |\n", t.id.c_str(), t.config.c_str(), t.value,
+                  t.target, t.value >= t.target ? "yes" : "NO");
+    }
   }
   for (const RunResult& r : runs) {
     if (!r.lora) continue;
@@ -508,10 +784,26 @@ int run_bench(const BenchArgs& a) {
                  {"hardware_threads", static_cast<int64_t>(sysconf(_SC_NPROCESSORS_ONLN))}};
     j["device"] = a.device;
     j["threads"] = moelora::num_threads();
+    j["commit"] = git_commit();
+    if (gpu) {
+      j["gpu"] = {
+          {"name", device_report.name},
+          {"sm", std::to_string(device_report.sm_major) + std::to_string(device_report.sm_minor)},
+          {"num_sms", device_report.num_sms},
+          {"driver", device_report.driver_version},
+          {"cuda_runtime", device_report.runtime_version},
+          {"memory_gb", static_cast<double>(device_report.total_bytes) / 1e9},
+          {"sm_clock_mhz", device_report.sm_clock_khz / 1000},
+          {"memory_clock_mhz", device_report.memory_clock_khz / 1000}};
+      j["copy_bandwidth_gbps"] = copy_bandwidth / 1e9;
+      j["random_weights"] = a.random_weights;
+      j["quant"] = quant;
+    }
     j["model"] = {{"dir", a.preset.empty() ? model_dir.string() : std::string()},
                   {"preset", a.preset},
                   {"model_type", config.model_type},
                   {"layers", config.num_hidden_layers},
+                  {"max_layers", a.max_layers},
                   {"hidden", config.hidden_size},
                   {"experts", config.num_experts},
                   {"top_k", config.num_experts_per_tok},
@@ -522,8 +814,12 @@ int run_bench(const BenchArgs& a) {
     j["max_batch_tokens"] = options.max_batch_tokens;
     j["prefill_chunk"] = options.prefill_chunk;
     j["adapters"] = nlohmann::json::array();
-    for (const auto& s : specs)
-      j["adapters"].push_back({{"name", s.name}, {"dir", s.dir.string()}});
+    for (const auto& s : specs) {
+      j["adapters"].push_back({{"name", s.name},
+                               {"dir", s.dir.empty() ? "random (" + a.synth_layout + ", rank " +
+                                                           std::to_string(a.synth_rank) + ")"
+                                                     : s.dir.string()}});
+    }
     j["adapter_dist"] = a.dist;
     j["base_share"] = a.base_share;
     j["runs"] = nlohmann::json::array();
@@ -540,7 +836,19 @@ int run_bench(const BenchArgs& a) {
           {"ttft_ms", {{"mean", r.ttft.mean}, {"p50", r.ttft.p50}, {"max", r.ttft.max}}},
           {"peak_rss_mb", r.peak_rss_mb},
           {"peak_kv_cache_mb", r.peak_kv_mb},
-          {"steps", r.steps}};
+          {"steps", r.steps},
+          {"decode_steps", r.decode_steps}};
+      const double ms = step_ms(r);
+      run["decode_step_ms"] = ms > 0 ? nlohmann::json(ms) : nlohmann::json(nullptr);
+      run["decode_us_per_layer"] =
+          ms > 0 ? nlohmann::json(1e3 * ms / static_cast<double>(layers)) : nlohmann::json(nullptr);
+      run["peak_gpu_memory_mb"] = opt_json(r.peak_gpu_mb);
+      run["step_bytes_mb"] =
+          r.step_bytes ? nlohmann::json(*r.step_bytes / 1e6) : nlohmann::json(nullptr);
+      run["roofline_fraction"] =
+          r.step_bytes && ms > 0 && copy_bandwidth > 0
+              ? nlohmann::json((*r.step_bytes / copy_bandwidth) / (ms * 1e-3))
+              : nlohmann::json(nullptr);
       run["pct_of_no_lora"] = r.pct_overall ? nlohmann::json{{"overall", opt_json(r.pct_overall)},
                                                              {"decode", opt_json(r.pct_decode)},
                                                              {"prefill", opt_json(r.pct_prefill)}}
@@ -551,7 +859,7 @@ int run_bench(const BenchArgs& a) {
           r.adapter_changed ? nlohmann::json(*r.adapter_changed) : nlohmann::json(nullptr);
       j["runs"].push_back(run);
     }
-    j["targets"] = nlohmann::json::array();
+    j["targets"] = targets;
     std::ofstream out(a.json);
     MOELORA_CHECK(out.good(), bad, "--json: cannot write ", a.json);
     out << j.dump(2) << "\n";
@@ -601,7 +909,22 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--batch-sizes", a->batch_sizes, "Comma list of batch sizes B")
       ->capture_default_str();
   app.add_option("--json", a->json, "Also write the results as JSON to FILE");
-  app.add_option("--device", a->device, "cpu (cuda: not available yet)")->capture_default_str();
+  app.add_option("--device", a->device,
+                 "cpu or cuda (default: cuda when this build has CUDA and a device is visible)");
+  app.add_flag("--random-weights", a->random_weights,
+               "GPU: take only the --preset's config and draw the weights on the device");
+  app.add_option("--quant", a->quant,
+                 "Expert weights of --preset: bf16, fp8 or nvfp4 (default: fp8 with "
+                 "--random-weights, else bf16)");
+  app.add_option("--random-adapters", a->random_adapters,
+                 "GPU with --random-weights: K random adapters of --synth-rank / --synth-layout, "
+                 "drawn on the device")
+      ->capture_default_str();
+  app.add_option("--max-layers", a->max_layers, "Run only the first N decoder layers (0 = all)")
+      ->capture_default_str();
+  app.add_option("--gpu-memory-fraction", a->gpu_memory_fraction,
+                 "GPU: share of the free device memory the engine may use (KV cache sizing)")
+      ->capture_default_str();
   app.add_option("--seed", a->seed,
                  "Seed of the prompts (and of --preset / --synth-adapters weights)")
       ->capture_default_str();
@@ -612,7 +935,10 @@ std::function<int()> setup_bench(CLI::App& app) {
                  "Prompt tokens per request per step (0 = no cap)")
       ->capture_default_str();
   app.footer(
-      "\nExample (CPU, a few seconds):\n"
+      "\nExample (GPU, Qwen3-30B-A3B shapes, nothing on disk):\n"
+      "  moelora bench --preset qwen3-30b-a3b --random-weights --random-adapters 8 --synth-rank 16 "
+      "--batch-sizes 16,32,64 --input-len 2048 --output-len 2048 --json results.json\n"
+      "Example (CPU, a few seconds):\n"
       "  moelora bench --preset small-qwen3-moe --synth-adapters 2 --batch-sizes 4 --input-len 32 "
       "--output-len 16\n"
       "Each batch size runs without LoRA, then with the adapters; LoRA runs report the % of the "

@@ -9,6 +9,12 @@
 //   4. `moelora bench` runs one batch of 4 random prompts through the serving Engine (continuous
 //      batching, adapter slot pool) without LoRA and with the two adapters, and prints the
 //      throughput table (prefill, decode, overall, TTFT, memory, % of no-LoRA).
+// With a CUDA device (and a CUDA build) steps 2-4 run on the GPU instead: the serving Engine on
+// device cuda loads the checkpoint (bf16 on the device) and both adapters into its slot pool,
+// continues the prompt for the three requests as one mixed batch and then each alone through
+// the same engine (decode steps replay CUDA graphs), and `moelora bench --device cuda` times
+// batches of 4 and 16. --device cpu forces the CPU path.
+//
 // The synthesis and the benchmark run through the same binary's `synth` / `synth-adapter` /
 // `bench` subcommands (looked up in the subcommand registry), so the demo writes and measures
 // exactly what a user of those commands would get.
@@ -28,6 +34,7 @@
 #include "core/error.h"
 #include "model/generate.h"
 #include "model/model_setup.h"
+#include "moelora/engine.h"
 
 namespace {
 
@@ -44,6 +51,7 @@ struct RunArgs {
   int64_t max_new_tokens = 24;
   uint64_t seed = 0;
   bool no_bench = false;
+  std::string device;  // "" = cuda when available, else cpu
 };
 
 double seconds_since(Clock::time_point start) {
@@ -109,7 +117,157 @@ std::string one_line(const std::string& text) {
   return out;
 }
 
+void check_status(const moelora::Status& status) {
+  if (!status) throw moelora::Error(status.code(), status.message());
+}
+
+// Runs `prompts` (adapter names alongside, "" = base) through the engine as one batch, greedy,
+// EOS ignored; returns each request's tokens.
+std::vector<std::vector<int32_t>> engine_generate(moelora::Engine& engine,
+                                                  const std::vector<std::vector<int32_t>>& prompts,
+                                                  const std::vector<std::string>& adapters,
+                                                  int64_t max_new_tokens) {
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  std::string error;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    moelora::Request request;
+    request.prompt = prompts[i];
+    request.adapter = adapters[i];
+    request.sampling.max_new_tokens = max_new_tokens;
+    request.sampling.ignore_eos = true;
+    moelora::Result<moelora::RequestId> id =
+        engine.submit(std::move(request), [&, i](const moelora::TokenEvent& e) {
+          if (e.token >= 0) out[i].push_back(e.token);
+          if (e.finish_reason == moelora::FinishReason::kError && error.empty()) error = e.error;
+        });
+    check_status(id.status());
+  }
+  check_status(engine.run_until_idle());
+  MOELORA_CHECK(error.empty(), ErrorCode::kInternal, "a request failed: ", error);
+  return out;
+}
+
+struct DemoAdapter {
+  std::string name, layout, targets;
+  int64_t rank;
+};
+
+// Steps 2-4 on the GPU engine (see the file comment). Returns the exit code.
+int run_gpu_steps(const RunArgs& args, const fs::path& root, const fs::path& model_dir,
+                  const std::vector<DemoAdapter>& adapters, int steps) {
+  std::printf(
+      "\n[2/%d] loading the model and the adapters onto the GPU (serving engine, device "
+      "cuda)\n",
+      steps);
+  std::fflush(stdout);
+  auto start = Clock::now();
+  moelora::EngineOptions options;
+  options.model_dir = model_dir;
+  options.device = "cuda";
+  options.max_running = 16;
+  options.max_batch_tokens = 1024;
+  options.adapter_slots = static_cast<int32_t>(adapters.size());
+  options.max_loras_per_batch = static_cast<int32_t>(adapters.size());
+  options.max_lora_rank = 16;
+  options.max_seq_len = 1024;
+  moelora::Result<std::unique_ptr<moelora::Engine>> created = moelora::Engine::create(options);
+  check_status(created.status());
+  moelora::Engine& engine = *created.value();
+  for (const DemoAdapter& a : adapters)
+    check_status(engine.register_adapter(a.name, root / a.name, /*pin=*/true));
+  const double load_seconds = seconds_since(start);
+  const moelora::ModelInfo& info = engine.model_info();
+  std::printf("      %s: %lld layers, vocab %lld; adapters:", info.model_type.c_str(),
+              static_cast<long long>(info.num_layers), static_cast<long long>(info.vocab_size));
+  for (const moelora::AdapterInfo& a : engine.adapters())
+    std::printf(" %s (slot %d)", a.name.c_str(), a.slot);
+  std::printf("\n");
+
+  std::optional<moelora::io::Tokenizer> tokenizer = mm::find_tokenizer(model_dir);
+  std::vector<int32_t> prompt;
+  if (tokenizer) {
+    prompt = tokenizer->encode(args.prompt);
+    MOELORA_CHECK(!prompt.empty(), ErrorCode::kInvalidArgument, "--prompt encodes to no tokens");
+  } else {
+    for (int64_t i = 0; i < 8; ++i)
+      prompt.push_back(static_cast<int32_t>((5 + 37 * i) % info.vocab_size));
+  }
+  for (int32_t id : prompt) {
+    MOELORA_CHECK(id < info.vocab_size, ErrorCode::kInvalidArgument, "the tokenizer gives id ", id,
+                  ", beyond the model's vocabulary of ", info.vocab_size);
+  }
+  std::vector<std::string> names = {""}, labels = {"base"};
+  for (const DemoAdapter& a : adapters) {
+    names.push_back(a.name);
+    labels.push_back(a.name);
+  }
+  const std::vector<std::vector<int32_t>> prompts(names.size(), prompt);
+  std::printf(
+      "\n[3/%d] continuing the prompt (%zu tokens) by %lld tokens, greedy, for %zu "
+      "requests in ONE batch on the GPU\n",
+      steps, prompt.size(), static_cast<long long>(args.max_new_tokens), names.size());
+  std::fflush(stdout);
+  engine_generate(engine, prompts, names, 2);  // warm-up: captures the decode graphs
+  const moelora::EngineStats before = engine.stats();
+  start = Clock::now();
+  const auto batch = engine_generate(engine, prompts, names, args.max_new_tokens);
+  const double batch_seconds = seconds_since(start);
+  const moelora::EngineStats after = engine.stats();
+  size_t identical = 0;
+  double alone_seconds = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    start = Clock::now();
+    const auto alone = engine_generate(engine, {prompt}, {names[i]}, args.max_new_tokens);
+    alone_seconds += seconds_since(start);
+    identical += alone[0] == batch[i];
+  }
+  std::printf("\n  %-18s %s\n", "request",
+              tokenizer ? "continuation (text | token ids)" : "continuation (token ids)");
+  std::printf("  %-18s %s\n", "------------------",
+              "--------------------------------------------------------");
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (tokenizer)
+      std::printf("  %-18s %s\n", labels[i].c_str(), one_line(tokenizer->decode(batch[i])).c_str());
+    std::printf("  %-18s %s\n", tokenizer ? "" : labels[i].c_str(), join_ids(batch[i]).c_str());
+  }
+  const int64_t generated = static_cast<int64_t>(names.size()) * args.max_new_tokens;
+  std::printf("\n  %-34s %8.2f s\n", "load onto the GPU", load_seconds);
+  std::printf("  %-34s %8.3f s  (%lld tokens, %.1f tokens/s; %lld steps, %lld graph replays)\n",
+              "generation, mixed batch of 3", batch_seconds, static_cast<long long>(generated),
+              batch_seconds > 0 ? static_cast<double>(generated) / batch_seconds : 0.0,
+              static_cast<long long>(after.steps - before.steps),
+              static_cast<long long>(after.graph_replays - before.graph_replays));
+  std::printf("  %-34s %8.3f s\n", "same 3 requests one at a time", alone_seconds);
+  // bf16 kernels may pick other tilings for other batch shapes, so a near-tie between two logits
+  // can break differently; the CPU path (fp32, exact) is where this check is strict.
+  std::printf(
+      "\n  mixed batch == each request alone: %s (%zu of %zu continuations identical)\n",
+      identical == names.size() ? "yes" : "not all (bf16 rounding can differ by batch shape)",
+      identical, names.size());
+  size_t differ = 0;
+  for (size_t i = 1; i < names.size(); ++i) differ += batch[i] != batch[0];
+  std::printf("  adapters change the output:        %s (%zu of %zu differ from the base model)\n",
+              differ == adapters.size() ? "yes" : "partly", differ, adapters.size());
+  if (!args.no_bench) {
+    std::printf(
+        "\n[4/%d] moelora bench on the GPU: batches of 4 and 16 requests (32 random prompt "
+        "tokens, 16 generated), without LoRA and with the two adapters\n",
+        steps);
+    std::fflush(stdout);
+    std::string list;
+    for (const DemoAdapter& a : adapters)
+      list += (list.empty() ? "" : ",") + a.name + "=" + (root / a.name).string();
+    run_subcommand("bench", {"--model", model_dir.string(), "--device", "cuda", "--adapters", list,
+                             "--adapter-dist", "uniform", "--batch-sizes", "4,16", "--input-len",
+                             "32", "--output-len", "16", "--seed", std::to_string(args.seed)});
+  }
+  return 0;
+}
+
 int run_demo(const RunArgs& args) {
+  const std::string device = args.device.empty() ? moelora::default_device() : args.device;
+  check_status(moelora::check_device(device));
+  const bool gpu = device == "cuda" || device == "gpu";
   MOELORA_CHECK(args.max_new_tokens > 0, ErrorCode::kInvalidArgument,
                 "--max-new-tokens must be > 0, got ", args.max_new_tokens);
   std::unique_ptr<ScratchDir> scratch;
@@ -122,15 +280,11 @@ int run_demo(const RunArgs& args) {
     fs::create_directories(root);
   }
   const fs::path model_dir = root / "model";
-  struct DemoAdapter {
-    std::string name, layout, targets;
-    int64_t rank;
-  };
   const std::vector<DemoAdapter> adapters = {{"per-expert-r8", "per-expert", "all", 8},
                                              {"shared-outer-r16", "shared-outer", "experts", 16}};
 
-  std::printf(
-      "moelora run: one MoE model, two LoRA adapters, one mixed batch (CPU reference backend)\n\n");
+  std::printf("moelora run: one MoE model, two LoRA adapters, one mixed batch (%s)\n\n",
+              gpu ? "GPU serving engine" : "CPU reference backend");
   const int steps = args.no_bench ? 3 : 4;
   std::printf("[1/%d] writing a random %s checkpoint and two PEFT adapters to %s%s\n", steps,
               args.preset.c_str(), root.string().c_str(),
@@ -150,6 +304,10 @@ int run_demo(const RunArgs& args) {
          (root / adapters[i].name).string()});
   }
   const double synth_seconds = seconds_since(start);
+  if (gpu) {
+    std::printf("      written in %.2f s\n", synth_seconds);
+    return run_gpu_steps(args, root, model_dir, adapters, steps);
+  }
 
   std::printf("\n[2/%d] loading the model and the adapters\n", steps);
   std::fflush(stdout);
@@ -288,6 +446,8 @@ std::function<int()> setup_run(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--seed", args->seed, "Seed of the random weights")->capture_default_str();
   app.add_flag("--no-bench", args->no_bench, "Skip the final `moelora bench` run");
+  app.add_option("--device", args->device,
+                 "cpu or cuda (default: cuda when this build has CUDA and a device is visible)");
   app.footer(
       "\nWhat it does: writes a random Hugging Face checkpoint (`moelora synth --preset "
       "small-qwen3-moe`:\n"

@@ -9,8 +9,10 @@
 //      then waiting requests join in arrival order, each with its first chunk, while the limits
 //      allow (see "Admission");
 //   2. ONE forward of that batch (every request with its own KV cache and adapter slot);
-//   3. sampling: a request whose prompt is complete gets its next token; finished requests leave
-//      (stop token, max_new_tokens, cancel) and free their KV cache and adapter slot at once.
+//   3. sampling: a request whose prompt is complete gets its next token (picked by the backend
+//      with a uniform number drawn from the request's own seeded generator: on the device for
+//      the GPU backend); finished requests leave (stop token, max_new_tokens, cancel) and free
+//      their KV cache and adapter slot at once.
 // A request's tokens do not depend on which other requests share its steps: the backend computes
 // every sequence exactly as it would alone, and each request samples with its own seeded RNG.
 //
@@ -66,13 +68,19 @@ class Executor;
 
 using RequestId = uint64_t;
 
-// Whether this build can run an engine on `device` ("cpu" always can). kUnsupported for "cuda"
-// (the whole-model GPU runtime does not exist yet), kInvalidArgument for an unknown name.
+// Devices: "cpu" runs the fp32 reference model; "cuda" the bf16 / FP8 GPU model with a paged KV
+// cache and CUDA-graph decode steps (a CUDA build with a visible device).
+//
+// Whether this build can run an engine on `device` ("cpu" always can; "cuda" when the build has
+// CUDA and a device is visible). kUnsupported for "cuda" otherwise (the message says which of the
+// two is missing), kInvalidArgument for an unknown name.
 Status check_device(const std::string& device);
+// "cuda" when check_device("cuda") succeeds, else "cpu".
+std::string default_device();
 
 struct EngineOptions {
   std::filesystem::path model_dir;  // Hugging Face checkpoint (config.json + *.safetensors)
-  std::string device = "cpu";       // "cpu"; "cuda" is refused until the GPU runtime exists
+  std::string device = "cpu";       // "cpu" (fp32 reference backend) or "cuda" (bf16 / FP8 GPU)
   // Tokens per step, decode tokens and prefill chunks together (the chunked-prefill budget).
   // Must be >= max_running so that every running request can always decode.
   int64_t max_batch_tokens = 2048;
@@ -84,6 +92,22 @@ struct EngineOptions {
       32;                       // adapters kept in host memory (LRU); 0 = read from disk each time
   int64_t prefill_chunk = 512;  // prompt tokens of one request per step; 0 = only the budget limits
   bool show_progress = false;   // progress bars on stderr while loading the model
+  int64_t max_layers = 0;       // run only the first N decoder layers (0 = all; benchmarks)
+
+  // GPU backend (device "cuda"); ignored on the CPU.
+  // Benchmarks of models nobody has on disk: read only model_dir/config.json and draw seeded
+  // random weights on the device (FP8-block experts when config.json says FP8). See also
+  // register_random_adapter().
+  bool random_weights = false;
+  uint64_t random_seed = 0;
+  // Longest sequence (prompt + generated) the paged KV cache's page tables hold; 0 =
+  // min(max_position_embeddings, 8192). Requests beyond it are rejected by submit().
+  int64_t max_seq_len = 0;
+  // KV cache size: kv_cache_bytes when > 0, else gpu_memory_fraction of the device memory free at
+  // start, less the model, the adapter pool and the workspaces (estimated from the shapes).
+  uint64_t kv_cache_bytes = 0;
+  double gpu_memory_fraction = 0.9;
+  bool cuda_graphs = true;  // decode steps replay one CUDA graph per batch bucket
 };
 
 struct SamplingParams {
@@ -128,6 +152,8 @@ struct ModelInfo {
   int64_t vocab_size = 0;
   int64_t num_layers = 0;
   int64_t max_position_embeddings = 0;  // prompt + max_new_tokens may not exceed it
+  // The backend's own limit on prompt + max_new_tokens (GPU: the KV page tables; 0 = none).
+  int64_t max_sequence_length = 0;
   std::vector<int32_t> eos_token_ids;
 };
 
@@ -168,6 +194,12 @@ struct EngineStats {
   int64_t pool_evictions = 0;
   int64_t host_hits = 0;
   int64_t host_misses = 0;
+  // How the backend ran the forwards (GPU: decode steps replay a CUDA graph per batch bucket,
+  // captured at the bucket's first use; the CPU backend runs everything eagerly).
+  int64_t eager_forwards = 0;
+  int64_t graph_captures = 0;
+  int64_t graph_replays = 0;
+  int64_t graph_capture_failures = 0;
 };
 
 class Engine {
@@ -190,6 +222,13 @@ class Engine {
   // max_lora_rank, and registers it as `name`. pin: load it into a slot now and keep it there.
   Status register_adapter(const std::string& name, const std::filesystem::path& dir,
                           bool pin = false);
+  // Registers a seeded random adapter of `rank` on every target (shared_outer: the routed
+  // experts share gate_up A and down B), with no files: it exists for benchmarks of models nobody
+  // has on disk, together with EngineOptions::random_weights, and only on the GPU backend
+  // (kUnsupported elsewhere). The backend draws the weights when the adapter gets a slot; the
+  // same seed always gives the same adapter. kOutOfRange for a rank above max_lora_rank.
+  Status register_random_adapter(const std::string& name, int64_t rank, bool shared_outer,
+                                 uint64_t seed, bool pin = false);
   // kInvalidArgument while a waiting or running request names it; kNotFound for an unknown name.
   Status unregister_adapter(const std::string& name);
   std::vector<AdapterInfo> adapters() const;

@@ -7,9 +7,11 @@
 namespace moelora::runtime {
 
 std::unique_ptr<CpuExecutor> CpuExecutor::load(const std::filesystem::path& dir,
-                                               const ExecutorLimits& limits, bool show_progress) {
+                                               const ExecutorLimits& limits, bool show_progress,
+                                               int64_t max_layers) {
   model::ModelOptions options;
   options.show_progress = show_progress;
+  options.max_layers = max_layers;
   return std::make_unique<CpuExecutor>(model::Model::load(dir, options), limits);
 }
 
@@ -111,7 +113,9 @@ std::vector<Tensor> CpuExecutor::forward(std::span<const BatchEntry> batch) {
   }
   model::ForwardOptions options;
   options.all_logits = false;  // generation needs each sequence's last position only
-  return model_.forward(inputs, options);
+  std::vector<Tensor> logits = model_.forward(inputs, options);
+  ++counters_.eager_forwards;
+  return logits;
 }
 
 }  // namespace moelora::runtime

@@ -24,10 +24,11 @@ namespace moelora::runtime {
 
 class CpuExecutor final : public Executor {
  public:
-  // Model::load(dir) then CpuExecutor(model, limits).
+  // Model::load(dir) (its first max_layers decoder layers when > 0) then
+  // CpuExecutor(model, limits).
   static std::unique_ptr<CpuExecutor> load(const std::filesystem::path& dir,
-                                           const ExecutorLimits& limits,
-                                           bool show_progress = false);
+                                           const ExecutorLimits& limits, bool show_progress = false,
+                                           int64_t max_layers = 0);
   // `model` must have no adapters loaded (the executor owns its slots); kInvalidArgument for
   // limits that are not all positive.
   CpuExecutor(model::Model model, const ExecutorLimits& limits);
@@ -47,6 +48,7 @@ class CpuExecutor final : public Executor {
   uint64_t cache_bytes() const override;
 
   std::vector<Tensor> forward(std::span<const BatchEntry> batch) override;
+  ExecutorCounters counters() const override { return counters_; }
 
  private:
   struct Entry {
@@ -60,6 +62,7 @@ class CpuExecutor final : public Executor {
   ExecutorLimits limits_;
   std::map<SequenceHandle, std::unique_ptr<Entry>> sequences_;  // unique_ptr: stable addresses
   SequenceHandle next_handle_ = 1;
+  ExecutorCounters counters_;  // every forward is eager
 };
 
 }  // namespace moelora::runtime

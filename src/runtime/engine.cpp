@@ -1,6 +1,15 @@
 // moelora::Engine (include/moelora/engine.h): request state, validation, the step loop and event
 // delivery, over a Scheduler, an AdapterPool and an Executor.
 //
+// Sampling: each request's own model::Sampler draws its uniform number (only when its temperature
+// is > 0, exactly when Sampler::sample would), and the executor picks the token from the logits
+// with it (Executor::forward_sample: on the host for the CPU backend, on the device for the GPU
+// backend), so every backend consumes the same random stream.
+//
+// Random adapters (register_random_adapter, benchmarks): registered in the pool like any other,
+// under a placeholder io::LoraAdapter that carries only the name and rank; the slot writer sees
+// the name and asks the executor to draw the adapter into the slot instead of uploading factors.
+//
 // Locking: `state_mutex` guards everything but the callbacks; step() holds it while it plans,
 // runs the forward and samples, then releases it and delivers the step's events while holding
 // only `step_mutex` (which keeps steps, and so each request's events, in order). A callback may
@@ -9,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <set>
@@ -17,6 +27,7 @@
 #include "runtime/adapter_pool.h"
 #include "runtime/cpu_executor.h"
 #include "runtime/executor.h"
+#include "runtime/gpu_executor.h"
 #include "runtime/scheduler.h"
 
 namespace moelora {
@@ -36,18 +47,54 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The pool writes slots through the executor.
+// A registered random adapter (register_random_adapter).
+struct RandomAdapter {
+  int64_t rank = 0;
+  bool shared_outer = false;
+  uint64_t seed = 0;
+};
+
+// The pool writes slots through the executor; random adapters are drawn by it.
 class ExecutorSlotWriter final : public runtime::SlotWriter {
  public:
-  explicit ExecutorSlotWriter(runtime::Executor& executor) : executor_(executor) {}
+  ExecutorSlotWriter(runtime::Executor& executor,
+                     const std::map<std::string, RandomAdapter>& random)
+      : executor_(executor), random_(random) {}
   void write_slot(int32_t slot, const io::LoraAdapter& adapter) override {
+    auto it = random_.find(adapter.name);
+    if (it != random_.end() && adapter.layers.empty()) {
+      executor_.randomize_slot(slot, it->second.rank, it->second.shared_outer, it->second.seed);
+      return;
+    }
     executor_.write_slot(slot, adapter);
   }
   void clear_slot(int32_t slot) override { executor_.clear_slot(slot); }
 
  private:
   runtime::Executor& executor_;
+  const std::map<std::string, RandomAdapter>& random_;
 };
+
+// The placeholder the pool holds for a random adapter: its name and rank, no factors.
+io::LoraAdapter random_placeholder(const std::string& name, const RandomAdapter& r) {
+  io::LoraAdapter a;
+  a.name = name;
+  a.max_rank = r.rank;
+  a.targets = {std::string("random ") + (r.shared_outer ? "shared-outer" : "per-expert") +
+               " adapter, seed " + std::to_string(r.seed)};
+  return a;
+}
+
+std::filesystem::path random_dir(const RandomAdapter& r) {
+  return "random:rank=" + std::to_string(r.rank) +
+         (r.shared_outer ? ",shared-outer" : ",per-expert") + ",seed=" + std::to_string(r.seed);
+}
+
+// u in [0, 1) as the float the executors take (a double just below 1 would round to 1.0f).
+float uniform_as_float(double u) {
+  const float f = static_cast<float>(u);
+  return f < 1.0f ? f : std::nextafter(1.0f, 0.0f);
+}
 
 void check_options(const EngineOptions& o) {
   const auto bad = ErrorCode::kInvalidArgument;
@@ -55,23 +102,31 @@ void check_options(const EngineOptions& o) {
   MOELORA_CHECK(o.max_lora_rank >= 1, bad, "max_lora_rank must be >= 1, got ", o.max_lora_rank);
   MOELORA_CHECK(o.host_adapter_cache >= 0, bad, "host_adapter_cache must be >= 0, got ",
                 o.host_adapter_cache);
+  MOELORA_CHECK(o.max_layers >= 0, bad, "max_layers must be >= 0 (0 = all), got ", o.max_layers);
+  MOELORA_CHECK(o.max_seq_len >= 0, bad, "max_seq_len must be >= 0 (0 = automatic), got ",
+                o.max_seq_len);
+  MOELORA_CHECK(o.gpu_memory_fraction > 0.0 && o.gpu_memory_fraction <= 1.0, bad,
+                "gpu_memory_fraction must be in (0, 1], got ", o.gpu_memory_fraction);
   runtime::check_scheduler_options(
       {o.max_batch_tokens, o.max_running, o.max_loras_per_batch, o.prefill_chunk}, o.adapter_slots);
 }
 
+bool is_cuda(const std::string& device) {
+  return device == "cuda" || device == "gpu";
+}
+
 void require_device(const std::string& device) {
   if (device == "cpu") return;
-  if (device == "cuda" || device == "gpu") {
-#ifdef MOELORA_WITH_CUDA
-    MOELORA_THROW(
-        ErrorCode::kUnsupported, "device '", device,
-        "': the whole-model GPU runtime is not implemented yet (the CUDA MoE kernels are; "
-        "the engine runs on the CPU backend for now); use device 'cpu'");
+  if (is_cuda(device)) {
+#if MOELORA_WITH_CUDA
+    MOELORA_CHECK(runtime::cuda_device_available(), ErrorCode::kUnsupported, "device '", device,
+                  "': no CUDA device is visible (no driver, no GPU, or CUDA_VISIBLE_DEVICES "
+                  "hides them); use device 'cpu'");
+    return;
 #else
-    MOELORA_THROW(
-        ErrorCode::kUnsupported, "device '", device,
-        "': this build has no CUDA support (configured with MOELORA_ENABLE_CUDA=OFF or without "
-        "nvcc), and the whole-model GPU runtime is not implemented yet; use device 'cpu'");
+    MOELORA_THROW(ErrorCode::kUnsupported, "device '", device,
+                  "': this build has no CUDA support (configured with MOELORA_ENABLE_CUDA=OFF or "
+                  "without nvcc); use device 'cpu'");
 #endif
   }
   MOELORA_THROW(ErrorCode::kInvalidArgument, "device '", device,
@@ -86,6 +141,10 @@ runtime::ExecutorLimits limits_of(const EngineOptions& o) {
 
 Status check_device(const std::string& device) {
   return capture([&] { require_device(device); });
+}
+
+std::string default_device() {
+  return check_device("cuda").is_ok() ? "cuda" : "cpu";
 }
 
 struct Engine::Impl {
@@ -107,8 +166,8 @@ struct Engine::Impl {
   Impl(std::unique_ptr<runtime::Executor> exec, const EngineOptions& opts)
       : options(opts),
         executor(std::move(exec)),
-        writer(*executor),
-        pool(opts.adapter_slots, opts.host_adapter_cache, writer, loader()),
+        writer(*executor, random_adapters),
+        pool(opts.adapter_slots, opts.host_adapter_cache, writer, pool_loader()),
         scheduler(
             {opts.max_batch_tokens, opts.max_running, opts.max_loras_per_batch, opts.prefill_chunk},
             pool) {
@@ -117,6 +176,7 @@ struct Engine::Impl {
     info.vocab_size = config.vocab_size;
     info.num_layers = config.num_hidden_layers;
     info.max_position_embeddings = config.max_position_embeddings;
+    info.max_sequence_length = executor->max_sequence_length();
     for (int64_t id : config.eos_token_ids) {
       if (id >= 0 && id < config.vocab_size) info.eos_token_ids.push_back(static_cast<int32_t>(id));
     }
@@ -132,6 +192,17 @@ struct Engine::Impl {
       io::LoraAdapter adapter = io::load_adapter(dir, exec->config(), name, load);
       exec->check_adapter(adapter);
       return adapter;
+    };
+  }
+
+  // The pool's loader: random adapters come back as their placeholder (called under
+  // state_mutex, which guards random_adapters).
+  runtime::AdapterLoader pool_loader() {
+    runtime::AdapterLoader files = loader();
+    return [this, files](const std::string& name, const std::filesystem::path& dir) {
+      auto it = random_adapters.find(name);
+      if (it != random_adapters.end()) return random_placeholder(name, it->second);
+      return files(name, dir);
     };
   }
 
@@ -166,6 +237,7 @@ struct Engine::Impl {
   EngineOptions options;
   ModelInfo info;
   std::unique_ptr<runtime::Executor> executor;
+  std::map<std::string, RandomAdapter> random_adapters;  // before writer and pool: they use it
   ExecutorSlotWriter writer;
   runtime::AdapterPool pool;
   runtime::Scheduler scheduler;
@@ -196,6 +268,11 @@ Status Engine::Impl::validate(const Request& request) const {
                   ErrorCode::kOutOfRange, "request: prompt (", request.prompt.size(),
                   " tokens) + max_new_tokens (", s.max_new_tokens, ") = ", context,
                   " exceeds the model's context of ", info.max_position_embeddings, " tokens");
+    MOELORA_CHECK(info.max_sequence_length <= 0 || context <= info.max_sequence_length,
+                  ErrorCode::kOutOfRange, "request: prompt (", request.prompt.size(),
+                  " tokens) + max_new_tokens (", s.max_new_tokens, ") = ", context,
+                  " exceeds the engine's maximum sequence length of ", info.max_sequence_length,
+                  " tokens (EngineOptions::max_seq_len)");
     for (int32_t id : s.stop_token_ids) {
       MOELORA_CHECK(id >= 0 && id < info.vocab_size, ErrorCode::kOutOfRange,
                     "request: stop token id ", id, " is outside the vocabulary [0, ",
@@ -254,10 +331,25 @@ void Engine::Impl::run_step(const runtime::StepPlan& plan) {
     owners.push_back(&r);
   }
 
+  // Sampling parameters and uniforms; entries that do not sample run greedy and are ignored.
+  std::vector<ops::SampleRowParams> params(batch.size());
+  std::vector<float> uniforms(batch.size(), 0.0f);
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    if (!plan.items[i].samples) continue;
+    RequestState& r = *owners[i];
+    const SamplingParams& s = r.request.sampling;
+    params[i].temperature = static_cast<float>(s.temperature);
+    params[i].top_p = static_cast<float>(s.top_p);
+    params[i].top_k = static_cast<int32_t>(std::min<int64_t>(s.top_k, info.vocab_size));
+    if (s.temperature > 0) uniforms[i] = uniform_as_float(r.sampler.next_uniform());
+  }
+
   const auto start = Clock::now();
-  std::vector<Tensor> logits;
+  std::vector<int32_t> tokens;
   try {
-    logits = executor->forward(batch);
+    tokens = executor->forward_sample(batch, params, uniforms);
+    MOELORA_CHECK(tokens.size() == batch.size(), ErrorCode::kInternal, "the backend returned ",
+                  tokens.size(), " tokens for a batch of ", batch.size());
   } catch (const std::exception& e) {
     // The backend refused the batch (a bug or a device failure): end its requests, keep going.
     for (RequestState* r : owners) fail(*r, std::string("the forward pass failed: ") + e.what());
@@ -268,11 +360,9 @@ void Engine::Impl::run_step(const runtime::StepPlan& plan) {
     const runtime::StepItem& item = plan.items[i];
     if (!item.samples) continue;
     RequestState& r = *owners[i];
-    int32_t token = -1;
-    try {
-      token = r.sampler.sample(logits[i]);
-    } catch (const std::exception& e) {
-      fail(r, std::string("sampling failed: ") + e.what());
+    const int32_t token = tokens[i];
+    if (token < 0 || token >= info.vocab_size) {
+      fail(r, "sampling failed: the backend produced no valid token (non-finite logits?)");
       continue;
     }
     ++sampled;
@@ -318,8 +408,26 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
     require_device(options.device);
     check_options(options);
     MOELORA_CHECK(!options.model_dir.empty(), ErrorCode::kInvalidArgument, "model_dir is empty");
-    executor =
-        runtime::CpuExecutor::load(options.model_dir, limits_of(options), options.show_progress);
+    if (is_cuda(options.device)) {
+      runtime::GpuExecutorOptions g;
+      g.model_dir = options.model_dir;
+      g.limits = limits_of(options);
+      g.random_weights = options.random_weights;
+      g.random_seed = options.random_seed;
+      g.max_layers = options.max_layers;
+      g.max_seq_len = options.max_seq_len;
+      g.kv_cache_bytes = options.kv_cache_bytes;
+      g.gpu_memory_fraction = options.gpu_memory_fraction;
+      g.cuda_graphs = options.cuda_graphs;
+      g.show_progress = options.show_progress;
+      executor = runtime::make_gpu_executor(g);
+    } else {
+      MOELORA_CHECK(!options.random_weights, ErrorCode::kUnsupported,
+                    "random_weights needs device 'cuda' (the CPU backend loads checkpoints only; "
+                    "`moelora synth` writes a random one)");
+      executor = runtime::CpuExecutor::load(options.model_dir, limits_of(options),
+                                            options.show_progress, options.max_layers);
+    }
   });
   if (!status) return status;
   return create(std::move(executor), options);
@@ -373,6 +481,33 @@ Status Engine::register_adapter(const std::string& name, const std::filesystem::
   });
 }
 
+Status Engine::register_random_adapter(const std::string& name, int64_t rank, bool shared_outer,
+                                       uint64_t seed, bool pin) {
+  Impl& im = *impl_;
+  return capture([&] {
+    MOELORA_CHECK(!name.empty(), ErrorCode::kInvalidArgument,
+                  "a random adapter needs a non-empty name");
+    MOELORA_CHECK(im.executor->supports_random_adapters(), ErrorCode::kUnsupported,
+                  "random adapter '", name,
+                  "': random adapters exist for GPU benchmarks and need device 'cuda' (with "
+                  "random_weights); register adapter files with register_adapter()");
+    MOELORA_CHECK(rank >= 1 && rank <= im.options.max_lora_rank, ErrorCode::kOutOfRange,
+                  "random adapter '", name, "': rank ", rank, " is not in [1, max_lora_rank ",
+                  im.options.max_lora_rank, "]");
+    std::lock_guard lock(im.state_mutex);
+    MOELORA_CHECK(!im.pool.contains(name), ErrorCode::kInvalidArgument, "adapter '", name,
+                  "' is already registered; unregister it first");
+    const RandomAdapter r{rank, shared_outer, seed};
+    im.random_adapters[name] = r;
+    try {
+      im.pool.add(name, random_dir(r), random_placeholder(name, r), pin);
+    } catch (...) {
+      im.random_adapters.erase(name);
+      throw;
+    }
+  });
+}
+
 Status Engine::unregister_adapter(const std::string& name) {
   Impl& im = *impl_;
   return capture([&] {
@@ -386,6 +521,7 @@ Status Engine::unregister_adapter(const std::string& name) {
                   running + waiting == 1 ? "" : "s", " (", running, " running, ", waiting,
                   " waiting); cancel them or wait until they finish");
     im.pool.remove(name);
+    im.random_adapters.erase(name);
   });
 }
 
@@ -509,6 +645,11 @@ EngineStats Engine::stats() const {
   s.pool_evictions = p.evictions;
   s.host_hits = p.host_hits;
   s.host_misses = p.host_misses;
+  const runtime::ExecutorCounters c = impl_->executor->counters();
+  s.eager_forwards = c.eager_forwards;
+  s.graph_captures = c.graph_captures;
+  s.graph_replays = c.graph_replays;
+  s.graph_capture_failures = c.capture_failures;
   return s;
 }
 

@@ -2,7 +2,16 @@
 //
 // The Engine (scheduling, sampling, adapter bookkeeping) is the same for every backend; an
 // Executor owns the model weights, the per-sequence KV caches and the adapter slot pool, and runs
-// one batched forward per step. CpuExecutor (cpu_executor.h) runs the fp32 reference model.
+// one batched forward per step. CpuExecutor (cpu_executor.h) runs the fp32 reference model;
+// GpuExecutor (gpu_executor.h, CUDA builds) runs model::GpuModel with a paged KV cache and one
+// CUDA graph per decode batch bucket.
+//
+// Two entry points run a step: forward() returns each entry's logits (tests, tools), and
+// forward_sample() also picks each entry's next token from per-entry sampling parameters and one
+// uniform number per entry (ops/sample/sample.h). The randomness stays with the caller (each
+// request's own seeded model::Sampler draws u), so every backend consumes the same random stream
+// and a GPU backend can sample on the device without copying the logits back. The default
+// forward_sample() runs forward() and ops::sample_row_ref per entry.
 //
 // Contract, written so that a GPU executor can honour it without allocating or synchronizing in
 // the steady state (DESIGN.md §4):
@@ -27,6 +36,7 @@
 #include "core/tensor.h"
 #include "io/hf_config.h"
 #include "io/peft.h"
+#include "ops/sample/sample.h"
 
 namespace moelora::runtime {
 
@@ -45,6 +55,15 @@ struct BatchEntry {
   SequenceHandle sequence = -1;
   std::span<const int32_t> tokens;  // at least one
   int32_t slot = -1;                // adapter slot, -1 = base only; fixed for a sequence's lifetime
+};
+
+// How a backend ran its forwards so far (a GPU backend: eager launches, CUDA-graph captures and
+// replays; the CPU backend counts every forward as eager).
+struct ExecutorCounters {
+  int64_t eager_forwards = 0;
+  int64_t graph_captures = 0;
+  int64_t graph_replays = 0;
+  int64_t capture_failures = 0;  // buckets that could not be captured and run eagerly instead
 };
 
 class Executor {
@@ -73,6 +92,28 @@ class Executor {
   // token, F32 [1, V] per entry in batch order. Entries name distinct sequences; the batch
   // respects limits() (max_batch_tokens, max_sequences).
   virtual std::vector<Tensor> forward(std::span<const BatchEntry> batch) = 0;
+
+  // forward() followed by sampling: returns one token per entry, in batch order. params[i] and
+  // uniforms[i] (u in [0, 1), unused for greedy rows) belong to batch[i]; both spans have the
+  // batch's size (kInternal otherwise). A row whose logits cannot be sampled (NaN) gets -1 and
+  // the others are unaffected. Entries whose token the caller does not need (a prefill chunk
+  // that is not the prompt's last) may pass greedy params; their token is computed and ignored.
+  virtual std::vector<int32_t> forward_sample(std::span<const BatchEntry> batch,
+                                              std::span<const ops::SampleRowParams> params,
+                                              std::span<const float> uniforms);
+
+  // Longest sequence (prompt + generated tokens) a sequence may reach; 0 = only the model's
+  // max_position_embeddings limits it. A paged GPU cache has a fixed page-table width.
+  virtual int64_t max_sequence_length() const { return 0; }
+
+  // Benchmarks of models nobody has on disk: fills `slot` with a seeded random adapter of
+  // `rank` on every target (shared_outer: the routed experts share gate_up A and down B).
+  // Backends that cannot do it return false from supports_random_adapters() and throw
+  // kUnsupported from randomize_slot().
+  virtual bool supports_random_adapters() const { return false; }
+  virtual void randomize_slot(int32_t slot, int64_t rank, bool shared_outer, uint64_t seed);
+
+  virtual ExecutorCounters counters() const { return {}; }
 };
 
 }  // namespace moelora::runtime

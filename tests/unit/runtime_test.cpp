@@ -9,6 +9,12 @@
 //     mixed adapters and chunked prompts; the per-step limits as the backend sees them;
 //     cancellation frees the KV cache and the slot; adapter eviction and reloads; unregistering;
 //     bad requests and options rejected with clear messages;
+//   - the Executor contract the Engine relies on: sampling through forward_sample with one
+//     uniform per sampling request drawn from the request's own generator, a row whose sampling
+//     fails ends only its request, the backend's maximum sequence length, random adapters
+//     (register_random_adapter) drawn into slots and drawn again after an eviction;
+//   - the CUDA-free half of the GPU executor: decode buckets, the KV page allocator, the step
+//     metadata plan (slot grouping, LoRA segments, positions, page tables, padding, graphs);
 //   - `moelora bench` run as a user would (table, --json fields, errors).
 #include <gtest/gtest.h>
 
@@ -28,9 +34,11 @@
 
 #include "model/generate.h"
 #include "model/model.h"
+#include "model/sampler.h"
 #include "moelora/engine.h"
 #include "runtime/adapter_pool.h"
 #include "runtime/cpu_executor.h"
+#include "runtime/gpu_executor.h"
 #include "runtime/scheduler.h"
 #include "support/test_support.h"
 
@@ -550,6 +558,37 @@ class RecordingExecutor final : public Executor {
   int64_t sequence_length(SequenceHandle s) const override { return inner_->sequence_length(s); }
   int64_t live_sequences() const override { return inner_->live_sequences(); }
   uint64_t cache_bytes() const override { return inner_->cache_bytes(); }
+  // Knobs of the contract tests: a backend sequence-length limit, random adapters (drawn as the
+  // stand-in adapter under a per-seed name), and a hook that may spoil sampled tokens.
+  int64_t max_length = 0;
+  bool random_adapters = false;
+  io::LoraAdapter random_stand_in;
+  std::vector<std::tuple<int32_t, int64_t, bool, uint64_t>> randomized;
+  std::function<void(std::span<const BatchEntry>, std::vector<int32_t>&)> tamper;
+  std::vector<std::vector<ops::SampleRowParams>> params_seen;
+  std::vector<std::vector<float>> uniforms_seen;
+
+  int64_t max_sequence_length() const override { return max_length; }
+  bool supports_random_adapters() const override { return random_adapters; }
+  void randomize_slot(int32_t slot, int64_t rank, bool shared_outer, uint64_t seed) override {
+    if (!random_adapters) Executor::randomize_slot(slot, rank, shared_outer, seed);
+    randomized.emplace_back(slot, rank, shared_outer, seed);
+    io::LoraAdapter a = random_stand_in;
+    a.name = "random-" + std::to_string(seed);
+    inner_->clear_slot(slot);
+    inner_->write_slot(slot, a);
+  }
+  std::vector<int32_t> forward_sample(std::span<const BatchEntry> batch,
+                                      std::span<const ops::SampleRowParams> params,
+                                      std::span<const float> uniforms) override {
+    params_seen.emplace_back(params.begin(), params.end());
+    uniforms_seen.emplace_back(uniforms.begin(), uniforms.end());
+    std::vector<int32_t> tokens = Executor::forward_sample(batch, params, uniforms);
+    if (tamper) tamper(batch, tokens);
+    return tokens;
+  }
+  ExecutorCounters counters() const override { return inner_->counters(); }
+
   std::vector<Tensor> forward(std::span<const BatchEntry> batch) override {
     Forward f;
     for (const BatchEntry& b : batch) {
@@ -1106,6 +1145,395 @@ TEST(Engine, SubmitFromAnotherThreadWhileStepping) {
   }
 }
 
+// ================================================================ Executor contract
+
+// One sampled request and one greedy request: the engine hands the executor one uniform per
+// sampling request per step, drawn from that request's own generator (and none for greedy ones).
+TEST(EngineContract, UniformsComeFromEachRequestsOwnSampler) {
+  std::mt19937_64 rng(test::test_seed(81));
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  Collected sampled, greedy;
+  Request a;
+  a.prompt = random_tokens(rng, 9, 512);
+  a.sampling = {0.8, 0.9, 5, 4242, 6, true, {}};
+  Request b;
+  b.prompt = random_tokens(rng, 3, 512);
+  b.sampling.max_new_tokens = 4;
+  b.sampling.ignore_eos = true;
+  ASSERT_TRUE(t.engine->submit(a, collect_into(sampled)).is_ok());
+  ASSERT_TRUE(t.engine->submit(b, collect_into(greedy)).is_ok());
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  ASSERT_EQ(sampled.tokens.size(), 6u);
+  ASSERT_EQ(greedy.tokens.size(), 4u);
+
+  // The non-zero uniforms, in step order, are the sampler's draws for seed 4242.
+  model::Sampler reference({0.8, 0.9, 5, 4242});
+  std::vector<float> expected, got;
+  for (int i = 0; i < 6; ++i) expected.push_back(static_cast<float>(reference.next_uniform()));
+  for (size_t step = 0; step < t.executor->params_seen.size(); ++step) {
+    const auto& params = t.executor->params_seen[step];
+    const auto& uniforms = t.executor->uniforms_seen[step];
+    ASSERT_EQ(params.size(), uniforms.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].temperature > 0) {
+        EXPECT_FLOAT_EQ(params[i].temperature, 0.8f);
+        EXPECT_FLOAT_EQ(params[i].top_p, 0.9f);
+        EXPECT_EQ(params[i].top_k, 5);
+        got.push_back(uniforms[i]);
+      } else {
+        EXPECT_EQ(uniforms[i], 0.0f) << "a greedy row got a uniform at step " << step;
+      }
+    }
+  }
+  EXPECT_EQ(got, expected);
+  // The CPU backend runs every forward eagerly and captures nothing.
+  const EngineStats stats = t.engine->stats();
+  EXPECT_EQ(stats.eager_forwards, stats.steps);
+  EXPECT_EQ(stats.graph_captures, 0);
+  EXPECT_EQ(stats.graph_replays, 0);
+}
+
+// A row the backend cannot sample (-1) ends that request with an error; the others go on.
+TEST(EngineContract, FailedSamplingEndsOnlyItsRequest) {
+  std::mt19937_64 rng(test::test_seed(82));
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  SequenceHandle victim = -1;
+  t.executor->tamper = [&](std::span<const BatchEntry> batch, std::vector<int32_t>& tokens) {
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (victim < 0) victim = batch[i].sequence;  // the first request's sequence
+      if (batch[i].sequence == victim) tokens[i] = -1;
+    }
+  };
+  Collected first, second;
+  Request r;
+  r.prompt = random_tokens(rng, 4, 512);
+  r.sampling.max_new_tokens = 3;
+  r.sampling.ignore_eos = true;
+  ASSERT_TRUE(t.engine->submit(r, collect_into(first)).is_ok());
+  ASSERT_TRUE(t.engine->submit(r, collect_into(second)).is_ok());
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_EQ(first.reason, FinishReason::kError);
+  EXPECT_TRUE(contains(first.error, "sampling failed")) << first.error;
+  EXPECT_TRUE(first.tokens.empty());
+  EXPECT_EQ(second.reason, FinishReason::kLength);
+  EXPECT_EQ(second.tokens.size(), 3u);
+  EXPECT_EQ(t.engine->stats().requests_failed, 1);
+}
+
+TEST(EngineContract, BackendSequenceLengthLimitsRequests) {
+  // The engine reads the backend's limit at creation.
+  const EngineOptions o = small_options();
+  auto recording = std::make_unique<RecordingExecutor>(std::make_unique<CpuExecutor>(
+      load_quiet(fixture("qwen3_moe") / "base"),
+      ExecutorLimits{o.max_batch_tokens, o.max_running, o.adapter_slots, o.max_lora_rank}));
+  recording->max_length = 20;
+  Result<std::unique_ptr<Engine>> created = Engine::create(std::move(recording), o);
+  ASSERT_TRUE(created.is_ok());
+  Engine& engine = *created.value();
+  EXPECT_EQ(engine.model_info().max_sequence_length, 20);
+  Request r;
+  r.prompt = std::vector<int32_t>(15, 7);
+  r.sampling.max_new_tokens = 6;
+  const Result<RequestId> refused = engine.submit(r, nullptr);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kOutOfRange);
+  EXPECT_TRUE(contains(refused.status().message(),
+                       "= 21 exceeds the engine's maximum sequence "
+                       "length of 20"))
+      << refused.status().message();
+  r.sampling.max_new_tokens = 5;
+  EXPECT_TRUE(engine.submit(r, nullptr).is_ok());
+  EXPECT_TRUE(engine.run_until_idle().is_ok());
+}
+
+TEST(EngineContract, RandomAdaptersAreDrawnIntoSlotsAndAgainAfterEviction) {
+  std::mt19937_64 rng(test::test_seed(83));
+  EngineOptions o = small_options();
+  o.adapter_slots = 1;
+  o.max_loras_per_batch = 1;
+  o.host_adapter_cache = 0;  // the placeholder must come back without files
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", o);
+  // A backend without random adapters refuses them at registration.
+  Status refused = t.engine->register_random_adapter("r0", 4, false, 11);
+  EXPECT_EQ(refused.code(), ErrorCode::kUnsupported);
+  EXPECT_TRUE(contains(refused.message(), "need device 'cuda'")) << refused.message();
+
+  t.executor->random_adapters = true;
+  t.executor->random_stand_in =
+      io::load_adapter(fixture("qwen3_moe") / "lora_peft3d", t.executor->config(), "stand-in");
+  ASSERT_TRUE(t.engine->register_random_adapter("r0", 4, false, 11).is_ok());
+  ASSERT_TRUE(t.engine->register_random_adapter("r1", 4, true, 12).is_ok());
+  EXPECT_EQ(t.engine->register_random_adapter("r0", 4, false, 13).code(),
+            ErrorCode::kInvalidArgument);  // the name is taken
+  EXPECT_EQ(t.engine->register_random_adapter("big", 17, false, 1).code(),
+            ErrorCode::kOutOfRange);            // above max_lora_rank 16
+  EXPECT_TRUE(t.executor->randomized.empty());  // nothing drawn before a request needs it
+
+  // r0, r1, r0 one after the other through the single slot: three draws, same seeds again.
+  std::vector<Collected> got(3);
+  const std::vector<std::string> order = {"r0", "r1", "r0"};
+  for (size_t i = 0; i < order.size(); ++i) {
+    Request r;
+    r.prompt = random_tokens(rng, 5, 512);
+    r.adapter = order[i];
+    r.sampling.max_new_tokens = 3;
+    r.sampling.ignore_eos = true;
+    ASSERT_TRUE(t.engine->submit(r, collect_into(got[i])).is_ok());
+    ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+    EXPECT_EQ(got[i].reason, FinishReason::kLength) << got[i].error;
+  }
+  using Draw = std::tuple<int32_t, int64_t, bool, uint64_t>;
+  EXPECT_EQ(t.executor->randomized,
+            (std::vector<Draw>{{0, 4, false, 11}, {0, 4, true, 12}, {0, 4, false, 11}}));
+  const std::vector<AdapterInfo> listed = t.engine->adapters();
+  ASSERT_EQ(listed.size(), 2u);
+  EXPECT_TRUE(contains(listed[0].dir.string(), "random:rank=4")) << listed[0].dir;
+  ASSERT_TRUE(t.engine->unregister_adapter("r0").is_ok());
+  ASSERT_TRUE(t.engine->register_random_adapter("r0", 8, false, 99).is_ok());
+}
+
+TEST(EngineContract, DevicesAndRandomWeightsOnTheCpu) {
+  EXPECT_TRUE(check_device("cpu").is_ok());
+  EXPECT_EQ(check_device("tpu").code(), ErrorCode::kInvalidArgument);
+  if (!cuda_device_available()) {
+    const Status cuda = check_device("cuda");
+    EXPECT_EQ(cuda.code(), ErrorCode::kUnsupported);
+    EXPECT_TRUE(contains(cuda.message(), "use device 'cpu'")) << cuda.message();
+    EXPECT_EQ(default_device(), "cpu");
+  }
+  EngineOptions o = small_options();
+  o.model_dir = fixture("qwen3_moe") / "base";
+  o.random_weights = true;
+  const auto created = Engine::create(o);
+  ASSERT_FALSE(created.is_ok());
+  EXPECT_TRUE(contains(created.status().message(), "random_weights needs device 'cuda'"))
+      << created.status().message();
+  o.random_weights = false;
+  o.gpu_memory_fraction = 1.5;
+  EXPECT_TRUE(contains(Engine::create(o).status().message(), "gpu_memory_fraction"));
+  o.gpu_memory_fraction = 0.9;
+  o.max_layers = 2;  // the CPU backend honours max_layers too
+  auto two = Engine::create(o);
+  ASSERT_TRUE(two.is_ok()) << two.status().message();
+  EXPECT_EQ(two.value()->model_info().num_layers, 2);
+}
+
+// ================================================================ GPU executor, host side
+
+TEST(GpuExecutorHost, DecodeBuckets) {
+  EXPECT_EQ(decode_buckets(128), (std::vector<int>{1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128}));
+  EXPECT_EQ(decode_buckets(5), (std::vector<int>{1, 2, 4, 5}));
+  EXPECT_EQ(decode_buckets(1), (std::vector<int>{1}));
+  EXPECT_EQ(decode_buckets(100), (std::vector<int>{1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100}));
+  EXPECT_EQ(decode_buckets(200).back(), 200);
+  EXPECT_EQ(decode_buckets(200)[decode_buckets(200).size() - 2], 192);
+  const std::vector<int> b = decode_buckets(100);
+  EXPECT_EQ(decode_bucket(1, b), 1);
+  EXPECT_EQ(decode_bucket(3, b), 4);
+  EXPECT_EQ(decode_bucket(17, b), 24);
+  EXPECT_EQ(decode_bucket(97, b), 100);
+  EXPECT_EQ(decode_bucket(101, b), -1);
+  EXPECT_EQ(decode_bucket(1, std::vector<int>{}), -1);
+}
+
+TEST(GpuExecutorHost, PageAllocator) {
+  PageAllocator pages(5, 4, 3);  // 5 pages of 4 tokens; a sequence holds at most 12 tokens
+  EXPECT_EQ(pages.max_length(), 12);
+  const SequenceHandle a = pages.new_sequence(), b = pages.new_sequence();
+  pages.reserve(a, 5);  // 2 pages
+  EXPECT_EQ(pages.pages(a), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(pages.length(a), 0);  // not committed yet
+  pages.commit(a, 5);
+  EXPECT_EQ(pages.length(a), 5);
+  pages.reserve(b, 4);
+  pages.commit(b, 4);
+  EXPECT_EQ(pages.pages(b), (std::vector<int32_t>{2}));
+  pages.reserve(a, 8);  // still 2 pages
+  EXPECT_EQ(pages.pages(a).size(), 2u);
+  pages.reserve(a, 9);  // a third
+  EXPECT_EQ(pages.pages(a), (std::vector<int32_t>{0, 1, 3}));
+  pages.rollback(a);  // the forward failed: back to 5 tokens, 2 pages
+  EXPECT_EQ(pages.pages(a), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(pages.free_pages(), 2);
+  // Beyond the page table, and beyond the pool: kOutOfRange, nothing changes.
+  EXPECT_TRUE(contains(error_of([&] { pages.reserve(a, 13); }), "the KV page table holds 12"));
+  pages.reserve(b, 12);  // 2 more pages: the pool is empty now
+  EXPECT_EQ(pages.free_pages(), 0);
+  EXPECT_TRUE(contains(error_of([&] { pages.reserve(a, 9); }), "the KV cache is full"));
+  EXPECT_EQ(pages.pages(a).size(), 2u);
+  pages.free_sequence(b);
+  EXPECT_EQ(pages.free_pages(), 3);
+  EXPECT_FALSE(pages.live(b));
+  EXPECT_TRUE(contains(error_of([&] { pages.free_sequence(b); }), "not live"));
+  const SequenceHandle c = pages.new_sequence();
+  pages.reserve(c, 1);
+  EXPECT_EQ(pages.pages(c), (std::vector<int32_t>{2}));  // b's first page comes back first
+  EXPECT_EQ(pages.live_sequences(), 2);
+  EXPECT_TRUE(contains(error_of([] { PageAllocator(0, 4, 1); }), "num_pages 0"));
+}
+
+struct PlanFixture {
+  StepCapacity cap{16, 6, 3, 4, 100};  // 16 rows, 6 sequences, 3 slots, 4 pages of 8, vocab 100
+  PageAllocator pages{20, 8, 4};
+  std::vector<bool> occupied{true, true, false};
+  std::vector<int> buckets = decode_buckets(6);
+  GpuStepPlan plan;
+};
+
+// A mixed batch: prefill chunks and decodes, two adapters and base rows, known lengths.
+TEST(GpuExecutorHost, PlanGroupsRowsBySlotWithSegmentsPositionsAndPages) {
+  PlanFixture f;
+  const SequenceHandle s0 = f.pages.new_sequence(), s1 = f.pages.new_sequence(),
+                       s2 = f.pages.new_sequence(), s3 = f.pages.new_sequence();
+  f.pages.reserve(s1, 9);  // s1 has 9 tokens cached (2 pages), s3 has 3
+  f.pages.commit(s1, 9);
+  f.pages.reserve(s3, 3);
+  f.pages.commit(s3, 3);
+  const std::vector<int32_t> t0 = {5, 6, 7}, t1 = {8}, t2 = {9, 10}, t3 = {11};
+  // batch order: base, slot 1, slot 0, slot 1
+  const std::vector<BatchEntry> batch = {{s0, t0, -1}, {s1, t1, 1}, {s2, t2, 0}, {s3, t3, 1}};
+  std::vector<ops::SampleRowParams> params(4);
+  params[1].temperature = 0.5f;
+  const std::vector<float> uniforms = {0.0f, 0.25f, 0.0f, 0.0f};
+  plan_gpu_step(batch, params, uniforms, f.cap, f.buckets, f.occupied, f.pages, f.plan);
+  const GpuStepPlan& p = f.plan;
+  // Slot 0 first, then slot 1 (batch order kept), base last.
+  EXPECT_EQ(p.order, (std::vector<int>{2, 1, 3, 0}));
+  EXPECT_EQ(p.num_tokens, 7);
+  EXPECT_EQ(p.num_seqs, 4);
+  EXPECT_FALSE(p.graph);  // prefill chunks: eager at the exact size
+  EXPECT_EQ(p.rows, 7);
+  EXPECT_EQ(p.seqs, 4);
+  EXPECT_EQ(p.max_q_len, 3);
+  EXPECT_EQ(p.max_kv_len, 10);  // s1: 9 + 1
+  EXPECT_TRUE(p.lora);
+  EXPECT_EQ(p.single_slot, -1);  // two slots
+  const std::vector<int32_t> ids = {9, 10, 8, 11, 5, 6, 7};
+  const std::vector<int32_t> slot = {0, 0, 1, 1, -1, -1, -1};
+  const std::vector<int32_t> seq = {0, 0, 1, 2, 3, 3, 3};
+  const std::vector<int32_t> pos = {0, 1, 9, 3, 0, 1, 2};
+  for (int r = 0; r < 16; ++r) {
+    const bool valid = r < 7;
+    EXPECT_EQ(p.token_ids[r], valid ? ids[r] : 0) << r;
+    EXPECT_EQ(p.token_slot[r], valid ? slot[r] : -1) << r;
+    EXPECT_EQ(p.token_seq[r], valid ? seq[r] : -1) << r;
+    EXPECT_EQ(p.token_pos[r], valid ? pos[r] : 0) << r;
+  }
+  EXPECT_EQ(p.q_start, (std::vector<int32_t>{0, 2, 3, 4, 0, 0}));
+  EXPECT_EQ(p.q_len, (std::vector<int32_t>{2, 1, 1, 3, 0, 0}));
+  EXPECT_EQ(p.kv_len, (std::vector<int32_t>{2, 10, 4, 3, 0, 0}));
+  EXPECT_EQ(p.last_row, (std::vector<int32_t>{1, 2, 3, 6, 0, 0}));
+  EXPECT_EQ(p.num_lora_segments, 2);
+  EXPECT_EQ(p.lora_segments, (std::vector<int32_t>{0, 0, 0, 2, 1, 0, 2, 4, 0, 0, 0, 0}));
+  // Page tables: each sequence's pages (reserved now for the new tokens), zeros elsewhere.
+  for (int k = 0; k < 6; ++k) {
+    std::vector<int32_t> row(p.page_table.begin() + k * 4, p.page_table.begin() + k * 4 + 4);
+    std::vector<int32_t> expected(4, 0);
+    if (k < 4) {
+      const std::vector<int32_t>& held = f.pages.pages(batch[p.order[k]].sequence);
+      std::copy(held.begin(), held.end(), expected.begin());
+      const int64_t kv = p.kv_len[k];
+      EXPECT_EQ(static_cast<int64_t>(held.size()), (kv + 7) / 8) << k;
+    }
+    EXPECT_EQ(row, expected) << "sequence " << k;
+  }
+  EXPECT_FLOAT_EQ(p.sample_params[1].temperature, 0.5f);  // batch entry 1 is sequence 1
+  EXPECT_FLOAT_EQ(p.uniform[1], 0.25f);
+  EXPECT_EQ(p.sample_params[0].temperature, 0.0f);
+  // Nothing committed: lengths are the caller's to commit.
+  EXPECT_EQ(f.pages.length(s1), 9);
+}
+
+TEST(GpuExecutorHost, DecodeOnlyBatchesBecomeGraphBuckets) {
+  PlanFixture f;
+  std::vector<SequenceHandle> seqs;
+  for (int i = 0; i < 3; ++i) seqs.push_back(f.pages.new_sequence());
+  f.pages.reserve(seqs[2], 17);
+  f.pages.commit(seqs[2], 17);
+  const std::vector<int32_t> tok = {42};
+  const std::vector<BatchEntry> batch = {{seqs[0], tok, 1}, {seqs[1], tok, -1}, {seqs[2], tok, 1}};
+  plan_gpu_step(batch, {}, {}, f.cap, f.buckets, f.occupied, f.pages, f.plan);
+  const GpuStepPlan& p = f.plan;
+  EXPECT_TRUE(p.graph);
+  EXPECT_EQ(p.rows, 4);  // bucket of 3
+  EXPECT_EQ(p.seqs, 4);
+  EXPECT_EQ(p.num_seqs, 3);
+  EXPECT_EQ(p.max_q_len, 1);
+  EXPECT_EQ(p.max_kv_len, 32);   // page-table capacity: any length fits the graph
+  EXPECT_EQ(p.single_slot, -1);  // never baked into a graph
+  EXPECT_EQ(p.order, (std::vector<int>{0, 2, 1}));
+  EXPECT_EQ(p.num_lora_segments, 1);
+  EXPECT_EQ(std::vector<int32_t>(p.lora_segments.begin(), p.lora_segments.begin() + 4),
+            (std::vector<int32_t>{1, 0, 0, 2}));
+  EXPECT_EQ(p.token_seq[3], -1);  // padding row of the bucket
+  EXPECT_EQ(p.q_len[3], 0);       // padding sequence
+  EXPECT_EQ(p.token_pos[1], 17);
+
+  // Without buckets (graphs off) the same batch runs eagerly at its size; one slot -> fast path.
+  f.pages.rollback(seqs[0]);
+  f.pages.rollback(seqs[1]);
+  f.pages.rollback(seqs[2]);
+  const std::vector<BatchEntry> one_slot = {{seqs[0], tok, 1}, {seqs[2], tok, 1}};
+  plan_gpu_step(one_slot, {}, {}, f.cap, {}, f.occupied, f.pages, f.plan);
+  EXPECT_FALSE(f.plan.graph);
+  EXPECT_EQ(f.plan.rows, 2);
+  EXPECT_EQ(f.plan.single_slot, 1);
+  EXPECT_EQ(f.plan.max_kv_len, 18);
+}
+
+TEST(GpuExecutorHost, BadBatchesThrowAndReserveNothing) {
+  PlanFixture f;
+  const SequenceHandle a = f.pages.new_sequence(), b = f.pages.new_sequence();
+  const std::vector<int32_t> tok = {1, 2}, bad = {100}, none = {};
+  auto plan = [&](std::vector<BatchEntry> batch) {
+    return error_of(
+        [&] { plan_gpu_step(batch, {}, {}, f.cap, f.buckets, f.occupied, f.pages, f.plan); });
+  };
+  EXPECT_TRUE(contains(plan({{a, tok, 2}}), "slot 2, which is empty"));
+  EXPECT_TRUE(contains(plan({{a, tok, 3}}), "outside [-1, 3)"));
+  EXPECT_TRUE(contains(plan({{a, tok, -1}, {a, tok, -1}}), "appears twice"));
+  EXPECT_TRUE(contains(plan({{a, bad, -1}}), "token id 100 is outside the vocabulary"));
+  EXPECT_TRUE(contains(plan({{a, none, -1}}), "has no tokens"));
+  EXPECT_TRUE(contains(plan({}), "empty batch"));
+  const std::vector<int32_t> many(17, 1);
+  EXPECT_TRUE(contains(plan({{a, many, -1}}), "forward of 17 tokens; the limit is 16"));
+  // b fits, a does not (30 + 3 tokens, beyond its page table): b's reservation is undone.
+  const std::vector<int32_t> three = {1, 2, 3};
+  f.pages.reserve(a, 30);
+  f.pages.commit(a, 30);
+  EXPECT_TRUE(contains(plan({{b, tok, -1}, {a, three, -1}}), "the KV page table holds 32"));
+  EXPECT_TRUE(f.pages.pages(b).empty());
+  EXPECT_EQ(f.pages.pages(a).size(), 4u);
+  const std::vector<ops::SampleRowParams> params(1);
+  EXPECT_TRUE(contains(error_of([&] {
+                         const std::vector<BatchEntry> batch = {{b, tok, -1}};
+                         plan_gpu_step(batch, params, {}, f.cap, f.buckets, f.occupied, f.pages,
+                                       f.plan);
+                       }),
+                       "sampling params"));
+}
+
+TEST(GpuExecutorHost, EstimatesScaleWithTheShapes) {
+  const io::ModelConfig qwen = io::load_model_config(fixture("qwen3_moe") / "base");
+  const io::ModelConfig deepseek = io::load_model_config(fixture("deepseek_v3") / "base");
+  // GQA: layers x 2 (K, V) x KV heads x head_dim x 2 bytes; MLA: layers x (latent + rope) x 2.
+  EXPECT_EQ(estimate_kv_bytes_per_token(qwen),
+            static_cast<uint64_t>(qwen.num_hidden_layers * 2 * qwen.num_key_value_heads *
+                                  qwen.head_dim * 2));
+  EXPECT_EQ(estimate_kv_bytes_per_token(deepseek),
+            static_cast<uint64_t>(deepseek.num_hidden_layers *
+                                  (deepseek.kv_lora_rank + deepseek.qk_rope_head_dim) * 2));
+  const ExecutorLimits none{64, 4, 0, 8}, slots{64, 4, 4, 8};
+  const uint64_t bf16 = estimate_gpu_model_bytes(qwen, false, none);
+  EXPECT_LT(estimate_gpu_model_bytes(qwen, true, none), bf16);    // FP8 experts are smaller
+  EXPECT_GT(estimate_gpu_model_bytes(qwen, false, slots), bf16);  // adapter pool
+  const io::ModelConfig one = first_layers(qwen, 1);
+  EXPECT_EQ(one.num_hidden_layers, 1);
+  EXPECT_LT(estimate_gpu_model_bytes(one, false, none), bf16);
+  EXPECT_EQ(first_layers(qwen, 0), qwen);
+  EXPECT_EQ(first_layers(qwen, 99), qwen);
+}
+
 // ================================================================ moelora bench
 
 std::string quote(const fs::path& p) {
@@ -1116,12 +1544,12 @@ TEST(BenchCli, TableAndJson) {
   test::TempDir tmp;
   const fs::path json = tmp / "bench.json";
   const fs::path q = fixture("qwen3_moe");
-  const auto r = test::run_moelora(
-      "bench --model " + quote(q / "base") + " --adapters a=" + quote(q / "lora_peft3d") +
-      ",b=" + quote(q / "lora_shared_outer") +
-      " --adapter-dist skewed --base-share 0.34 --batch-sizes 2,3 --input-len 5 "
-      "--output-len 4 --seed 3 --json " +
-      quote(json));
+  const auto r =
+      test::run_moelora("bench --device cpu --model " + quote(q / "base") + " --adapters a=" +
+                        quote(q / "lora_peft3d") + ",b=" + quote(q / "lora_shared_outer") +
+                        " --adapter-dist skewed --base-share 0.34 --batch-sizes 2,3 --input-len 5 "
+                        "--output-len 4 --seed 3 --json " +
+                        quote(json));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "| B | adapters | prefill tok/s | decode tok/s | overall tok/s |"))
       << r.output;
@@ -1166,7 +1594,8 @@ TEST(BenchCli, DistinctAdaptersAndSynthesizedPreset) {
   test::TempDir tmp;
   const fs::path json = tmp / "bench.json";
   const auto r = test::run_moelora(
-      "bench --preset tiny-qwen3-moe --synth-adapters 1 --synth-rank 4 --adapter-dist distinct "
+      "bench --device cpu --preset tiny-qwen3-moe --synth-adapters 1 --synth-rank 4 "
+      "--adapter-dist distinct "
       "--batch-sizes 3 "
       "--input-len 4 --output-len 3 --max-batch-tokens 5 --json " +
       quote(json));
@@ -1184,14 +1613,19 @@ TEST(BenchCli, ErrorsAreOneClearLine) {
   struct BadCase {
     std::string args, message;
   };
-  const std::vector<BadCase> cases = {
-      {"bench --model " + quote(q) + " --device cuda", "device 'cuda'"},
-      {"bench --input-len 4", "give exactly one of --model DIR and --preset NAME"},
+  std::vector<BadCase> cases = {
+      {"bench --device cpu --input-len 4", "give exactly one of --model DIR and --preset NAME"},
+      {"bench --device cpu --preset tiny-qwen3-moe --random-weights",
+       "--random-weights needs --preset NAME and --device cuda"},
+      {"bench --device cpu --model " + quote(q) + " --random-adapters 2",
+       "--random-adapters needs --random-weights"},
       {"bench --model " + quote(q) + " --adapter-dist zipf", "--adapter-dist 'zipf' is unknown"},
       {"bench --model " + quote(q) + " --batch-sizes 4,x", "--batch-sizes: 'x' is not an integer"},
       {"bench --model " + quote(q) + " --adapters a", "must be given as NAME=DIR"},
       {"bench --model " + quote(q) + " --base-share 2", "--base-share must be in [0, 1]"},
   };
+  if (!cuda_device_available())
+    cases.push_back({"bench --model " + quote(q) + " --device cuda", "device 'cuda'"});
   for (const BadCase& c : cases) {
     const auto r = test::run_moelora(c.args);
     EXPECT_NE(r.exit_code, 0) << c.args;

@@ -1,0 +1,131 @@
+// The whole decoder on the GPU: Qwen3-MoE (GQA, per-head q/k norms, rotate-half RoPE) and
+// DeepSeek-V3 / Kimi (MLA in its absorbed form, YaRN, dense first layers), bf16 activations with
+// fp32 accumulation, FP8-block or bf16 routed experts through ops::cuda::MoeLayerCuda, a paged KV
+// cache, multi-LoRA on every target a PEFT adapter can name, and sampling on the device.
+//
+// One forward() runs a batch of T token rows from B sequences (prefill chunks and decode tokens
+// mixed) and is the same work every step for a given (T, B, flags): everything that varies per
+// step - token ids, slots, positions, page tables, LoRA segments, sampling parameters - lives in
+// one device metadata block (StepBuffers) that the caller fills through the pinned host mirror and
+// uploads with upload_step() before forward() or before replaying a CUDA graph of forward().
+// forward() allocates nothing and never synchronizes, so it can be captured once per decode
+// bucket and replayed with other sequences, other adapters in the slots and base-only rows mixed
+// in (DESIGN.md §4).
+//
+// Data flow of one step (x [T, H] bf16; slot [T]; LoRA on the side stream where it pays):
+//   x = embed(ids)
+//   per layer: h = rms_norm(x (+ residual));  attention (GQA or MLA, LoRA on every projection);
+//              h = rms_norm(x + attn);        ffn = dense MLP (+LoRA) or MoeLayerCuda (+LoRA)
+//   last rows: logits[b] = lm_head(rms_norm(x[last_row[b]]))  fp32 [B, V];  sampled[b] (optional)
+//
+// Rows must be ordered by slot groups when LoRA is on: the LoRA segments of the dense targets are
+// {slot, 0, begin, end} ranges of rows (the executor sorts its batch by slot; base-only rows form
+// no segment).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "core/tensor.h"
+#include "io/checkpoint.h"
+#include "io/hf_config.h"
+#include "io/peft.h"
+#include "ops/sample/sample.h"
+
+namespace moelora::model {
+
+struct GpuModelLimits {
+  int max_tokens = 0;     // rows of one forward (decode tokens + prefill chunks)
+  int max_seqs = 0;       // sequences of one forward
+  int num_slots = 0;      // adapter slots (0 = no LoRA)
+  int max_rank = 0;       // largest adapter rank a slot holds (multiple of 8)
+  int page_size = 64;     // KV tokens per page
+  int64_t num_pages = 0;  // pages in the pool (all layers share the page ids); 0 = derive from
+                          // kv_cache_bytes
+  uint64_t kv_cache_bytes = 0;  // budget for the paged cache when num_pages == 0
+  int max_pages_per_seq = 0;    // page-table width (longest sequence / page_size, rounded up)
+};
+
+struct GpuModelOptions {
+  bool show_progress = true;  // progress bar on stderr while uploading
+  int device = 0;
+};
+
+// Per-step device metadata (all owned by the model; sizes from GpuModelLimits). The host mirror
+// has the same layout in pinned memory; upload_step() copies it in one cudaMemcpyAsync.
+struct StepMetadata {
+  int32_t* num_tokens;  // [1] valid rows T_valid (rows >= T_valid are padding)
+  int32_t* num_seqs;    // [1] valid sequences
+  int32_t* token_ids;   // [max_tokens]
+  int32_t* token_slot;  // [max_tokens] adapter slot, -1 = base (padding rows: -1)
+  int32_t* token_seq;   // [max_tokens] batch sequence of the row, -1 = padding
+  int32_t* token_pos;   // [max_tokens] position in its sequence
+  int32_t* q_start;     // [max_seqs] first row of the sequence
+  int32_t* q_len;       // [max_seqs] rows of the sequence (0 = padding sequence)
+  int32_t* kv_len;      // [max_seqs] cached length after this step
+  int32_t* last_row;    // [max_seqs] row whose logits are computed (padding: any valid row, e.g. 0)
+  int32_t* page_table;  // [max_seqs, max_pages_per_seq]
+  int32_t* num_lora_segments;           // [1]
+  int32_t* lora_segments;               // [num_slots, 4] {slot, 0, begin, end} (int4)
+  ops::SampleRowParams* sample_params;  // [max_seqs]
+  float* uniform;                       // [max_seqs] u in [0, 1) per sequence
+};
+
+struct ForwardShape {
+  int tokens = 0;      // T: rows this forward runs (a bucket's capacity; <= max_tokens)
+  int seqs = 0;        // B: sequences (<= max_seqs)
+  int max_q_len = 0;   // host bound of the longest q_len (1 for decode)
+  int max_kv_len = 0;  // host bound of the longest kv_len (decode graphs: the page-table capacity)
+  bool lora = false;   // false: no LoRA work at all (no adapter in the batch)
+  int single_slot = -1;  // >= 0 when every adapter row uses this one slot (see MoeForwardArgs)
+  bool sample = true;    // run the sampler into sampled()
+};
+
+class GpuModel {
+ public:
+  // Uploads a loaded checkpoint (dense weights as bf16, FP8-block experts as they are when
+  // moe_intermediate_size % 128 == 0, else and for bf16 / NVFP4 experts: bf16 experts).
+  static std::unique_ptr<GpuModel> load(const io::ModelWeights& weights,
+                                        const GpuModelLimits& limits,
+                                        const GpuModelOptions& options = {});
+  // A model of `config`'s shapes with seeded random weights drawn on the device (benchmarks of
+  // models nobody has on disk): FP8-block experts when fp8_experts, else bf16. Same scales as
+  // `moelora synth`.
+  static std::unique_ptr<GpuModel> random(const io::ModelConfig& config, uint64_t seed,
+                                          bool fp8_experts, const GpuModelLimits& limits,
+                                          const GpuModelOptions& options = {});
+  virtual ~GpuModel() = default;
+
+  virtual const io::ModelConfig& config() const = 0;
+  virtual const GpuModelLimits& limits() const = 0;  // num_pages resolved
+
+  // Adapters: check throws like model::AdapterSet::check (names adapter, layer, target; rank above
+  // max_rank -> kUnsupported). write_slot uploads synchronously (call between steps).
+  virtual void check_adapter(const io::LoraAdapter& adapter) const = 0;
+  virtual void write_slot(int32_t slot, const io::LoraAdapter& adapter) = 0;
+  virtual void clear_slot(int32_t slot) = 0;
+  // Fills `slot` with a seeded random adapter of `rank` on every routed-expert, shared-expert,
+  // dense-MLP and attention target (benchmarks); shared_outer: the routed experts' gate_up A and
+  // down B are shared by all experts.
+  virtual void randomize_slot(int32_t slot, int rank, bool shared_outer, uint64_t seed) = 0;
+
+  // Step metadata: host mirror (pinned, write it, then upload_step) and device copy.
+  virtual StepMetadata& host_step() = 0;
+  virtual const StepMetadata& device_step() const = 0;
+  virtual void upload_step(cudaStream_t stream) = 0;
+
+  // Enqueues one forward on main_stream() (LoRA on the side stream). Captureable.
+  virtual void forward(const ForwardShape& shape) = 0;
+  // Outputs of the last forward (device): fp32 logits [max_seqs, V], sampled tokens [max_seqs].
+  virtual const float* logits() const = 0;
+  virtual const int32_t* sampled() const = 0;
+
+  virtual cudaStream_t main_stream() const = 0;
+  virtual uint64_t weight_bytes() const = 0;        // device bytes of the weights
+  virtual uint64_t kv_bytes_per_token() const = 0;  // all layers
+  virtual uint64_t device_bytes() const = 0;        // everything the model allocated
+};
+
+}  // namespace moelora::model

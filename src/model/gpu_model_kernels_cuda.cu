@@ -1,0 +1,140 @@
+// Kernels of gpu_model_kernels_cuda.cuh: per-head RMSNorm, last-row gather, the cuBLAS bf16 GEMM
+// wrapper and the seeded fills.
+#include "model/gpu_model_kernels_cuda.cuh"
+
+#include <algorithm>
+
+#include "core/cuda_utils.h"
+
+namespace moelora::model::gpu_detail {
+
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+
+// One warp per (token, head): sum of squares over D, then the scaled write (in place).
+__global__ void head_rms_norm_kernel(HeadNormArgs p) {
+  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
+  const int lane = threadIdx.x % 32;
+  const int valid = p.num_tokens ? min(*p.num_tokens, p.tokens) : p.tokens;
+  const int token = warp / p.heads, head = warp % p.heads;
+  if (token >= valid) return;
+  __nv_bfloat16* row = p.x + token * p.token_stride + static_cast<int64_t>(head) * p.head_dim;
+  float sum = 0.0f;
+  for (int d = lane; d < p.head_dim; d += 32) {
+    const float v = __bfloat162float(row[d]);
+    sum += v * v;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const float inv_rms = 1.0f / sqrtf(sum / static_cast<float>(p.head_dim) + p.eps);
+  for (int d = lane; d < p.head_dim; d += 32) {
+    const float w = __bfloat162float(p.weight[d]);
+    const float v = __bfloat162float(row[d]) * inv_rms;
+    row[d] = __float2bfloat16(p.style == NormStyle::kOnePlusWeight ? v * (1.0f + w) : w * v);
+  }
+}
+
+// One block per output row.
+__global__ void gather_rows_kernel(const __nv_bfloat16* src, int src_rows, const int32_t* rows,
+                                   int cols, __nv_bfloat16* dst) {
+  const int b = blockIdx.x;
+  const int row = rows[b];
+  const bool ok = row >= 0 && row < src_rows;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    dst[static_cast<int64_t>(b) * cols + c] =
+        ok ? src[static_cast<int64_t>(row) * cols + c] : __float2bfloat16(0.0f);
+  }
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in (0, 1]: 24 random bits, never 0 (Box-Muller takes its log).
+__device__ __forceinline__ float unit_uniform(uint64_t bits) {
+  return (static_cast<float>(bits >> 40) + 1.0f) * (1.0f / 16777216.0f);
+}
+
+__device__ __forceinline__ float fill_value(const FillArgs& p, int64_t i) {
+  if (p.period > 0 && (i / p.inner) % p.period >= p.keep) return 0.0f;
+  const uint64_t r = splitmix64(p.seed ^ splitmix64(static_cast<uint64_t>(i)));
+  if (p.kind == FillKind::kUniform)
+    return p.a + (p.b - p.a) * (unit_uniform(r) - 0.5f / 16777216.0f);
+  const float u1 = unit_uniform(r), u2 = unit_uniform(splitmix64(r));
+  const float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+  return p.a + p.b * z;
+}
+
+__global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, FillArgs args) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    p[i] = __float2bfloat16(fill_value(args, i));
+  }
+}
+
+__global__ void fill_f32_kernel(float* p, int64_t n, FillArgs args) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    p[i] = fill_value(args, i);
+  }
+}
+
+int fill_blocks(int64_t n) {
+  return static_cast<int>(std::clamp<int64_t>((n + 255) / 256, 1, 4096));
+}
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  MOELORA_CHECK(status == CUBLAS_STATUS_SUCCESS, ErrorCode::kCuda, what,
+                " failed with cuBLAS status ", static_cast<int>(status));
+}
+
+}  // namespace
+
+void launch_head_rms_norm(const HeadNormArgs& args, cudaStream_t stream) {
+  MOELORA_CHECK(
+      args.x && args.weight && args.heads > 0 && args.head_dim > 0 && args.head_dim <= 1024,
+      ErrorCode::kInvalidArgument, "head_rms_norm: x, weight, heads = ", args.heads,
+      " and head_dim = ", args.head_dim, " (<= 1024) are required");
+  if (args.tokens <= 0) return;
+  const int64_t warps = static_cast<int64_t>(args.tokens) * args.heads;
+  const int blocks = static_cast<int>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  head_rms_norm_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(args);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_gather_rows(const __nv_bfloat16* src, int src_rows, const int32_t* rows, int count,
+                        int cols, __nv_bfloat16* dst, cudaStream_t stream) {
+  if (count <= 0) return;
+  gather_rows_kernel<<<count, 256, 0, stream>>>(src, src_rows, rows, cols, dst);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void gemm_bf16(cublasHandle_t handle, cudaStream_t stream, const __nv_bfloat16* x, int64_t ldx,
+               const __nv_bfloat16* w, void* y, cudaDataType_t y_type, int64_t ldy, int rows, int n,
+               int k) {
+  if (rows <= 0 || n <= 0) return;
+  check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
+  const float alpha = 1.0f, beta = 0.0f;
+  // Column-major view: Y^T [n, rows] = W [k, n]^T . X^T [k, rows].
+  check_cublas(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &alpha, w, CUDA_R_16BF, k,
+                            x, CUDA_R_16BF, static_cast<int>(ldx), &beta, y, y_type,
+                            static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx");
+}
+
+void launch_fill_bf16(__nv_bfloat16* p, int64_t n, const FillArgs& args, cudaStream_t stream) {
+  if (n <= 0) return;
+  fill_bf16_kernel<<<fill_blocks(n), 256, 0, stream>>>(p, n, args);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_fill_f32(float* p, int64_t n, const FillArgs& args, cudaStream_t stream) {
+  if (n <= 0) return;
+  fill_f32_kernel<<<fill_blocks(n), 256, 0, stream>>>(p, n, args);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moelora::model::gpu_detail

@@ -1,0 +1,61 @@
+// Small kernels of the GPU decoder that no operator folder owns: the per-head RMSNorm of
+// Qwen3's q/k (heads are slices of the fused qkv rows, so the rows are not uniformly strided),
+// the gather of each sequence's last row for the output head, the bf16 dense GEMM wrapper over
+// cuBLAS, and the counter-based random fills that GpuModel::random() and randomize_slot() use.
+//
+// All launchers follow the ops conventions: capacity-sized grids, device-side valid counts, no
+// allocation, no synchronization, an explicit stream.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/model_enums.h"
+
+namespace moelora::model::gpu_detail {
+
+// In-place RMSNorm over each head of x [T, heads, D] where head h of token t starts at
+// x + t * token_stride + h * D (q or k inside a fused qkv row). fp32 math like ops::rms_norm_ref:
+// y = w * (x * rsqrt(mean(x^2) + eps)) (or (1 + w) with NormStyle::kOnePlusWeight), rounded once.
+struct HeadNormArgs {
+  __nv_bfloat16* x = nullptr;
+  int tokens = 0;                       // grid capacity
+  const int32_t* num_tokens = nullptr;  // [1] valid tokens (device), nullptr = tokens
+  int heads = 0;
+  int head_dim = 0;                       // D <= 1024
+  int64_t token_stride = 0;               // elements between tokens
+  const __nv_bfloat16* weight = nullptr;  // [D]
+  float eps = 1e-6f;
+  NormStyle style = NormStyle::kWeight;
+};
+void launch_head_rms_norm(const HeadNormArgs& args, cudaStream_t stream);
+
+// dst[b, :] = src[rows[b], :] for b < count (bf16 [*, cols] -> [count, cols]); a row index
+// outside [0, src_rows) writes a zero row.
+void launch_gather_rows(const __nv_bfloat16* src, int src_rows, const int32_t* rows, int count,
+                        int cols, __nv_bfloat16* dst, cudaStream_t stream);
+
+// y [rows, n] (bf16 or fp32, row stride ldy) = x [rows, k] (bf16, row stride ldx) . W [n, k]^T
+// (bf16), fp32 accumulation. Binds `handle` to `stream` first.
+void gemm_bf16(cublasHandle_t handle, cudaStream_t stream, const __nv_bfloat16* x, int64_t ldx,
+               const __nv_bfloat16* w, void* y, cudaDataType_t y_type, int64_t ldy, int rows, int n,
+               int k);
+
+// Seeded fills (element i depends only on (seed, i): the same on every device and launch).
+enum class FillKind { kNormal, kUniform };
+struct FillArgs {
+  FillKind kind = FillKind::kNormal;
+  float a = 0.0f;  // normal: mean; uniform: low
+  float b = 1.0f;  // normal: stddev; uniform: high
+  uint64_t seed = 0;
+  // Element i is written as zero when (i / inner) % period >= keep (the rank tail of a LoRA
+  // factor in its padded pool slot); period 0 = never.
+  int64_t inner = 1, period = 0, keep = 0;
+};
+void launch_fill_bf16(__nv_bfloat16* p, int64_t n, const FillArgs& args, cudaStream_t stream);
+void launch_fill_f32(float* p, int64_t n, const FillArgs& args, cudaStream_t stream);
+
+}  // namespace moelora::model::gpu_detail

@@ -1,0 +1,370 @@
+// The CUDA-free half of the GPU executor (gpu_executor.h): decode buckets, the host page
+// allocator, the per-step metadata plan and the memory estimates, compiled in every build; and
+// the stubs that a build without CUDA links instead of gpu_executor_cuda.cu.
+#include "runtime/gpu_executor.h"
+
+#include <algorithm>
+#include <set>
+
+namespace moelora::runtime {
+
+// ============================================================================ decode buckets
+
+std::vector<int> decode_buckets(int max_sequences) {
+  std::vector<int> out;
+  // 1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, ...: at most 50 % padding above 8, few graphs.
+  for (int b = 1; b <= 8 && b < max_sequences; b *= 2) out.push_back(b);
+  for (int64_t p = 16; p < max_sequences; p *= 2) {
+    out.push_back(static_cast<int>(p));
+    if (p + p / 2 < max_sequences) out.push_back(static_cast<int>(p + p / 2));
+  }
+  if (max_sequences >= 1) out.push_back(max_sequences);
+  return out;
+}
+
+int decode_bucket(int batch, std::span<const int> buckets) {
+  for (int b : buckets) {
+    if (b >= batch) return b;
+  }
+  return -1;
+}
+
+// ============================================================================ PageAllocator
+
+PageAllocator::PageAllocator(int64_t num_pages, int page_size, int max_pages_per_seq)
+    : num_pages_(num_pages), page_size_(page_size), max_pages_per_seq_(max_pages_per_seq) {
+  MOELORA_CHECK(
+      num_pages >= 1 && page_size >= 1 && max_pages_per_seq >= 1 && num_pages <= INT32_MAX,
+      ErrorCode::kInvalidArgument, "KV page allocator: num_pages ", num_pages, ", page_size ",
+      page_size, " and max_pages_per_seq ", max_pages_per_seq,
+      " must all be >= 1 (and num_pages < 2^31)");
+  free_.resize(static_cast<size_t>(num_pages));
+  // Stack with page 0 on top.
+  for (int64_t i = 0; i < num_pages; ++i)
+    free_[static_cast<size_t>(i)] = static_cast<int32_t>(num_pages - 1 - i);
+}
+
+SequenceHandle PageAllocator::new_sequence() {
+  const SequenceHandle handle = next_handle_++;
+  sequences_.emplace(handle, Sequence{});
+  return handle;
+}
+
+PageAllocator::Sequence& PageAllocator::get(SequenceHandle sequence) {
+  auto it = sequences_.find(sequence);
+  MOELORA_CHECK(it != sequences_.end(), ErrorCode::kInternal, "sequence handle ", sequence,
+                " is not live");
+  return it->second;
+}
+
+const PageAllocator::Sequence& PageAllocator::get(SequenceHandle sequence) const {
+  auto it = sequences_.find(sequence);
+  MOELORA_CHECK(it != sequences_.end(), ErrorCode::kInternal, "sequence handle ", sequence,
+                " is not live");
+  return it->second;
+}
+
+void PageAllocator::free_sequence(SequenceHandle sequence) {
+  auto it = sequences_.find(sequence);
+  MOELORA_CHECK(it != sequences_.end(), ErrorCode::kInternal, "freeing sequence handle ", sequence,
+                ", which is not live");
+  // Back in reverse so that the sequence's first page is handed out first again.
+  for (auto p = it->second.pages.rbegin(); p != it->second.pages.rend(); ++p) free_.push_back(*p);
+  sequences_.erase(it);
+}
+
+int64_t PageAllocator::length(SequenceHandle sequence) const {
+  return get(sequence).length;
+}
+
+const std::vector<int32_t>& PageAllocator::pages(SequenceHandle sequence) const {
+  return get(sequence).pages;
+}
+
+void PageAllocator::reserve(SequenceHandle sequence, int64_t new_length) {
+  Sequence& s = get(sequence);
+  MOELORA_CHECK(new_length >= s.length, ErrorCode::kInternal, "sequence handle ", sequence,
+                " would shrink from ", s.length, " to ", new_length, " tokens");
+  MOELORA_CHECK(new_length <= max_length(), ErrorCode::kOutOfRange, "sequence handle ", sequence,
+                " would reach ", new_length, " tokens; the KV page table holds ", max_length(),
+                " (max_pages_per_seq ", max_pages_per_seq_, " x page_size ", page_size_,
+                "; raise max_seq_len)");
+  const int64_t need = pages_for(new_length) - static_cast<int64_t>(s.pages.size());
+  if (need <= 0) return;
+  MOELORA_CHECK(need <= free_pages(), ErrorCode::kOutOfRange,
+                "the KV cache is full: sequence handle ", sequence, " needs ", need, " more page",
+                need == 1 ? "" : "s", " of ", page_size_, " tokens and ", free_pages(), " of ",
+                num_pages_,
+                " are free (raise kv_cache_bytes or gpu_memory_fraction, or run fewer requests)");
+  for (int64_t i = 0; i < need; ++i) {
+    s.pages.push_back(free_.back());
+    free_.pop_back();
+  }
+}
+
+void PageAllocator::commit(SequenceHandle sequence, int64_t new_length) {
+  Sequence& s = get(sequence);
+  MOELORA_CHECK(
+      new_length >= s.length && pages_for(new_length) <= static_cast<int64_t>(s.pages.size()),
+      ErrorCode::kInternal, "sequence handle ", sequence, ": commit of ", new_length,
+      " tokens with ", s.pages.size(), " pages reserved (length ", s.length, ")");
+  s.length = new_length;
+}
+
+void PageAllocator::rollback(SequenceHandle sequence) {
+  Sequence& s = get(sequence);
+  const size_t keep = static_cast<size_t>(pages_for(s.length));
+  while (s.pages.size() > keep) {
+    free_.push_back(s.pages.back());
+    s.pages.pop_back();
+  }
+}
+
+// ============================================================================ step plan
+
+void plan_gpu_step(std::span<const BatchEntry> batch, std::span<const ops::SampleRowParams> params,
+                   std::span<const float> uniforms, const StepCapacity& cap,
+                   std::span<const int> buckets, const std::vector<bool>& occupied,
+                   PageAllocator& pages, GpuStepPlan& plan) {
+  const auto internal = ErrorCode::kInternal;
+  const size_t n = batch.size();
+  MOELORA_CHECK(n > 0, internal, "forward of an empty batch");
+  MOELORA_CHECK(static_cast<int64_t>(n) <= cap.max_seqs, internal, "forward of ", n,
+                " sequences; the limit is ", cap.max_seqs);
+  MOELORA_CHECK(
+      (params.empty() && uniforms.empty()) || (params.size() == n && uniforms.size() == n),
+      internal, "forward of ", n, " entries with ", params.size(), " sampling params and ",
+      uniforms.size(), " uniforms");
+  int64_t tokens = 0;
+  int max_q_len = 0;
+  std::set<SequenceHandle> seen;
+  for (const BatchEntry& b : batch) {
+    MOELORA_CHECK(!b.tokens.empty(), internal, "sequence handle ", b.sequence,
+                  " has no tokens in this forward");
+    MOELORA_CHECK(seen.insert(b.sequence).second, internal, "sequence handle ", b.sequence,
+                  " appears twice in one forward");
+    MOELORA_CHECK(b.slot >= -1 && b.slot < cap.num_slots, internal, "sequence handle ", b.sequence,
+                  " runs on adapter slot ", b.slot, ", outside [-1, ", cap.num_slots, ")");
+    MOELORA_CHECK(b.slot < 0 || occupied[static_cast<size_t>(b.slot)], internal, "sequence handle ",
+                  b.sequence, " runs on adapter slot ", b.slot, ", which is empty");
+    for (int32_t id : b.tokens) {
+      MOELORA_CHECK(id >= 0 && id < cap.vocab_size, internal, "sequence handle ", b.sequence,
+                    ": token id ", id, " is outside the vocabulary [0, ", cap.vocab_size, ")");
+    }
+    tokens += static_cast<int64_t>(b.tokens.size());
+    max_q_len = std::max(max_q_len, static_cast<int>(b.tokens.size()));
+  }
+  MOELORA_CHECK(tokens <= cap.max_tokens, internal, "forward of ", tokens, " tokens; the limit is ",
+                cap.max_tokens);
+
+  // Order: adapter slots ascending (each slot's rows one range), base-only rows last; batch
+  // order within a group.
+  plan.order.resize(n);
+  for (size_t i = 0; i < n; ++i) plan.order[i] = static_cast<int>(i);
+  auto group = [&](int i) {
+    const int32_t slot = batch[static_cast<size_t>(i)].slot;
+    return slot < 0 ? INT32_MAX : slot;
+  };
+  std::stable_sort(plan.order.begin(), plan.order.end(),
+                   [&](int a, int b) { return group(a) < group(b); });
+
+  // Shape: a decode-only batch that fits a bucket replays that bucket's graph.
+  const int bucket = max_q_len == 1 ? decode_bucket(static_cast<int>(n), buckets) : -1;
+  plan.graph = bucket > 0 && bucket <= cap.max_tokens;
+  plan.rows = plan.graph ? bucket : static_cast<int>(tokens);
+  plan.seqs = plan.graph ? bucket : static_cast<int>(n);
+  plan.num_tokens = static_cast<int32_t>(tokens);
+  plan.num_seqs = static_cast<int32_t>(n);
+  plan.max_q_len = max_q_len;
+
+  // Everything to capacity, padding values first.
+  const size_t mt = static_cast<size_t>(cap.max_tokens), ms = static_cast<size_t>(cap.max_seqs);
+  const size_t mp = static_cast<size_t>(cap.max_pages_per_seq);
+  plan.token_ids.assign(mt, 0);
+  plan.token_slot.assign(mt, -1);
+  plan.token_seq.assign(mt, -1);
+  plan.token_pos.assign(mt, 0);
+  plan.q_start.assign(ms, 0);
+  plan.q_len.assign(ms, 0);
+  plan.kv_len.assign(ms, 0);
+  plan.last_row.assign(ms, 0);
+  plan.page_table.assign(ms * mp, 0);  // padding entries name page 0: in bounds, never read
+  plan.lora_segments.assign(static_cast<size_t>(std::max(cap.num_slots, 0)) * 4, 0);
+  plan.sample_params.assign(ms, ops::SampleRowParams{});
+  plan.uniform.assign(ms, 0.0f);
+  plan.num_lora_segments = 0;
+
+  // Pages first (the only state this function changes), undone if any reservation fails.
+  size_t reserved = 0;
+  try {
+    for (; reserved < n; ++reserved) {
+      const BatchEntry& b = batch[reserved];
+      pages.reserve(b.sequence, pages.length(b.sequence) + static_cast<int64_t>(b.tokens.size()));
+    }
+  } catch (...) {
+    for (size_t i = 0; i < reserved; ++i) pages.rollback(batch[i].sequence);
+    throw;
+  }
+
+  int32_t row = 0;
+  int max_kv_len = 0;
+  std::set<int32_t> slots;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = static_cast<size_t>(plan.order[k]);
+    const BatchEntry& b = batch[i];
+    const int32_t length = static_cast<int32_t>(pages.length(b.sequence));
+    const int32_t q = static_cast<int32_t>(b.tokens.size());
+    plan.q_start[k] = row;
+    plan.q_len[k] = q;
+    plan.kv_len[k] = length + q;
+    plan.last_row[k] = row + q - 1;
+    max_kv_len = std::max(max_kv_len, length + q);
+    const std::vector<int32_t>& held = pages.pages(b.sequence);
+    std::copy(held.begin(), held.end(), plan.page_table.begin() + static_cast<ptrdiff_t>(k * mp));
+    for (int32_t j = 0; j < q; ++j) {
+      plan.token_ids[static_cast<size_t>(row + j)] = b.tokens[static_cast<size_t>(j)];
+      plan.token_slot[static_cast<size_t>(row + j)] = b.slot;
+      plan.token_seq[static_cast<size_t>(row + j)] = static_cast<int32_t>(k);
+      plan.token_pos[static_cast<size_t>(row + j)] = length + j;
+    }
+    if (b.slot >= 0) {
+      slots.insert(b.slot);
+      int32_t* seg = plan.lora_segments.data();
+      const int32_t s = plan.num_lora_segments;
+      if (s > 0 && seg[4 * (s - 1)] == b.slot) {
+        seg[4 * (s - 1) + 3] = row + q;  // extends the slot's range (rows are grouped by slot)
+      } else {
+        seg[4 * s + 0] = b.slot;
+        seg[4 * s + 1] = 0;
+        seg[4 * s + 2] = row;
+        seg[4 * s + 3] = row + q;
+        ++plan.num_lora_segments;
+      }
+    }
+    if (!params.empty()) {
+      plan.sample_params[k] = params[i];
+      plan.uniform[k] = uniforms[i];
+    }
+    row += q;
+  }
+  plan.lora = !slots.empty();
+  plan.single_slot = !plan.graph && slots.size() == 1 ? *slots.begin() : -1;
+  // A graph serves any sequence length up to the page table's capacity.
+  plan.max_kv_len = plan.graph ? cap.max_pages_per_seq * pages.page_size() : max_kv_len;
+}
+
+// ============================================================================ estimates
+
+io::ModelConfig first_layers(io::ModelConfig c, int64_t layers) {
+  if (layers <= 0 || layers >= c.num_hidden_layers) return c;
+  c.num_hidden_layers = layers;
+  if (!c.layer_types.empty()) c.layer_types.resize(static_cast<size_t>(layers));
+  c.mlp_only_layers.erase(std::remove_if(c.mlp_only_layers.begin(), c.mlp_only_layers.end(),
+                                         [&](int64_t l) { return l >= layers; }),
+                          c.mlp_only_layers.end());
+  c.first_k_dense_replace = std::min(c.first_k_dense_replace, layers);
+  return c;
+}
+
+uint64_t estimate_kv_bytes_per_token(const io::ModelConfig& c) {
+  const uint64_t per_layer =
+      c.use_mla ? static_cast<uint64_t>(c.kv_lora_rank + c.qk_rope_head_dim) * 2
+                : static_cast<uint64_t>(c.num_key_value_heads * (c.head_dim + c.head_dim)) * 2;
+  return per_layer * static_cast<uint64_t>(c.num_hidden_layers);
+}
+
+uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
+                                  const ExecutorLimits& limits) {
+  // Counts elements (bf16 = 2 bytes) of weights and of the LoRA pool's (in + out) x rank per
+  // target; shapes as in hf_config.h.
+  const uint64_t H = static_cast<uint64_t>(c.hidden_size), V = static_cast<uint64_t>(c.vocab_size);
+  const uint64_t R =
+      static_cast<uint64_t>((std::max<int64_t>(limits.max_lora_rank, 1) + 7) / 8 * 8);
+  const uint64_t S = static_cast<uint64_t>(std::max(limits.num_slots, 0));
+  uint64_t weights = V * H * (c.tie_word_embeddings ? 1 : 2) * 2;  // embedding + lm_head
+  uint64_t lora_elems = 0;                                         // per slot
+  auto linear = [&](uint64_t out, uint64_t in) {
+    weights += out * in * 2;
+    lora_elems += (out + in) * R;
+  };
+  const uint64_t Hq = static_cast<uint64_t>(c.num_attention_heads);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.use_mla) {
+      const uint64_t qk = static_cast<uint64_t>(c.qk_nope_head_dim + c.qk_rope_head_dim);
+      const uint64_t kvr = static_cast<uint64_t>(c.kv_lora_rank);
+      if (c.q_lora_rank > 0) {
+        linear(static_cast<uint64_t>(c.q_lora_rank), H);
+        linear(Hq * qk, static_cast<uint64_t>(c.q_lora_rank));
+      } else {
+        linear(Hq * qk, H);
+      }
+      linear(kvr + static_cast<uint64_t>(c.qk_rope_head_dim), H);
+      linear(Hq * static_cast<uint64_t>(c.qk_nope_head_dim + c.v_head_dim), kvr);
+      linear(H, Hq * static_cast<uint64_t>(c.v_head_dim));
+    } else {
+      const uint64_t D = static_cast<uint64_t>(c.head_dim);
+      const uint64_t Hkv = static_cast<uint64_t>(c.num_key_value_heads);
+      linear(Hq * D * (c.attention_output_gate ? 2 : 1), H);
+      linear(Hkv * D, H);
+      linear(Hkv * D, H);
+      linear(H, Hq * D);
+    }
+    if (c.is_moe_layer(l)) {
+      const uint64_t E = static_cast<uint64_t>(c.num_experts);
+      const uint64_t I = static_cast<uint64_t>(c.moe_intermediate_size);
+      weights += E * H * 4;  // router (fp32 at most)
+      weights += E * 3 * H * I * (fp8_experts ? 1 : 2) + E * 3 * H * I / (128 * 128) * 4;
+      lora_elems += E * (H + 2 * I) * R + E * (I + H) * R;  // gate_up and down
+      if (c.shared_expert_intermediate_size > 0) {
+        const uint64_t Is = static_cast<uint64_t>(c.shared_expert_intermediate_size);
+        linear(2 * Is, H);
+        linear(H, Is);
+      }
+    } else {
+      const uint64_t I = static_cast<uint64_t>(c.intermediate_size);
+      linear(2 * I, H);
+      linear(H, I);
+    }
+  }
+  // Workspaces: a few [max_tokens, max(H, 2 * top_k * I)] activations and the fp32 logits.
+  const uint64_t T = static_cast<uint64_t>(std::max<int64_t>(limits.max_batch_tokens, 1));
+  const uint64_t width = std::max<uint64_t>(
+      H, 2 * static_cast<uint64_t>(std::max<int64_t>(c.num_experts_per_tok, 1)) *
+             static_cast<uint64_t>(std::max(c.moe_intermediate_size, c.intermediate_size)));
+  const uint64_t workspace =
+      8 * T * width * 4 + static_cast<uint64_t>(std::max(limits.max_sequences, 1)) * V * 4;
+  return weights + S * lora_elems * 2 + workspace;
+}
+
+// ============================================================================ stubs
+
+#if !MOELORA_WITH_CUDA
+
+bool cuda_device_available() {
+  return false;
+}
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  MOELORA_THROW(ErrorCode::kUnsupported, what,
+                ": this build has no CUDA support (configured with MOELORA_ENABLE_CUDA=OFF or "
+                "without nvcc); use device 'cpu'");
+}
+}  // namespace
+
+std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions&) {
+  no_cuda("the GPU executor");
+}
+GpuDeviceReport gpu_device_report(int) {
+  no_cuda("gpu_device_report");
+}
+uint64_t gpu_memory_in_use(int) {
+  no_cuda("gpu_memory_in_use");
+}
+double measure_copy_bandwidth(uint64_t, int, int) {
+  no_cuda("measure_copy_bandwidth");
+}
+
+#endif
+
+}  // namespace moelora::runtime

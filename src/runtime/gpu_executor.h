@@ -1,0 +1,199 @@
+// GpuExecutor: the runtime's backend on the GPU model (model::GpuModel, gpu_model_cuda.cuh), seen
+// from CPU code. This header has no CUDA in it: the Engine, the tools and the CPU tests include
+// it in every build; a build without CUDA gets stubs (cuda_device_available() is false and
+// make_gpu_executor() throws kUnsupported).
+//
+// What the executor adds to the model (gpu_executor_cuda.cu):
+//   - a paged KV cache managed on the host (PageAllocator below): a free list of page ids, each
+//     sequence holding the pages its length needs, growing as it grows; free_sequence returns
+//     them at once; cache_bytes() counts the pages held;
+//   - per step, the batch metadata (GpuStepPlan below): entries sorted by adapter slot (adapter
+//     rows grouped, base rows last) so that the dense LoRA targets see one row range per slot,
+//     page-table rows, positions, sampling parameters and uniforms, padded to the forward's
+//     capacity; copied into the model's pinned mirror and uploaded with one async copy;
+//   - CUDA graphs for decode-only steps (every entry one token): one graph per (bucket, LoRA on
+//     or off) with buckets 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, ... up to max_sequences,
+//     captured at the bucket's first use (that step runs eagerly, then the graph is recorded) and
+//     replayed afterwards with padding rows (token_seq -1) and padding sequences (q_len 0). The
+//     graph reads everything that varies (tokens, slots, positions, page tables, adapters'
+//     segments) from the metadata block, so admitting, evicting or reloading adapters never
+//     recaptures; single-adapter fast paths are used only by eager steps (graphs pass -1).
+//     Steps with a prefill chunk run eagerly at their exact size;
+//   - sampling on the device (ops/sample/sample_cuda.cuh); only the tokens come back (one async
+//     copy + one stream synchronize per step), or the logits for forward().
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "runtime/executor.h"
+
+namespace moelora::runtime {
+
+struct GpuExecutorOptions {
+  std::filesystem::path model_dir;  // checkpoint, or (random_weights) a directory with config.json
+  ExecutorLimits limits;
+  // Benchmarks: read only config.json and draw seeded random weights on the device (FP8-block
+  // experts when config.json asks for FP8, else bf16).
+  bool random_weights = false;
+  uint64_t random_seed = 0;
+  int64_t max_layers = 0;  // first N decoder layers only (0 = all)
+  // Longest sequence a page table holds: 0 = min(max_position_embeddings, kDefaultMaxSeqLen).
+  int64_t max_seq_len = 0;
+  // KV cache budget: kv_cache_bytes when > 0, else gpu_memory_fraction of the device memory that
+  // is free before loading, minus an estimate of the weights, the adapter pool and the
+  // workspaces. Never more than max_sequences full-length sequences need.
+  uint64_t kv_cache_bytes = 0;
+  double gpu_memory_fraction = 0.9;
+  int page_size = 64;       // KV tokens per page
+  bool cuda_graphs = true;  // false: every step runs eagerly (debugging)
+  bool show_progress = false;
+  int device = 0;
+};
+
+inline constexpr int64_t kDefaultMaxSeqLen = 8192;
+
+// Whether this build has CUDA and a device is visible (never throws).
+bool cuda_device_available();
+
+// Loads (or draws) the model onto the device and sizes everything from the options. Throws
+// moelora::Error: kUnsupported without CUDA, kInvalidArgument for bad options, kOutOfRange when the
+// device memory cannot hold the model with a useful KV cache.
+std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& options);
+
+// Device facts and measurements for `moelora bench` (kUnsupported without CUDA).
+struct GpuDeviceReport {
+  std::string name;
+  int sm_major = 0, sm_minor = 0;
+  int num_sms = 0;
+  uint64_t total_bytes = 0;
+  int driver_version = 0;   // e.g. 13000
+  int runtime_version = 0;  // CUDA runtime, e.g. 13000
+  int memory_clock_khz = 0;
+  int sm_clock_khz = 0;
+};
+GpuDeviceReport gpu_device_report(int device = 0);
+// Device bytes in use now (cudaMemGetInfo: total - free; other processes included).
+uint64_t gpu_memory_in_use(int device = 0);
+// Device-to-device copy bandwidth in bytes/s, read + write counted (2 * bytes / time), median of
+// `repetitions` timed cudaMemcpyAsync of `bytes` bytes after a warm-up.
+double measure_copy_bandwidth(uint64_t bytes = 1ull << 30, int repetitions = 20, int device = 0);
+
+// ============================================================================================
+// Host-side pieces of the executor, CUDA-free so that the CPU tests cover them.
+
+// Decode batch buckets: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, ... (powers of two and
+// 1.5x powers of two from 16 on) below max_sequences, then max_sequences itself.
+std::vector<int> decode_buckets(int max_sequences);
+// The smallest bucket >= batch; -1 when batch exceeds the largest.
+int decode_bucket(int batch, std::span<const int> buckets);
+
+// Pages of the paged KV cache: ids [0, num_pages), handed out from a free list (lowest id first,
+// so runs are reproducible). A sequence holds ceil(length / page_size) pages.
+class PageAllocator {
+ public:
+  // kInvalidArgument unless num_pages >= 1, page_size >= 1 and max_pages_per_seq >= 1.
+  PageAllocator(int64_t num_pages, int page_size, int max_pages_per_seq);
+
+  SequenceHandle new_sequence();
+  void free_sequence(SequenceHandle sequence);  // kInternal for a handle that is not live
+  bool live(SequenceHandle sequence) const { return sequences_.count(sequence) > 0; }
+  int64_t live_sequences() const { return static_cast<int64_t>(sequences_.size()); }
+
+  int64_t length(SequenceHandle sequence) const;  // tokens committed
+  const std::vector<int32_t>& pages(SequenceHandle sequence) const;
+  // Makes `sequence` hold pages for `new_length` tokens (>= its length). kOutOfRange naming the
+  // sequence when new_length exceeds the page table (max_pages_per_seq * page_size) or the pool
+  // has too few free pages; nothing changes then.
+  void reserve(SequenceHandle sequence, int64_t new_length);
+  // The forward that used the reserved pages succeeded: the length becomes new_length.
+  void commit(SequenceHandle sequence, int64_t new_length);
+  // The forward failed: pages beyond what the committed length needs go back to the pool.
+  void rollback(SequenceHandle sequence);
+
+  int64_t num_pages() const { return num_pages_; }
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  int64_t pages_in_use() const { return num_pages_ - free_pages(); }
+  int page_size() const { return page_size_; }
+  int max_pages_per_seq() const { return max_pages_per_seq_; }
+  int64_t max_length() const { return static_cast<int64_t>(max_pages_per_seq_) * page_size_; }
+
+ private:
+  struct Sequence {
+    int64_t length = 0;
+    std::vector<int32_t> pages;
+  };
+  Sequence& get(SequenceHandle sequence);
+  const Sequence& get(SequenceHandle sequence) const;
+  int64_t pages_for(int64_t length) const { return (length + page_size_ - 1) / page_size_; }
+
+  int64_t num_pages_;
+  int page_size_;
+  int max_pages_per_seq_;
+  std::vector<int32_t> free_;  // a stack: back() is the next page handed out
+  std::map<SequenceHandle, Sequence> sequences_;
+  SequenceHandle next_handle_ = 1;
+};
+
+// Capacities the step metadata is laid out for (GpuModelLimits).
+struct StepCapacity {
+  int max_tokens = 0;
+  int max_seqs = 0;
+  int num_slots = 0;
+  int max_pages_per_seq = 0;
+  int64_t vocab_size = 0;
+};
+
+// One step's metadata on the host, every array filled to its full capacity (padding included),
+// with the forward's shape. Internal sequence k is batch entry order[k]; its rows are
+// [q_start[k], q_start[k] + q_len[k]).
+struct GpuStepPlan {
+  int32_t num_tokens = 0;  // valid rows
+  int32_t num_seqs = 0;    // valid sequences
+  int32_t num_lora_segments = 0;
+  std::vector<int32_t> token_ids, token_slot, token_seq, token_pos;  // [max_tokens]
+  std::vector<int32_t> q_start, q_len, kv_len, last_row;             // [max_seqs]
+  std::vector<int32_t> page_table;                                   // [max_seqs * max_pages]
+  std::vector<int32_t> lora_segments;  // [num_slots * 4] {slot, 0, begin, end}, then zeros
+  std::vector<ops::SampleRowParams> sample_params;  // [max_seqs] (padding: greedy)
+  std::vector<float> uniform;                       // [max_seqs]
+  std::vector<int> order;                           // [num_seqs] batch index of sequence k
+
+  // The forward's shape (model::ForwardShape).
+  int rows = 0;  // T the forward runs: num_tokens, or the bucket for a graph
+  int seqs = 0;  // B the forward runs
+  int max_q_len = 0;
+  int max_kv_len = 0;
+  bool lora = false;
+  int single_slot = -1;
+  bool graph = false;  // a decode-only step run as the replay of bucket `rows`
+};
+
+// Fills `plan` for `batch` (see GpuStepPlan), reserving the KV pages the new tokens need in
+// `pages` (the caller commits or rolls them back). params / uniforms: per entry, or empty (greedy
+// params, u = 0). buckets: decode buckets, empty = no graphs. `occupied`: which slots hold an
+// adapter. Checks the batch like CpuExecutor::forward (kInternal: limits, duplicate sequences,
+// empty entries, empty or out-of-range slots, token ids outside the vocabulary); when it throws,
+// no pages stay reserved.
+void plan_gpu_step(std::span<const BatchEntry> batch, std::span<const ops::SampleRowParams> params,
+                   std::span<const float> uniforms, const StepCapacity& capacity,
+                   std::span<const int> buckets, const std::vector<bool>& occupied,
+                   PageAllocator& pages, GpuStepPlan& plan);
+
+// Device bytes the GPU model will need for `config` besides the KV cache, estimated from the
+// shapes (weights as the GPU model stores them, the adapter pool of num_slots x max_rank, and
+// the per-token workspaces). Used to size the KV cache before the model exists.
+uint64_t estimate_gpu_model_bytes(const io::ModelConfig& config, bool fp8_experts,
+                                  const ExecutorLimits& limits);
+// KV bytes per token over all layers as the paged cache stores them (bf16; GQA: K and V of every
+// KV head; MLA: the latent kv_lora_rank + rope part).
+uint64_t estimate_kv_bytes_per_token(const io::ModelConfig& config);
+// The first `layers` decoder layers of `config` (per-layer lists cut to match); 0 = unchanged.
+io::ModelConfig first_layers(io::ModelConfig config, int64_t layers);
+
+}  // namespace moelora::runtime
