@@ -866,7 +866,8 @@ class GpuModelImpl final : public GpuModel {
     seg.segments = reinterpret_cast<const int4*>(d.lora_segments);
     seg.num_segments = d.num_lora_segments;
     seg.max_segments = limits_.num_slots;
-    seg.row_chunks = std::clamp((shape.tokens + 127) / 128, 1, 64);
+    seg.row_chunks =
+        std::clamp((shape.tokens + 31) / 32, 1, 64);  // one CTA per 32 rows of a segment
     if (use_lora) {
       fork_.record(main);
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(side, fork_.get(), 0));

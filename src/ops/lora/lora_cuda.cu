@@ -17,8 +17,9 @@ namespace {
 
 constexpr int kShrinkWarps = 8;
 constexpr int kExpandThreads = 256;
-constexpr int kExpandRows = 32;   // u rows staged per pass = rows per chunk of a segment
+constexpr int kExpandRows = 32;  // u rows staged per pass = rows per chunk of a segment
 constexpr int kMaxRank = 256;
+constexpr int kRowsInFlight = 4;  // shrink rows a warp reduces at once
 
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
@@ -32,12 +33,6 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
     s = fmaf(fx.y, fy.y, s);
   }
   return s;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 template <int kVec>
@@ -63,30 +58,56 @@ __global__ void __launch_bounds__(32 * kShrinkWarps) lora_shrink_kernel(const Lo
 #pragma unroll
     for (int v = 0; v < kVec; ++v) {
       const int col = k0 + (v * 32 + lane) * 8;
-      a_reg[v] = col < K ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r0) * K + col)
-                         : make_uint4(0, 0, 0, 0);
+      a_reg[v] = col < K
+                     ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r0) * K + col)
+                     : make_uint4(0, 0, 0, 0);
     }
     // This CTA's rows: chunks of kExpandRows starting at chunk blockIdx.z, every gridDim.z-th.
     for (int c0 = seg.z + blockIdx.z * kExpandRows; c0 < seg.w; c0 += gridDim.z * kExpandRows) {
       const int c1 = min(seg.w, c0 + kExpandRows);
-      for (int q = c0; q < c1; ++q) {
-        const int row = p.gather ? p.gather[q] : q;
-        const __nv_bfloat16* x = p.x + static_cast<size_t>(row) * K;
-        float s = 0.f;
+      // kRowsInFlight rows per pass: their loads and warp reductions are independent, so the
+      // warp overlaps their latencies instead of paying one L2 round trip per row.
+      for (int q0 = c0; q0 < c1; q0 += kRowsInFlight) {
+        uint4 x_reg[kRowsInFlight][kVec];
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) {
-          const int col = k0 + (v * 32 + lane) * 8;
-          if (col < K) s += dot8(a_reg[v], *reinterpret_cast<const uint4*>(x + col));
+        for (int j = 0; j < kRowsInFlight; ++j) {
+          const int q = q0 + j;
+          const int row = q < c1 ? (p.gather ? p.gather[q] : q) : -1;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) {
+            const int col = k0 + (v * 32 + lane) * 8;
+            x_reg[j][v] =
+                (row >= 0 && col < K)
+                    ? *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(row) * K + col)
+                    : make_uint4(0, 0, 0, 0);
+          }
         }
-        s = warp_sum(s);
-        if (lane == 0) p.partial[(static_cast<size_t>(split) * p.row_capacity + q) * R + r0] = s;
+        float s[kRowsInFlight];
+#pragma unroll
+        for (int j = 0; j < kRowsInFlight; ++j) {
+          s[j] = 0.f;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) s[j] += dot8(a_reg[v], x_reg[j][v]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+          for (int j = 0; j < kRowsInFlight; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], o);
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int j = 0; j < kRowsInFlight; ++j)
+            if (q0 + j < c1)
+              p.partial[(static_cast<size_t>(split) * p.row_capacity + q0 + j) * R + r0] = s[j];
+        }
       }
     }
   }
 }
 
 template <int kRankChunks>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
-__global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const LoraExpandArgs p, int splits) {
+__global__ void __launch_bounds__(kExpandThreads)
+    lora_expand_kernel(const LoraExpandArgs p, int splits) {
   __shared__ float u[kExpandRows][8 * kRankChunks];
   const int seg_index = blockIdx.x;
   if (seg_index >= *p.seg.num_segments) return;
@@ -99,12 +120,14 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const LoraE
   const int rank_chunks = (rank + 7) / 8;
   const float scaling = pool.scaling[slot];
   const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
-  const __nv_bfloat16* b_row = pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R;
+  const __nv_bfloat16* b_row =
+      pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R;
 
   uint4 b_reg[kRankChunks];
 #pragma unroll
   for (int c = 0; c < kRankChunks; ++c)
-    b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8) : make_uint4(0, 0, 0, 0);
+    b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
+                                          : make_uint4(0, 0, 0, 0);
 
   for (int q0 = seg.z + blockIdx.z * kExpandRows; q0 < seg.w; q0 += gridDim.z * kExpandRows) {
     const int rows = min(kExpandRows, seg.w - q0);
@@ -115,7 +138,8 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const LoraE
       float s = 0.f;
       if (r < rank) {
         const size_t u = p.u_row ? p.u_row[q0 + row] : q0 + row;
-        for (int sp = 0; sp < splits; ++sp) s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + u) * R + r];
+        for (int sp = 0; sp < splits; ++sp)
+          s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + u) * R + r];
       }
       u[row][r] = s * scaling;
     }
@@ -140,17 +164,21 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const LoraE
   }
 }
 
-int shrink_vec(int in_features) { return std::clamp((in_features + 2047) / 2048, 1, 4); }
+int shrink_vec(int in_features) {
+  return std::clamp((in_features + 2047) / 2048, 1, 4);
+}
 
 void check_pool(const LoraPoolTarget& pool, const char* what) {
   MOELORA_CHECK(pool.a && pool.b && pool.scaling && pool.rank, ErrorCode::kInvalidArgument, what,
                 ": pool pointers a, b, scaling and rank are required");
-  MOELORA_CHECK(pool.max_rank > 0 && pool.max_rank % 8 == 0 && pool.max_rank <= kMaxRank, ErrorCode::kUnsupported,
-                what, ": pool rank ", pool.max_rank, " must be a multiple of 8 in [8, ", kMaxRank, "]");
-  MOELORA_CHECK(pool.in_features > 0 && pool.in_features % 8 == 0, ErrorCode::kInvalidArgument, what,
-                ": in_features = ", pool.in_features, " must be a positive multiple of 8");
-  MOELORA_CHECK(pool.out_features > 0 && pool.ea >= 1 && pool.eb >= 1, ErrorCode::kInvalidArgument, what,
-                ": out_features = ", pool.out_features, ", Ea = ", pool.ea, ", Eb = ", pool.eb);
+  MOELORA_CHECK(pool.max_rank > 0 && pool.max_rank % 8 == 0 && pool.max_rank <= kMaxRank,
+                ErrorCode::kUnsupported, what, ": pool rank ", pool.max_rank,
+                " must be a multiple of 8 in [8, ", kMaxRank, "]");
+  MOELORA_CHECK(pool.in_features > 0 && pool.in_features % 8 == 0, ErrorCode::kInvalidArgument,
+                what, ": in_features = ", pool.in_features, " must be a positive multiple of 8");
+  MOELORA_CHECK(pool.out_features > 0 && pool.ea >= 1 && pool.eb >= 1, ErrorCode::kInvalidArgument,
+                what, ": out_features = ", pool.out_features, ", Ea = ", pool.ea,
+                ", Eb = ", pool.eb);
 }
 
 }  // namespace
@@ -161,15 +189,17 @@ int lora_shrink_splits(int in_features) {
 }
 
 size_t lora_partial_bytes(int in_features, int row_capacity, int max_rank) {
-  return static_cast<size_t>(lora_shrink_splits(in_features)) * row_capacity * max_rank * sizeof(float);
+  return static_cast<size_t>(lora_shrink_splits(in_features)) * row_capacity * max_rank *
+         sizeof(float);
 }
 
 void launch_lora_shrink(const LoraShrinkArgs& p, cudaStream_t stream) {
   check_pool(p.pool, "lora shrink");
-  MOELORA_CHECK(p.x && p.partial && p.seg.segments && p.seg.num_segments, ErrorCode::kInvalidArgument,
-                "lora shrink: x, partial and segments are required");
+  MOELORA_CHECK(p.x && p.partial && p.seg.segments && p.seg.num_segments,
+                ErrorCode::kInvalidArgument, "lora shrink: x, partial and segments are required");
   if (p.seg.max_segments == 0) return;
-  dim3 grid(p.seg.max_segments, lora_shrink_splits(p.pool.in_features), std::max(1, p.seg.row_chunks));
+  dim3 grid(p.seg.max_segments, lora_shrink_splits(p.pool.in_features),
+            std::max(1, p.seg.row_chunks));
   switch (shrink_vec(p.pool.in_features)) {
     case 1: lora_shrink_kernel<1><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
     case 2: lora_shrink_kernel<2><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
@@ -181,7 +211,8 @@ void launch_lora_shrink(const LoraShrinkArgs& p, cudaStream_t stream) {
 
 void launch_lora_expand(const LoraExpandArgs& p, cudaStream_t stream) {
   check_pool(p.pool, "lora expand");
-  MOELORA_CHECK(p.partial && p.delta && p.seg.segments && p.seg.num_segments, ErrorCode::kInvalidArgument,
+  MOELORA_CHECK(p.partial && p.delta && p.seg.segments && p.seg.num_segments,
+                ErrorCode::kInvalidArgument,
                 "lora expand: partial, delta and segments are required");
   if (p.seg.max_segments == 0) return;
   const int splits = p.splits > 0 ? p.splits : lora_shrink_splits(p.pool.in_features);
