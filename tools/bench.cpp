@@ -7,7 +7,8 @@
 //                 [--synth-layout per-expert|shared-outer|peft-3d]
 //                 [--adapter-dist uniform|distinct|skewed] [--base-share F] [--json FILE]
 //                 [--device cpu|cuda] [--seed S] [--max-batch-tokens N] [--prefill-chunk N]
-//                 [--max-layers N] [--gpu-memory-fraction F]
+//                 [--max-layers N] [--gpu-memory-fraction F] [--adapter-slots N]
+//                 [--max-lora-rank R]
 //
 // --device defaults to cuda when this build has CUDA and a device is visible, else cpu.
 // --random-weights (GPU only) takes the preset's config.json without writing any weights: the
@@ -15,6 +16,13 @@
 // --max-layers) run in seconds; --random-adapters K registers K seeded random adapters of
 // --synth-rank in --synth-layout the same way (Engine::register_random_adapter). --max-layers N
 // runs the first N decoder layers only (per-layer figures stay comparable).
+//
+// The adapter pool is sized from the run, not from the engine defaults (8 slots of rank 64: for
+// Kimi-K2.5 shapes, 384 experts and hidden 7168, that is ~8 GB of device memory per MoE layer):
+// adapter_slots = max_loras_per_batch = the adapters the run registers (at least 1), and
+// max_lora_rank = the largest rank among them (--synth-rank for random adapters, the files' ranks
+// otherwise) rounded up to a multiple of 8. --adapter-slots / --max-lora-rank override them; the
+// header line prints the values used.
 //
 // For every batch size B: B prompts of random token ids (seeded, the same for every run of that
 // B) are submitted at once to the Engine and generated greedily with EOS ignored, first without
@@ -35,10 +43,12 @@
 //
 // Output: a Markdown table on stdout, a progress bar per run on stderr, and with --json FILE one
 // object: {"benchmark", "date", "host", "device", "threads", "model", "input_len", "output_len",
-// "seed", "max_batch_tokens", "prefill_chunk", "adapters", "adapter_dist", "base_share", "runs":
+// "seed", "max_batch_tokens", "prefill_chunk", "adapter_slots", "max_lora_rank", "kv_cache_pages",
+// "kv_page_size", "adapters", "adapter_dist", "base_share", "runs":
 // [{"batch_size", "lora", "adapters_in_batch", "base_requests", "prefill_tokens_per_s",
 // "decode_tokens_per_s", "overall_tokens_per_s", "latency_s", "ttft_ms": {"mean", "p50", "max"},
-// "peak_rss_mb", "peak_kv_cache_mb", "steps", "pct_of_no_lora": null or {"overall", "decode",
+// "peak_rss_mb", "peak_kv_cache_mb", "steps", "kv_blocked_steps", "pct_of_no_lora": null or
+// {"overall", "decode",
 // "prefill"}, "base_requests_match": null or bool, "adapter_requests_changed": null or int}],
 // "targets": []}. GPU runs add "gpu" {name, sm, driver, cuda_runtime, memory_gb, sm_clock_mhz},
 // "commit", "copy_bandwidth_gbps" (a 1 GiB device-to-device copy timed in the same run, read +
@@ -63,6 +73,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -115,6 +126,8 @@ struct BenchArgs {
   int64_t random_adapters = 0;
   int64_t max_layers = 0;
   double gpu_memory_fraction = 0.9;
+  int64_t adapter_slots = 0;  // 0 = the run's adapters (at least 1)
+  int64_t max_lora_rank = 0;  // 0 = the run's largest rank, rounded up to a multiple of 8
 };
 
 // Runs another subcommand of this binary with `args`, as if typed after its name.
@@ -191,6 +204,7 @@ struct RunResult {
   double peak_rss_mb = 0, peak_kv_mb = 0;
   std::optional<double> peak_gpu_mb;  // GPU runs: device bytes in use at the peak
   int64_t steps = 0;
+  int64_t kv_blocked_steps = 0;               // steps where a request waited for KV pages
   int64_t decode_steps = 0;                   // decode-only steps
   double decode_s = 0;                        // their time
   std::optional<double> step_bytes;           // GPU runs: the byte model of a decode step
@@ -305,6 +319,7 @@ RunResult run_batch(moelora::Engine& engine, const std::vector<std::vector<int32
   r.peak_rss_mb = peak_rss_mb();
   r.peak_kv_mb = peak_kv;
   r.steps = after.steps - before.steps;
+  r.kv_blocked_steps = after.kv_blocked_steps - before.kv_blocked_steps;
   r.decode_steps = (after.steps - after.prefill_steps) - (before.steps - before.prefill_steps);
   r.decode_s = decode_s;
   std::vector<std::string> distinct;
@@ -469,6 +484,9 @@ int run_bench(const BenchArgs& arg_in) {
   MOELORA_CHECK(a.random_adapters >= 0 && a.max_layers >= 0, bad,
                 "--random-adapters and --max-layers must be >= 0");
   MOELORA_CHECK(a.synth_rank >= 1, bad, "--synth-rank must be >= 1, got ", a.synth_rank);
+  MOELORA_CHECK(a.adapter_slots >= 0 && a.adapter_slots <= INT32_MAX && a.max_lora_rank >= 0, bad,
+                "--adapter-slots and --max-lora-rank must be >= 0 (0 = sized from the run), got ",
+                a.adapter_slots, " and ", a.max_lora_rank);
   const std::string quant = !a.quant.empty() ? a.quant : a.random_weights ? "fp8" : "bf16";
   MOELORA_CHECK(
       a.model_dir.empty() != a.preset.empty(), bad,
@@ -570,6 +588,17 @@ int run_bench(const BenchArgs& arg_in) {
     if (s.dir.empty()) continue;  // random
     max_rank = std::max(max_rank, moelora::io::load_adapter(s.dir, config, s.name).max_rank);
   }
+  // The adapter pool, sized from the run (see the file comment). Every adapter is pinned to its
+  // own slot, so fewer slots than adapters cannot work.
+  const int64_t run_slots = std::max<int64_t>(1, static_cast<int64_t>(registered.size()));
+  MOELORA_CHECK(a.adapter_slots == 0 || a.adapter_slots >= static_cast<int64_t>(registered.size()),
+                bad, "--adapter-slots ", a.adapter_slots, " is below the ", registered.size(),
+                " adapters this run registers (each is pinned to its own slot)");
+  const int32_t adapter_slots =
+      static_cast<int32_t>(a.adapter_slots > 0 ? a.adapter_slots : run_slots);
+  MOELORA_CHECK(a.max_lora_rank == 0 || a.max_lora_rank >= max_rank, bad, "--max-lora-rank ",
+                a.max_lora_rank, " is below the largest adapter rank of this run, ", max_rank);
+  const int64_t pool_rank = a.max_lora_rank > 0 ? a.max_lora_rank : (max_rank + 7) / 8 * 8;
   // GPU ceilings measured before the model takes the memory.
   double copy_bandwidth = 0;
   moelora::runtime::GpuDeviceReport device_report;
@@ -588,10 +617,10 @@ int run_bench(const BenchArgs& arg_in) {
           ? a.max_batch_tokens
           : std::max<int64_t>(max_batch, std::min<int64_t>(max_batch * a.input_len, 8192));
   options.prefill_chunk = a.prefill_chunk;
-  options.adapter_slots = static_cast<int32_t>(registered.size());
-  options.max_loras_per_batch = static_cast<int32_t>(registered.size());
+  options.adapter_slots = adapter_slots;
+  options.max_loras_per_batch = adapter_slots;
   options.host_adapter_cache = static_cast<int32_t>(registered.size());
-  options.max_lora_rank = max_rank;
+  options.max_lora_rank = pool_rank;
   options.show_progress = true;
   options.max_layers = a.max_layers;
   options.random_weights = a.random_weights;
@@ -615,11 +644,20 @@ int run_bench(const BenchArgs& arg_in) {
 
   std::printf(
       "moelora bench: %s, %lld layers, hidden %lld, %lld experts top-%lld, vocab %lld; device %s, "
-      "%d threads\n",
+      "%d threads; adapter slots %d (max %d per batch), max LoRA rank %lld\n",
       config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
       static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_experts),
       static_cast<long long>(config.num_experts_per_tok), static_cast<long long>(config.vocab_size),
-      a.device.c_str(), moelora::num_threads());
+      a.device.c_str(), moelora::num_threads(), options.adapter_slots, options.max_loras_per_batch,
+      static_cast<long long>(options.max_lora_rank));
+  const moelora::ModelInfo& info = engine.model_info();
+  if (info.kv_cache_pages > 0) {
+    std::printf(
+        "KV cache: %lld pages of %lld tokens (%lld tokens); each request reserves the pages of "
+        "input + output at admission\n",
+        static_cast<long long>(info.kv_cache_pages), static_cast<long long>(info.kv_page_size),
+        static_cast<long long>(info.kv_cache_pages * info.kv_page_size));
+  }
   std::printf(
       "one batch per run: input %lld, output %lld tokens per request, greedy, EOS ignored; %lld "
       "tokens per step\n",
@@ -813,6 +851,10 @@ int run_bench(const BenchArgs& arg_in) {
     j["seed"] = a.seed;
     j["max_batch_tokens"] = options.max_batch_tokens;
     j["prefill_chunk"] = options.prefill_chunk;
+    j["adapter_slots"] = options.adapter_slots;
+    j["max_lora_rank"] = options.max_lora_rank;
+    j["kv_cache_pages"] = info.kv_cache_pages;
+    j["kv_page_size"] = info.kv_page_size;
     j["adapters"] = nlohmann::json::array();
     for (const auto& s : specs) {
       j["adapters"].push_back({{"name", s.name},
@@ -837,6 +879,7 @@ int run_bench(const BenchArgs& arg_in) {
           {"peak_rss_mb", r.peak_rss_mb},
           {"peak_kv_cache_mb", r.peak_kv_mb},
           {"steps", r.steps},
+          {"kv_blocked_steps", r.kv_blocked_steps},
           {"decode_steps", r.decode_steps}};
       const double ms = step_ms(r);
       run["decode_step_ms"] = ms > 0 ? nlohmann::json(ms) : nlohmann::json(nullptr);
@@ -924,6 +967,14 @@ std::function<int()> setup_bench(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--gpu-memory-fraction", a->gpu_memory_fraction,
                  "GPU: share of the free device memory the engine may use (KV cache sizing)")
+      ->capture_default_str();
+  app.add_option("--adapter-slots", a->adapter_slots,
+                 "Adapter slots of the engine, also its max LoRAs per batch (0 = the run's "
+                 "adapters, at least 1)")
+      ->capture_default_str();
+  app.add_option("--max-lora-rank", a->max_lora_rank,
+                 "Largest adapter rank a slot holds (0 = the run's largest rank, rounded up to a "
+                 "multiple of 8)")
       ->capture_default_str();
   app.add_option("--seed", a->seed,
                  "Seed of the prompts (and of --preset / --synth-adapters weights)")

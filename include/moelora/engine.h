@@ -18,6 +18,8 @@
 //
 // Admission. A waiting request joins when all of these hold:
 //   - fewer than max_running requests are running and the step still has token budget;
+//   - (a backend with a fixed KV page pool: the GPU) the KV pages of its whole length,
+//     ceil((prompt + max_new_tokens) / page_size), are free of other requests' reservations;
 //   - its adapter (if any) is already used by a running request, or fewer than
 //     max_loras_per_batch distinct adapters are in use and the adapter pool can give it a slot
 //     (a free slot, or one whose adapter no running request uses: least recently used first).
@@ -25,6 +27,17 @@
 // waits for an adapter slot keeps its place: later adapter requests (of any adapter) wait behind
 // it, so a steady stream of one adapter cannot starve another; later base-only requests go past
 // it. When the running requests' adapters finish, the waiting adapter gets the freed slot.
+//
+// KV cache reservation. On a backend with a fixed page pool (ModelInfo::kv_cache_pages > 0), a
+// request reserves at admission the pages of prompt + max_new_tokens tokens and keeps them until
+// it leaves, whether or not it uses them all (it may stop early). So a running request never
+// fails, and is never paused, because others were admitted: every page it can grow into is
+// its own from the start. The price is predictability over packing: admission counts
+// max_new_tokens, not the tokens generated so far. A request that does not fit waits, and every
+// later request waits behind it (even a small or base-only one), so it is first to get in as
+// running requests finish; submit() rejects (kOutOfRange, naming both sizes) a request whose
+// prompt + max_new_tokens needs more pages than the whole pool. The CPU backend has no page
+// pool: nothing is reserved there.
 //
 // Adapters are registered by name (register_adapter) before requests name them; registering
 // reads and validates the files at once (so a bad adapter fails there, not in a request). The
@@ -154,6 +167,10 @@ struct ModelInfo {
   int64_t max_position_embeddings = 0;  // prompt + max_new_tokens may not exceed it
   // The backend's own limit on prompt + max_new_tokens (GPU: the KV page tables; 0 = none).
   int64_t max_sequence_length = 0;
+  // The KV page pool that admission reserves from (see "KV cache reservation"): kv_cache_pages
+  // pages of kv_page_size tokens; 0 = no fixed pool (CPU).
+  int64_t kv_cache_pages = 0;
+  int64_t kv_page_size = 0;
   std::vector<int32_t> eos_token_ids;
 };
 
@@ -183,7 +200,13 @@ struct EngineStats {
   int64_t peak_step_tokens = 0;
   uint64_t kv_cache_bytes = 0;       // now
   uint64_t peak_kv_cache_bytes = 0;  // at the end of any step
-  int64_t requests_finished = 0;     // stop or length
+  // KV pages reserved by running requests (prompt + max_new_tokens each; 0 without a page pool),
+  // now and at most (as planned for a step, before its finished requests leave), and steps whose
+  // admission stopped at a request that did not fit the unreserved pages.
+  int64_t kv_pages_reserved = 0;
+  int64_t peak_kv_pages_reserved = 0;
+  int64_t kv_blocked_steps = 0;
+  int64_t requests_finished = 0;  // stop or length
   int64_t requests_cancelled = 0;
   int64_t requests_failed = 0;
   // Adapter pool: acquisitions that found the adapter resident (hits) or loaded it into a slot

@@ -48,6 +48,8 @@ class CpuExecutor final : public Executor {
   uint64_t cache_bytes() const override;
 
   std::vector<Tensor> forward(std::span<const BatchEntry> batch) override;
+  // Each sequence's cache grows in host memory as it grows: no fixed pool, nothing to reserve.
+  KvCapacity kv_capacity() const override { return {}; }
   ExecutorCounters counters() const override { return counters_; }
 
  private:

@@ -96,6 +96,18 @@ float uniform_as_float(double u) {
   return f < 1.0f ? f : std::nextafter(1.0f, 0.0f);
 }
 
+// The scheduler's limits: the engine options and the backend's KV page pool.
+runtime::SchedulerOptions scheduler_options(const EngineOptions& o, const runtime::KvCapacity& kv) {
+  runtime::SchedulerOptions s;
+  s.max_batch_tokens = o.max_batch_tokens;
+  s.max_running = o.max_running;
+  s.max_loras_per_batch = o.max_loras_per_batch;
+  s.prefill_chunk = o.prefill_chunk;
+  s.kv_pages = kv.pages;
+  s.kv_page_size = kv.page_size;
+  return s;
+}
+
 void check_options(const EngineOptions& o) {
   const auto bad = ErrorCode::kInvalidArgument;
   MOELORA_CHECK(o.adapter_slots >= 0, bad, "adapter_slots must be >= 0, got ", o.adapter_slots);
@@ -107,8 +119,7 @@ void check_options(const EngineOptions& o) {
                 o.max_seq_len);
   MOELORA_CHECK(o.gpu_memory_fraction > 0.0 && o.gpu_memory_fraction <= 1.0, bad,
                 "gpu_memory_fraction must be in (0, 1], got ", o.gpu_memory_fraction);
-  runtime::check_scheduler_options(
-      {o.max_batch_tokens, o.max_running, o.max_loras_per_batch, o.prefill_chunk}, o.adapter_slots);
+  runtime::check_scheduler_options(scheduler_options(o, {}), o.adapter_slots);
 }
 
 bool is_cuda(const std::string& device) {
@@ -168,15 +179,17 @@ struct Engine::Impl {
         executor(std::move(exec)),
         writer(*executor, random_adapters),
         pool(opts.adapter_slots, opts.host_adapter_cache, writer, pool_loader()),
-        scheduler(
-            {opts.max_batch_tokens, opts.max_running, opts.max_loras_per_batch, opts.prefill_chunk},
-            pool) {
+        scheduler(scheduler_options(opts, executor->kv_capacity()), pool) {
     const io::ModelConfig& config = executor->config();
     info.model_type = config.model_type;
     info.vocab_size = config.vocab_size;
     info.num_layers = config.num_hidden_layers;
     info.max_position_embeddings = config.max_position_embeddings;
     info.max_sequence_length = executor->max_sequence_length();
+    if (scheduler.kv_limited()) {
+      info.kv_cache_pages = scheduler.options().kv_pages;
+      info.kv_page_size = scheduler.options().kv_page_size;
+    }
     for (int64_t id : config.eos_token_ids) {
       if (id >= 0 && id < config.vocab_size) info.eos_token_ids.push_back(static_cast<int32_t>(id));
     }
@@ -273,6 +286,17 @@ Status Engine::Impl::validate(const Request& request) const {
                   " tokens) + max_new_tokens (", s.max_new_tokens, ") = ", context,
                   " exceeds the engine's maximum sequence length of ", info.max_sequence_length,
                   " tokens (EngineOptions::max_seq_len)");
+    // Admission reserves the KV pages of the whole request (engine.h): one that needs more than
+    // the pool could only ever wait.
+    MOELORA_CHECK(
+        info.kv_cache_pages <= 0 || scheduler.kv_pages_for(context) <= info.kv_cache_pages,
+        ErrorCode::kOutOfRange, "request: prompt (", request.prompt.size(),
+        " tokens) + max_new_tokens (", s.max_new_tokens, ") = ", context, " tokens need ",
+        scheduler.kv_pages_for(context), " KV cache pages of ", info.kv_page_size,
+        " tokens, but the whole KV cache has ", info.kv_cache_pages, " pages (",
+        info.kv_cache_pages * info.kv_page_size,
+        " tokens); raise EngineOptions::kv_cache_bytes or gpu_memory_fraction, or ask "
+        "for fewer tokens");
     for (int32_t id : s.stop_token_ids) {
       MOELORA_CHECK(id >= 0 && id < info.vocab_size, ErrorCode::kOutOfRange,
                     "request: stop token id ", id, " is outside the vocabulary [0, ",
@@ -305,9 +329,15 @@ void Engine::Impl::update_gauges() {
   stats.peak_running = std::max(stats.peak_running, stats.running);
   stats.kv_cache_bytes = executor->cache_bytes();
   stats.peak_kv_cache_bytes = std::max(stats.peak_kv_cache_bytes, stats.kv_cache_bytes);
+  stats.kv_pages_reserved = scheduler.kv_pages_reserved();
+  stats.peak_kv_pages_reserved = std::max(stats.peak_kv_pages_reserved, stats.kv_pages_reserved);
 }
 
 void Engine::Impl::run_step(const runtime::StepPlan& plan) {
+  if (plan.kv_blocked) ++stats.kv_blocked_steps;
+  // The peak as planned: finished requests give their pages back before the step ends.
+  stats.peak_kv_pages_reserved =
+      std::max(stats.peak_kv_pages_reserved, scheduler.kv_pages_reserved());
   for (const auto& [id, reason] : plan.failed) {
     auto it = requests.find(id);
     if (it != requests.end()) fail(*it->second, reason);
@@ -551,7 +581,8 @@ Result<RequestId> Engine::submit(Request request, TokenCallback callback) {
     }
     r->callback = std::make_shared<TokenCallback>(std::move(callback));
     r->id = im.next_id;
-    im.scheduler.enqueue(r->id, request.adapter, static_cast<int64_t>(request.prompt.size()));
+    im.scheduler.enqueue(r->id, request.adapter, static_cast<int64_t>(request.prompt.size()),
+                         s.max_new_tokens);
     r->request = std::move(request);
     id = r->id;
     im.requests.emplace(id, std::move(r));

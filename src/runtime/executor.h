@@ -50,6 +50,17 @@ struct ExecutorLimits {
   int64_t max_lora_rank = 0;     // largest adapter rank a slot holds
 };
 
+// A paged KV cache's fixed size, for admission control. A sequence of n tokens holds
+// pages_for(n) pages; live sequences together hold at most `pages`. pages == 0: no fixed pool
+// (the cache of each sequence grows on demand, as on the CPU), nothing to budget.
+struct KvCapacity {
+  int64_t pages = 0;      // pages in the pool; 0 = unlimited
+  int64_t page_size = 1;  // tokens per page
+  bool limited() const { return pages > 0; }
+  int64_t pages_for(int64_t tokens) const { return (tokens + page_size - 1) / page_size; }
+  int64_t tokens() const { return pages * page_size; }
+};
+
 // The new tokens of one sequence in a forward.
 struct BatchEntry {
   SequenceHandle sequence = -1;
@@ -105,6 +116,13 @@ class Executor {
   // Longest sequence (prompt + generated tokens) a sequence may reach; 0 = only the model's
   // max_position_embeddings limits it. A paged GPU cache has a fixed page-table width.
   virtual int64_t max_sequence_length() const { return 0; }
+
+  // The KV cache's fixed capacity, which the runtime budgets against: the Scheduler admits a
+  // request only when the pages of its whole length (prompt + max_new_tokens) are not reserved
+  // by running requests, so every forward finds the pages its sequences grow into. Reported
+  // once, at Engine creation; the sequences the runtime makes are the only users of the pool.
+  // The default {0, 1}: unlimited (the CPU backend).
+  virtual KvCapacity kv_capacity() const { return {}; }
 
   // Benchmarks of models nobody has on disk: fills `slot` with a seeded random adapter of
   // `rank` on every target (shared_outer: the routed experts share gate_up A and down B).

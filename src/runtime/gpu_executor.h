@@ -6,7 +6,9 @@
 // What the executor adds to the model (gpu_executor_cuda.cu):
 //   - a paged KV cache managed on the host (PageAllocator below): a free list of page ids, each
 //     sequence holding the pages its length needs, growing as it grows; free_sequence returns
-//     them at once; cache_bytes() counts the pages held;
+//     them at once; cache_bytes() counts the pages held; kv_capacity() reports the pool
+//     (PageAllocator::capacity()), against which the Scheduler reserves each request's pages
+//     at admission, so a forward never finds the pool empty;
 //   - per step, the batch metadata (GpuStepPlan below): entries sorted by adapter slot (adapter
 //     rows grouped, base rows last) so that the dense LoRA targets see one row range per slot,
 //     page-table rows, positions, sampling parameters and uniforms, padded to the forward's
@@ -122,6 +124,8 @@ class PageAllocator {
   int page_size() const { return page_size_; }
   int max_pages_per_seq() const { return max_pages_per_seq_; }
   int64_t max_length() const { return static_cast<int64_t>(max_pages_per_seq_) * page_size_; }
+  // The pool as Executor::kv_capacity() reports it.
+  KvCapacity capacity() const { return {num_pages_, page_size_}; }
 
  private:
   struct Sequence {

@@ -144,6 +144,7 @@ class GpuExecutor final : public Executor {
   const io::ModelConfig& config() const override { return model_->config(); }
   const ExecutorLimits& limits() const override { return limits_; }
   int64_t max_sequence_length() const override { return pages_.max_length(); }
+  KvCapacity kv_capacity() const override { return pages_.capacity(); }
 
   void check_adapter(const io::LoraAdapter& adapter) const override {
     MOELORA_CHECK(adapter.max_rank <= limits_.max_lora_rank, ErrorCode::kUnsupported, "adapter '",

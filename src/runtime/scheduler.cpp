@@ -18,6 +18,9 @@ void check_scheduler_options(const SchedulerOptions& o, int32_t adapter_slots) {
                 o.prefill_chunk);
   MOELORA_CHECK(o.max_loras_per_batch >= 0, bad, "max_loras_per_batch must be >= 0, got ",
                 o.max_loras_per_batch);
+  MOELORA_CHECK(o.kv_pages >= 0 && o.kv_page_size >= 1, bad, "the KV page pool (", o.kv_pages,
+                " pages of ", o.kv_page_size,
+                " tokens) needs kv_pages >= 0 (0 = unlimited) and kv_page_size >= 1");
   MOELORA_CHECK(o.max_loras_per_batch <= adapter_slots, bad, "max_loras_per_batch (",
                 o.max_loras_per_batch, ") exceeds adapter_slots (", adapter_slots,
                 "): every adapter in a batch needs its own slot");
@@ -28,12 +31,31 @@ Scheduler::Scheduler(const SchedulerOptions& options, AdapterPool& pool)
   check_scheduler_options(options, pool.num_slots());
 }
 
-void Scheduler::enqueue(RequestId id, const std::string& adapter, int64_t prompt_len) {
+void Scheduler::enqueue(RequestId id, const std::string& adapter, int64_t prompt_len,
+                        int64_t max_new_tokens) {
   MOELORA_CHECK(prompt_len >= 1, ErrorCode::kInvalidArgument, "request ", id,
                 ": the prompt is empty");
+  MOELORA_CHECK(max_new_tokens >= 1, ErrorCode::kInvalidArgument, "request ", id,
+                ": max_new_tokens must be >= 1, got ", max_new_tokens);
   MOELORA_CHECK(!is_waiting(id) && !is_running(id), ErrorCode::kInvalidArgument, "request id ", id,
                 " is queued twice");
-  waiting_.push_back({id, adapter, prompt_len, 0, -1});
+  const int64_t tokens = prompt_len + max_new_tokens;
+  const int64_t pages = kv_pages_for(tokens);
+  MOELORA_CHECK(pages <= options_.kv_pages || !kv_limited(), ErrorCode::kOutOfRange, "request ", id,
+                ": prompt (", prompt_len, " tokens) + max_new_tokens (", max_new_tokens,
+                ") = ", tokens, " tokens need ", pages, " KV pages of ", options_.kv_page_size,
+                " tokens; the whole KV cache has ", options_.kv_pages, " pages (",
+                options_.kv_pages * options_.kv_page_size, " tokens)");
+  waiting_.push_back({id, adapter, prompt_len, 0, -1, pages});
+}
+
+int64_t Scheduler::kv_pages_for(int64_t tokens) const {
+  if (!kv_limited()) return 0;
+  return (tokens + options_.kv_page_size - 1) / options_.kv_page_size;
+}
+
+bool Scheduler::kv_fits(const Entry& e) const {
+  return !kv_limited() || kv_pages_reserved_ + e.kv_pages <= options_.kv_pages;
 }
 
 int64_t Scheduler::chunk(const Entry& e, int64_t budget) const {
@@ -85,6 +107,14 @@ StepPlan Scheduler::schedule() {
         it = waiting_.erase(it);
         continue;
       }
+    }
+    // KV before the slot, so that a request that has to wait holds no slot. Everything behind a
+    // request that does not fit waits too (see scheduler.h).
+    if (!kv_fits(e)) {
+      plan.kv_blocked = true;
+      break;
+    }
+    if (!e.adapter.empty()) {
       const bool shares_slot = pool_.in_use(e.adapter);
       if (!shares_slot && pool_.adapters_in_use() >= options_.max_loras_per_batch) {
         adapter_blocked = true;
@@ -111,6 +141,7 @@ StepPlan Scheduler::schedule() {
     e.prefilled = n;
     plan.prefill_tokens += n;
     budget -= n;
+    kv_pages_reserved_ += e.kv_pages;
     running_.push_back(e);
     it = waiting_.erase(it);
   }
@@ -122,6 +153,7 @@ void Scheduler::finish(RequestId id) {
       std::find_if(running_.begin(), running_.end(), [id](const Entry& e) { return e.id == id; });
   MOELORA_CHECK(it != running_.end(), ErrorCode::kNotFound, "request ", id, " is not running");
   if (!it->adapter.empty()) pool_.release(it->adapter);
+  kv_pages_reserved_ -= it->kv_pages;
   running_.erase(it);
 }
 

@@ -3,19 +3,23 @@
 //     an adapter in use, host-cache hits, failing loads and slot writes);
 //   - Scheduler decisions without a model (token budget, decode first, chunked prefill,
 //     max_running, max_loras_per_batch, base requests going past a blocked adapter request, FIFO
-//     among adapter requests, cancellation);
+//     among adapter requests, cancellation; KV page reservation: requests wait in arrival order
+//     until their pages are free, a random load through a tiny real page pool never runs it dry,
+//     a request larger than the pool is refused);
 //   - the Engine end to end on the committed tiny fixtures: greedy and sampled outputs equal
 //     model::generate of each request alone while requests join and leave at different steps with
 //     mixed adapters and chunked prompts; the per-step limits as the backend sees them;
 //     cancellation frees the KV cache and the slot; adapter eviction and reloads; unregistering;
-//     bad requests and options rejected with clear messages;
+//     bad requests and options rejected with clear messages; a backend with a small KV page pool
+//     makes requests wait, never fail, and too large ones are rejected at submit;
 //   - the Executor contract the Engine relies on: sampling through forward_sample with one
 //     uniform per sampling request drawn from the request's own generator, a row whose sampling
 //     fails ends only its request, the backend's maximum sequence length, random adapters
 //     (register_random_adapter) drawn into slots and drawn again after an eviction;
 //   - the CUDA-free half of the GPU executor: decode buckets, the KV page allocator, the step
 //     metadata plan (slot grouping, LoRA segments, positions, page tables, padding, graphs);
-//   - `moelora bench` run as a user would (table, --json fields, errors).
+//   - `moelora bench` run as a user would (table, --json fields, errors, the adapter pool sized
+//     from the run or from --adapter-slots / --max-lora-rank and printed in the header).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,6 +29,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -299,9 +304,9 @@ std::vector<std::tuple<RequestId, bool, int64_t, int64_t, bool, bool>> summary(
 
 TEST(Scheduler, TokenBudgetDecodeFirstAndChunkedPrefill) {
   SchedulerFixture f({/*max_batch_tokens=*/10, /*max_running=*/4, 1, /*prefill_chunk=*/0}, 1);
-  f.scheduler.enqueue(1, "", 6);
-  f.scheduler.enqueue(2, "", 6);
-  f.scheduler.enqueue(3, "", 3);
+  f.scheduler.enqueue(1, "", 6, 1);
+  f.scheduler.enqueue(2, "", 6, 1);
+  f.scheduler.enqueue(3, "", 3, 1);
   using T = std::tuple<RequestId, bool, int64_t, int64_t, bool, bool>;
   // Step 1: 1 whole, 2 gets the 4 tokens left, 3 does not fit.
   StepPlan p = f.scheduler.schedule();
@@ -326,7 +331,7 @@ TEST(Scheduler, TokenBudgetDecodeFirstAndChunkedPrefill) {
 
 TEST(Scheduler, LongPromptIsChunkedAcrossSteps) {
   SchedulerFixture f({100, 4, 1, /*prefill_chunk=*/5}, 1);
-  f.scheduler.enqueue(7, "", 23);
+  f.scheduler.enqueue(7, "", 23, 1);
   std::vector<int64_t> chunks;
   std::vector<bool> samples;
   for (int step = 0; step < 6; ++step) {
@@ -345,7 +350,7 @@ TEST(Scheduler, LongPromptIsChunkedAcrossSteps) {
 
 TEST(Scheduler, MaxRunning) {
   SchedulerFixture f({100, 2, 1, 0}, 1);
-  for (RequestId id = 1; id <= 3; ++id) f.scheduler.enqueue(id, "", 2);
+  for (RequestId id = 1; id <= 3; ++id) f.scheduler.enqueue(id, "", 2, 1);
   StepPlan p = f.scheduler.schedule();
   EXPECT_EQ(p.items.size(), 2u);
   EXPECT_TRUE(f.scheduler.is_waiting(3));
@@ -361,11 +366,11 @@ TEST(Scheduler, MaxRunning) {
 
 TEST(Scheduler, MaxLorasPerBatchWithBaseRequestsGoingPast) {
   SchedulerFixture f({100, 8, /*max_loras_per_batch=*/1, 0}, 2, {"a", "b"});
-  f.scheduler.enqueue(1, "a", 3);
-  f.scheduler.enqueue(2, "b", 3);  // a second distinct adapter: blocked
-  f.scheduler.enqueue(3, "", 3);   // base: goes past
-  f.scheduler.enqueue(4, "a", 3);  // a is in use, but adapter requests keep FIFO order behind 2
-  f.scheduler.enqueue(5, "", 3);
+  f.scheduler.enqueue(1, "a", 3, 1);
+  f.scheduler.enqueue(2, "b", 3, 1);  // a second distinct adapter: blocked
+  f.scheduler.enqueue(3, "", 3, 1);   // base: goes past
+  f.scheduler.enqueue(4, "a", 3, 1);  // a is in use, but adapter requests keep FIFO order behind 2
+  f.scheduler.enqueue(5, "", 3, 1);
   StepPlan p = f.scheduler.schedule();
   std::set<RequestId> admitted;
   for (const StepItem& i : p.items) admitted.insert(i.id);
@@ -393,7 +398,7 @@ TEST(Scheduler, MaxLorasPerBatchWithBaseRequestsGoingPast) {
 
 TEST(Scheduler, SameAdapterSharesOneSlot) {
   SchedulerFixture f({100, 8, 1, 0}, 1, {"a"});
-  for (RequestId id = 1; id <= 3; ++id) f.scheduler.enqueue(id, "a", 2);
+  for (RequestId id = 1; id <= 3; ++id) f.scheduler.enqueue(id, "a", 2, 1);
   const StepPlan p = f.scheduler.schedule();
   EXPECT_EQ(p.items.size(), 3u);
   EXPECT_EQ(f.pool.refcount("a"), 3);
@@ -405,9 +410,9 @@ TEST(Scheduler, SlotShortageBlocksLikeTheLoraLimit) {
   // max_loras 2 with 2 slots, one pinned to an adapter nobody uses: only one slot is left.
   SchedulerFixture f({100, 8, 2, 0}, 2, {"a", "b"});
   f.pool.add("p", "p", /*pin=*/true);
-  f.scheduler.enqueue(1, "a", 2);
-  f.scheduler.enqueue(2, "b", 2);
-  f.scheduler.enqueue(3, "", 2);
+  f.scheduler.enqueue(1, "a", 2, 1);
+  f.scheduler.enqueue(2, "b", 2, 1);
+  f.scheduler.enqueue(3, "", 2, 1);
   f.scheduler.schedule();
   EXPECT_TRUE(f.scheduler.is_running(1));
   EXPECT_TRUE(f.scheduler.is_waiting(2));
@@ -419,8 +424,8 @@ TEST(Scheduler, SlotShortageBlocksLikeTheLoraLimit) {
 
 TEST(Scheduler, CancellationReleasesTheSlot) {
   SchedulerFixture f({100, 8, 1, 4}, 1, {"a"});
-  f.scheduler.enqueue(1, "a", 10);
-  f.scheduler.enqueue(2, "a", 10);
+  f.scheduler.enqueue(1, "a", 10, 1);
+  f.scheduler.enqueue(2, "a", 10, 1);
   f.scheduler.schedule();  // both admitted, mid-prefill
   EXPECT_EQ(f.pool.refcount("a"), 2);
   EXPECT_TRUE(f.scheduler.remove(1));
@@ -428,7 +433,7 @@ TEST(Scheduler, CancellationReleasesTheSlot) {
   EXPECT_TRUE(f.scheduler.remove(2));
   EXPECT_EQ(f.pool.refcount("a"), 0);
   EXPECT_FALSE(f.scheduler.remove(2));
-  f.scheduler.enqueue(3, "", 1);
+  f.scheduler.enqueue(3, "", 1, 1);
   EXPECT_TRUE(f.scheduler.remove(3));  // waiting
   EXPECT_TRUE(f.scheduler.schedule().empty());
 }
@@ -440,8 +445,8 @@ TEST(Scheduler, UnloadableAdapterFailsOnlyItsRequest) {
   Scheduler scheduler({100, 8, 2, 0}, pool);
   pool.add("gone", "/x/gone");
   disk.broken.insert("gone");
-  scheduler.enqueue(1, "gone", 3);
-  scheduler.enqueue(2, "", 3);
+  scheduler.enqueue(1, "gone", 3, 1);
+  scheduler.enqueue(2, "", 3, 1);
   const StepPlan p = scheduler.schedule();
   ASSERT_EQ(p.failed.size(), 1u);
   EXPECT_EQ(p.failed[0].first, 1u);
@@ -449,6 +454,126 @@ TEST(Scheduler, UnloadableAdapterFailsOnlyItsRequest) {
   EXPECT_TRUE(scheduler.is_running(2));
   EXPECT_FALSE(scheduler.is_waiting(1));
   EXPECT_EQ(pool.refcount("gone"), 0);
+}
+
+// Options with a KV page pool of `pages` pages of `page_size` tokens.
+SchedulerOptions with_kv(SchedulerOptions o, int64_t pages, int64_t page_size) {
+  o.kv_pages = pages;
+  o.kv_page_size = page_size;
+  return o;
+}
+
+TEST(Scheduler, KvReservationAdmitsWhatFitsInArrivalOrder) {
+  // 7 pages of 5 tokens. Each request reserves ceil((prompt + max_new) / 5) pages.
+  SchedulerFixture f(with_kv({64, 8, 2, 0}, 7, 5), 2, {"a"});
+  f.scheduler.enqueue(1, "", 9, 3);   // 12 tokens: 3 pages
+  f.scheduler.enqueue(2, "", 6, 4);   // 10 tokens: 2 pages
+  f.scheduler.enqueue(3, "a", 7, 5);  // 12 tokens: 3 pages, 2 free: waits
+  f.scheduler.enqueue(4, "", 1, 1);   // 1 page would fit, but waits behind 3
+  StepPlan p = f.scheduler.schedule();
+  EXPECT_TRUE(p.kv_blocked);
+  EXPECT_TRUE(f.scheduler.is_running(1));
+  EXPECT_TRUE(f.scheduler.is_running(2));
+  EXPECT_EQ(f.scheduler.waiting_ids(), (std::vector<RequestId>{3, 4}));
+  EXPECT_EQ(f.scheduler.kv_pages_reserved(), 5);
+  EXPECT_EQ(f.pool.refcount("a"), 0) << "a request waiting for KV pages must not hold a slot";
+  // Still 2 free pages: nothing joins, the running requests decode.
+  p = f.scheduler.schedule();
+  EXPECT_TRUE(p.kv_blocked);
+  EXPECT_EQ(p.decode_tokens, 2);
+  EXPECT_EQ(f.scheduler.waiting(), 2);
+  // 2 leaves (2 pages back): 3 fits (3 + 3 = 6 pages), then 4 (7 pages).
+  f.scheduler.finish(2);
+  EXPECT_EQ(f.scheduler.kv_pages_reserved(), 3);
+  p = f.scheduler.schedule();
+  EXPECT_FALSE(p.kv_blocked);
+  EXPECT_TRUE(f.scheduler.is_running(3));
+  EXPECT_TRUE(f.scheduler.is_running(4));
+  EXPECT_EQ(f.scheduler.kv_pages_reserved(), 7);
+  EXPECT_EQ(f.pool.refcount("a"), 1);
+  // Cancelling a running request gives its pages back too.
+  EXPECT_TRUE(f.scheduler.remove(3));
+  EXPECT_EQ(f.scheduler.kv_pages_reserved(), 4);
+  f.scheduler.finish(1);
+  f.scheduler.finish(4);
+  EXPECT_EQ(f.scheduler.kv_pages_reserved(), 0);
+}
+
+TEST(Scheduler, KvRequestLargerThanThePoolIsRefused) {
+  SchedulerFixture f(with_kv({64, 8, 1, 0}, 7, 5), 1);
+  const std::string message = error_of([&] { f.scheduler.enqueue(1, "", 30, 6); });
+  EXPECT_TRUE(contains(message,
+                       "prompt (30 tokens) + max_new_tokens (6) = 36 tokens need 8 KV "
+                       "pages of 5 tokens; the whole KV cache has 7 pages (35 tokens)"))
+      << message;
+  EXPECT_FALSE(f.scheduler.is_waiting(1));
+  f.scheduler.enqueue(2, "", 30, 5);  // exactly the pool
+  f.scheduler.schedule();
+  EXPECT_TRUE(f.scheduler.is_running(2));
+  EXPECT_EQ(f.scheduler.kv_pages_reserved(), 7);
+  // Without a pool nothing is reserved and any length is accepted.
+  SchedulerFixture unlimited({64, 8, 1, 0}, 1);
+  unlimited.scheduler.enqueue(1, "", 5000, 5000);
+  unlimited.scheduler.schedule();
+  EXPECT_EQ(unlimited.scheduler.kv_pages_reserved(), 0);
+  EXPECT_TRUE(contains(error_of([&] { unlimited.scheduler.enqueue(2, "", 3, 0); }),
+                       "max_new_tokens must be >= 1, got 0"));
+}
+
+// Many random requests through a tiny page pool, with pages really allocated (PageAllocator, as
+// the GPU executor does) for every token the plans run and every sampled token fed back: the
+// allocator never runs dry, every request finishes (some stop early), and the pool is never
+// over-reserved.
+TEST(Scheduler, KvPoolNeverRunsDryUnderRandomLoad) {
+  std::mt19937_64 rng(test::test_seed(97));
+  const int64_t page_size = 3, num_pages = 11;
+  SchedulerFixture f(with_kv({13, 6, 2, 4}, num_pages, page_size), 2, {"a", "b", "c"});
+  PageAllocator pages(num_pages, static_cast<int>(page_size), static_cast<int>(num_pages));
+  struct Live {
+    int64_t prompt = 0, max_new = 0, stop_after = 0, generated = 0;
+    SequenceHandle sequence = -1;
+  };
+  std::map<RequestId, Live> live;
+  std::uniform_int_distribution<int64_t> len(1, 17), adapter(0, 3);
+  const char* names[] = {"", "a", "b", "c"};
+  const int kRequests = 41;
+  RequestId next = 1;
+  int finished = 0, blocked_steps = 0;
+  for (int step = 0; finished < kRequests; ++step) {
+    ASSERT_LT(step, 5000) << "requests do not finish";
+    // Up to two arrivals per step; sizes up to the whole pool (33 tokens).
+    for (int k = 0; k < 2 && next <= kRequests; ++k, ++next) {
+      Live l;
+      l.prompt = len(rng);
+      l.max_new = std::uniform_int_distribution<int64_t>(1, num_pages * page_size - l.prompt)(rng);
+      l.stop_after = std::uniform_int_distribution<int64_t>(1, l.max_new)(rng);  // early stops
+      f.scheduler.enqueue(next, names[adapter(rng)], l.prompt, l.max_new);
+      live[next] = l;
+    }
+    const StepPlan plan = f.scheduler.schedule();
+    ASSERT_TRUE(plan.failed.empty());
+    blocked_steps += plan.kv_blocked;
+    ASSERT_LE(f.scheduler.kv_pages_reserved(), num_pages);
+    for (const StepItem& item : plan.items) {
+      Live& l = live.at(item.id);
+      if (item.admitted) l.sequence = pages.new_sequence();
+      const int64_t length = pages.length(l.sequence) + item.count;
+      ASSERT_NO_THROW(pages.reserve(l.sequence, length)) << "request " << item.id;
+      pages.commit(l.sequence, length);
+    }
+    for (const StepItem& item : plan.items) {
+      if (!item.samples) continue;
+      Live& l = live.at(item.id);
+      if (++l.generated < l.stop_after) continue;
+      f.scheduler.finish(item.id);
+      pages.free_sequence(l.sequence);
+      live.erase(item.id);
+      ++finished;
+    }
+  }
+  EXPECT_EQ(pages.free_pages(), num_pages);
+  EXPECT_EQ(f.scheduler.kv_pages_reserved(), 0);
+  EXPECT_GT(blocked_steps, 0) << "the pool never limited admission: the test proves nothing";
 }
 
 TEST(Scheduler, OptionsAreChecked) {
@@ -468,6 +593,10 @@ TEST(Scheduler, OptionsAreChecked) {
                          check_scheduler_options({8, 8, 1, -1}, 2);
                        }),
                        "prefill_chunk"));
+  EXPECT_TRUE(contains(error_of([] {
+                         check_scheduler_options(with_kv({8, 8, 1, 0}, 4, 0), 2);
+                       }),
+                       "kv_page_size >= 1"));
 }
 
 // ================================================================ Engine on the fixtures
@@ -553,8 +682,18 @@ class RecordingExecutor final : public Executor {
   void check_adapter(const io::LoraAdapter& a) const override { inner_->check_adapter(a); }
   void write_slot(int32_t slot, const io::LoraAdapter& a) override { inner_->write_slot(slot, a); }
   void clear_slot(int32_t slot) override { inner_->clear_slot(slot); }
-  SequenceHandle new_sequence() override { return inner_->new_sequence(); }
-  void free_sequence(SequenceHandle s) override { inner_->free_sequence(s); }
+  SequenceHandle new_sequence() override {
+    const SequenceHandle s = inner_->new_sequence();
+    if (pages_) page_of_[s] = pages_->new_sequence();
+    return s;
+  }
+  void free_sequence(SequenceHandle s) override {
+    inner_->free_sequence(s);
+    if (pages_) {
+      pages_->free_sequence(page_of_.at(s));
+      page_of_.erase(s);
+    }
+  }
   int64_t sequence_length(SequenceHandle s) const override { return inner_->sequence_length(s); }
   int64_t live_sequences() const override { return inner_->live_sequences(); }
   uint64_t cache_bytes() const override { return inner_->cache_bytes(); }
@@ -569,6 +708,15 @@ class RecordingExecutor final : public Executor {
   std::vector<std::vector<float>> uniforms_seen;
 
   int64_t max_sequence_length() const override { return max_length; }
+
+  // A fixed KV page pool like the GPU executor's: every forward takes the pages its tokens need
+  // from a PageAllocator first and throws (as the GPU executor does) when too few are free.
+  // Set before Engine::create, which reads kv_capacity().
+  void use_page_pool(int64_t pages, int page_size) {
+    pages_.emplace(pages, page_size, static_cast<int>(pages));
+  }
+  KvCapacity kv_capacity() const override { return pages_ ? pages_->capacity() : KvCapacity{}; }
+  int64_t peak_pages_in_use = 0;
   bool supports_random_adapters() const override { return random_adapters; }
   void randomize_slot(int32_t slot, int64_t rank, bool shared_outer, uint64_t seed) override {
     if (!random_adapters) Executor::randomize_slot(slot, rank, shared_outer, seed);
@@ -601,11 +749,30 @@ class RecordingExecutor final : public Executor {
       }
     }
     forwards.push_back(f);
-    return inner_->forward(batch);
+    if (!pages_) return inner_->forward(batch);
+    size_t reserved = 0;
+    try {
+      for (; reserved < batch.size(); ++reserved) {
+        const SequenceHandle p = page_of_.at(batch[reserved].sequence);
+        pages_->reserve(p, pages_->length(p) + static_cast<int64_t>(batch[reserved].tokens.size()));
+      }
+    } catch (...) {
+      for (size_t i = 0; i < reserved; ++i) pages_->rollback(page_of_.at(batch[i].sequence));
+      throw;
+    }
+    peak_pages_in_use = std::max(peak_pages_in_use, pages_->pages_in_use());
+    std::vector<Tensor> logits = inner_->forward(batch);
+    for (const BatchEntry& b : batch) {
+      const SequenceHandle p = page_of_.at(b.sequence);
+      pages_->commit(p, pages_->length(p) + static_cast<int64_t>(b.tokens.size()));
+    }
+    return logits;
   }
 
  private:
   std::unique_ptr<Executor> inner_;
+  std::optional<PageAllocator> pages_;
+  std::map<SequenceHandle, SequenceHandle> page_of_;  // inner handle -> page allocator handle
 };
 
 EngineOptions small_options() {
@@ -625,11 +792,14 @@ struct TestEngine {
   RecordingExecutor* executor = nullptr;  // owned by the engine
 };
 
-TestEngine make_engine(const fs::path& model_dir, const EngineOptions& options) {
+// kv: a fixed KV page pool for the backend (RecordingExecutor::use_page_pool); none by default.
+TestEngine make_engine(const fs::path& model_dir, const EngineOptions& options,
+                       KvCapacity kv = {}) {
   const ExecutorLimits limits{options.max_batch_tokens, options.max_running, options.adapter_slots,
                               options.max_lora_rank};
   auto recording = std::make_unique<RecordingExecutor>(
       std::make_unique<CpuExecutor>(load_quiet(model_dir), limits));
+  if (kv.limited()) recording->use_page_pool(kv.pages, static_cast<int>(kv.page_size));
   TestEngine t;
   t.executor = recording.get();
   Result<std::unique_ptr<Engine>> created = Engine::create(std::move(recording), options);
@@ -671,10 +841,13 @@ struct Case {
 
 // Runs `cases` through the engine, each submitted before its join_step, and checks every output
 // against model::generate of that request alone (same adapter, same sampler seed).
+// kv: a KV page pool for the backend (none by default); with one, no request may fail for lack
+// of pages and the pool must have limited admission at least once.
 void expect_engine_matches_generate(const std::string& model,
                                     const std::map<std::string, std::string>& adapters,
-                                    const std::vector<Case>& cases, const EngineOptions& options) {
-  TestEngine t = make_engine(fixture(model) / "base", options);
+                                    const std::vector<Case>& cases, const EngineOptions& options,
+                                    KvCapacity kv = {}) {
+  TestEngine t = make_engine(fixture(model) / "base", options, kv);
   for (const auto& [name, dir] : adapters) {
     const Status s = t.engine->register_adapter(name, fixture(model) / dir);
     ASSERT_TRUE(s.is_ok()) << s.message();
@@ -711,7 +884,7 @@ void expect_engine_matches_generate(const std::string& model,
     EXPECT_EQ(got[i].tokens, alone.outputs[0].tokens)
         << "request " << i << " (adapter '" << cases[i].adapter << "')";
     EXPECT_EQ(got[i].finals, 1) << "request " << i;
-    EXPECT_EQ(got[i].reason, FinishReason::kLength) << "request " << i;
+    EXPECT_EQ(got[i].reason, FinishReason::kLength) << "request " << i << ": " << got[i].error;
     std::vector<int64_t> expected_indices(got[i].tokens.size());
     std::iota(expected_indices.begin(), expected_indices.end(), 0);
     EXPECT_EQ(got[i].indices, expected_indices);
@@ -733,6 +906,15 @@ void expect_engine_matches_generate(const std::string& model,
   EXPECT_EQ(stats.kv_cache_bytes, 0u);
   EXPECT_EQ(stats.steps, static_cast<int64_t>(t.executor->forwards.size()));
   EXPECT_EQ(stats.requests_finished, static_cast<int64_t>(cases.size()));
+  EXPECT_EQ(stats.requests_failed, 0);
+  if (kv.limited()) {
+    EXPECT_EQ(t.engine->model_info().kv_cache_pages, kv.pages);
+    EXPECT_EQ(t.engine->model_info().kv_page_size, kv.page_size);
+    EXPECT_GT(stats.kv_blocked_steps, 0) << "the page pool never limited admission";
+    EXPECT_LE(stats.peak_kv_pages_reserved, kv.pages);
+    EXPECT_LE(t.executor->peak_pages_in_use, stats.peak_kv_pages_reserved);
+    EXPECT_EQ(stats.kv_pages_reserved, 0);
+  }
 }
 
 TEST(Engine, ContinuousBatchingEqualsEachRequestAloneQwen) {
@@ -770,6 +952,51 @@ TEST(Engine, ContinuousBatchingEqualsEachRequestAloneDeepseek) {
   o.prefill_chunk = 0;  // only the step budget chunks
   expect_engine_matches_generate(
       "deepseek_v3", {{"dense", "lora_dense_shared"}, {"peft3d", "lora_peft3d"}}, cases, o);
+}
+
+// A backend whose KV pool holds 9 pages of 5 tokens (45 tokens) while the requests want 103
+// tokens together: they wait at submission order and join as others finish; none fails, and each
+// output is still the one of the request alone.
+TEST(Engine, SmallKvPoolMakesRequestsWaitNeverFail) {
+  std::mt19937_64 rng(test::test_seed(73));
+  const int64_t vocab = 512;
+  std::vector<Case> cases = {
+      {random_tokens(rng, 19, vocab), "peft3d", 9, 0},  // 28 tokens: 6 pages
+      {random_tokens(rng, 5, vocab), "", 12, 0},        // 17: 4
+      {random_tokens(rng, 11, vocab), "shared", 4, 0},  // 15: 3
+      {random_tokens(rng, 3, vocab), "peft3d", 6, 1},   // 9: 2
+      {random_tokens(rng, 23, vocab), "", 5, 1},        // 28: 6
+      {random_tokens(rng, 1, vocab), "shared", 7, 2},   // 8: 2
+      {random_tokens(rng, 8, vocab), "", 6, 2, 0.8},    // 14: 3
+  };
+  expect_engine_matches_generate("qwen3_moe",
+                                 {{"peft3d", "lora_peft3d"}, {"shared", "lora_shared_outer"}},
+                                 cases, small_options(), KvCapacity{9, 5});
+}
+
+TEST(Engine, RequestLargerThanTheKvPoolIsRejectedAtSubmit) {
+  TestEngine t =
+      make_engine(fixture("qwen3_moe") / "base", small_options(), KvCapacity{4, 6});  // 24 tokens
+  Request r;
+  r.prompt = std::vector<int32_t>(20, 11);
+  r.sampling.max_new_tokens = 5;
+  r.sampling.ignore_eos = true;
+  const Result<RequestId> refused = t.engine->submit(r, nullptr);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kOutOfRange);
+  EXPECT_TRUE(contains(refused.status().message(),
+                       "request: prompt (20 tokens) + max_new_tokens (5) = 25 tokens need 5 KV "
+                       "cache pages of 6 tokens, but the whole KV cache has 4 pages (24 tokens)"))
+      << refused.status().message();
+  EXPECT_EQ(t.engine->stats().waiting, 0);
+  // Exactly the pool fits, and runs to its end.
+  r.sampling.max_new_tokens = 4;
+  Collected c;
+  ASSERT_TRUE(t.engine->submit(r, collect_into(c)).is_ok());
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_EQ(c.reason, FinishReason::kLength) << c.error;
+  EXPECT_EQ(c.tokens.size(), 4u);
+  EXPECT_EQ(t.engine->stats().peak_kv_pages_reserved, 4);
 }
 
 TEST(Engine, OneSlotEvictsAndReloadsFromTheHostCache) {
@@ -1554,8 +1781,20 @@ TEST(BenchCli, TableAndJson) {
   EXPECT_TRUE(contains(r.output, "| B | adapters | prefill tok/s | decode tok/s | overall tok/s |"))
       << r.output;
   EXPECT_TRUE(contains(r.output, "base-only requests match the no-LoRA run")) << r.output;
+  // The adapter pool is sized from the run: one slot per adapter, the largest rank rounded up to
+  // a multiple of 8.
+  const io::ModelConfig config = io::load_model_config(q / "base");
+  const int64_t rank = std::max(io::load_adapter(q / "lora_peft3d", config, "a").max_rank,
+                                io::load_adapter(q / "lora_shared_outer", config, "b").max_rank);
+  const int64_t pool_rank = (rank + 7) / 8 * 8;
+  EXPECT_TRUE(contains(r.output, "threads; adapter slots 2 (max 2 per batch), max LoRA rank " +
+                                     std::to_string(pool_rank) + "\n"))
+      << r.output;
 
   const nlohmann::json j = nlohmann::json::parse(test::read_text_file(json));
+  EXPECT_EQ(j["adapter_slots"], 2);
+  EXPECT_EQ(j["max_lora_rank"], pool_rank);
+  EXPECT_EQ(j["kv_cache_pages"], 0);  // the CPU backend has no page pool
   EXPECT_EQ(j["device"], "cpu");
   EXPECT_EQ(j["input_len"], 5);
   EXPECT_EQ(j["output_len"], 4);
@@ -1606,6 +1845,44 @@ TEST(BenchCli, DistinctAdaptersAndSynthesizedPreset) {
   EXPECT_EQ(j["max_batch_tokens"], 5);              // prompts chunked over several steps
   EXPECT_GT(j["runs"][0]["steps"].get<int64_t>(), 3);
   EXPECT_EQ(j["model"]["preset"], "tiny-qwen3-moe");
+  EXPECT_EQ(j["adapter_slots"], 3);  // one registered name per request of the largest batch
+  EXPECT_EQ(j["max_lora_rank"], 8);  // --synth-rank 4, rounded up to a multiple of 8
+  EXPECT_TRUE(contains(r.output, "adapter slots 3 (max 3 per batch), max LoRA rank 8")) << r.output;
+}
+
+TEST(BenchCli, AdapterPoolSizedFromTheRunOrTheOverrides) {
+  const fs::path q = fixture("qwen3_moe");
+  const std::string common =
+      "bench --device cpu --batch-sizes 2 --input-len 3 --output-len 2 "
+      "--model " +
+      quote(q / "base");
+  // No adapters: one slot of the smallest rank.
+  auto r = test::run_moelora(common);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "adapter slots 1 (max 1 per batch), max LoRA rank 8\n"))
+      << r.output;
+  // Overrides, used as given.
+  r = test::run_moelora(common + " --adapters a=" + quote(q / "lora_peft3d") +
+                        " --adapter-slots 3 --max-lora-rank 13");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "adapter slots 3 (max 3 per batch), max LoRA rank 13\n"))
+      << r.output;
+  // Overrides too small for the run's adapters.
+  r = test::run_moelora(common + " --adapters a=" + quote(q / "lora_peft3d") +
+                        ",b=" + quote(q / "lora_shared_outer") + " --adapter-slots 1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.output, "--adapter-slots 1 is below the 2 adapters this run registers"))
+      << r.output;
+  const int64_t rank =
+      io::load_adapter(q / "lora_peft3d", io::load_model_config(q / "base"), "a").max_rank;
+  ASSERT_GT(rank, 1);
+  r = test::run_moelora(common + " --adapters a=" + quote(q / "lora_peft3d") + " --max-lora-rank " +
+                        std::to_string(rank - 1));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.output, "--max-lora-rank " + std::to_string(rank - 1) +
+                                     " is below the largest adapter rank of this run, " +
+                                     std::to_string(rank)))
+      << r.output;
 }
 
 TEST(BenchCli, ErrorsAreOneClearLine) {
