@@ -142,7 +142,9 @@ std::string error_message(const std::function<void()>& fn, std::optional<ErrorCo
   try {
     fn();
   } catch (const Error& e) {
-    if (code) EXPECT_EQ(e.code(), *code) << "message: " << e.what();
+    if (code) {
+      EXPECT_EQ(e.code(), *code) << "message: " << e.what();
+    }
     EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line expected: " << e.what();
     return e.what();
   } catch (const std::exception& e) {
