@@ -130,44 +130,6 @@ struct BenchArgs {
   int64_t max_lora_rank = 0;  // 0 = the run's largest rank, rounded up to a multiple of 8
 };
 
-// Runs another subcommand of this binary with `args`, as if typed after its name.
-void run_subcommand(const std::string& name, std::vector<std::string> args) {
-  for (const moelora::cli::Subcommand& sub : moelora::cli::registry()) {
-    if (sub.name != name) continue;
-    CLI::App app{sub.description, "moelora " + name};
-    std::function<int()> run = sub.setup(app);
-    std::reverse(args.begin(), args.end());  // CLI11 takes the argument vector back to front
-    try {
-      app.parse(args);
-    } catch (const CLI::ParseError& e) {
-      MOELORA_THROW(ErrorCode::kInternal, "moelora ", name, ": ", e.what());
-    }
-    const int code = run();
-    MOELORA_CHECK(code == 0, ErrorCode::kInternal, "moelora ", name, " exited with ", code);
-    return;
-  }
-  MOELORA_THROW(ErrorCode::kInternal, "the subcommand '", name, "' is not built into this binary");
-}
-
-// A fresh directory under the system temp dir, removed (with its content) when this dies.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string pattern = (fs::temp_directory_path() / "moelora-bench-XXXXXX").string();
-    MOELORA_CHECK(mkdtemp(pattern.data()) != nullptr, ErrorCode::kInvalidArgument,
-                  "cannot create a temporary directory ", pattern);
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
 // Unwraps a public-API result, turning a failed Status into the library's exception.
 void check(const moelora::Status& status) {
   if (!status) throw moelora::Error(status.code(), status.message());
@@ -392,40 +354,6 @@ double distinct_experts(double experts, double top_k, double tokens) {
   return experts * (1.0 - std::pow(1.0 - std::min(top_k, experts) / experts, tokens));
 }
 
-// Calls fn(out, in) for every dense (non-routed-expert) linear of layer `l` that LoRA can target.
-template <typename Fn>
-void for_each_dense_linear(const moelora::io::ModelConfig& c, int64_t l, Fn&& fn) {
-  const double H = static_cast<double>(c.hidden_size);
-  const double Hq = static_cast<double>(c.num_attention_heads);
-  if (c.use_mla) {
-    const double qk = static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim);
-    const double kvr = static_cast<double>(c.kv_lora_rank);
-    if (c.q_lora_rank > 0) {
-      fn(static_cast<double>(c.q_lora_rank), H);
-      fn(Hq * qk, static_cast<double>(c.q_lora_rank));
-    } else {
-      fn(Hq * qk, H);
-    }
-    fn(kvr + static_cast<double>(c.qk_rope_head_dim), H);
-    fn(Hq * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim), kvr);
-    fn(H, Hq * static_cast<double>(c.v_head_dim));
-  } else {
-    const double D = static_cast<double>(c.head_dim);
-    const double Hkv = static_cast<double>(c.num_key_value_heads);
-    fn(Hq * D * (c.attention_output_gate ? 2 : 1), H);
-    fn(Hkv * D, H);
-    fn(Hkv * D, H);
-    fn(H, Hq * D);
-  }
-  const double I = static_cast<double>(c.is_moe_layer(l) ? c.shared_expert_intermediate_size
-                                                         : c.intermediate_size);
-  if (I > 0) {
-    fn(I, H);  // gate
-    fn(I, H);  // up
-    fn(H, I);  // down
-  }
-}
-
 struct StepBytes {
   double base = 0;  // weights + KV of a no-LoRA step
   double lora = 0;  // the adapters' factors on top
@@ -447,9 +375,9 @@ StepBytes decode_step_bytes(const moelora::io::ModelConfig& c, int64_t batch, do
   b.base = V * H * 2;  // lm_head
   double dense_lora = 0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    for_each_dense_linear(c, l, [&](double out, double in) {
-      b.base += out * in * 2;
-      dense_lora += (out + in) * R * 2;
+    moelora::runtime::for_each_dense_linear(c, l, [&](int64_t out, int64_t in) {
+      b.base += static_cast<double>(out) * static_cast<double>(in) * 2;
+      dense_lora += static_cast<double>(out + in) * R * 2;
     });
     if (!c.is_moe_layer(l)) continue;
     const double expert_bytes = fp8 ? 3 * H * I * (1.0 + 4.0 / (128 * 128)) : 3 * H * I * 2;
@@ -524,9 +452,10 @@ int run_bench(const BenchArgs& arg_in) {
     }
   }
 
-  std::unique_ptr<ScratchDir> scratch;
+  std::unique_ptr<moelora::cli::ScratchDir> scratch;
   fs::path model_dir = a.model_dir;
-  if (!a.preset.empty() || a.synth_adapters > 0) scratch = std::make_unique<ScratchDir>();
+  if (!a.preset.empty() || a.synth_adapters > 0)
+    scratch = std::make_unique<moelora::cli::ScratchDir>("bench");
   if (!a.preset.empty() && a.random_weights) {
     // Only the configuration: the GPU draws the weights.
     model_dir = scratch->path() / "model";
@@ -545,12 +474,12 @@ int run_bench(const BenchArgs& arg_in) {
         "--preset", a.preset, "--seed", std::to_string(a.seed), "--out", model_dir.string()};
     if (a.max_layers > 0) synth.insert(synth.end(), {"--layers", std::to_string(a.max_layers)});
     if (!a.quant.empty()) synth.insert(synth.end(), {"--quant", a.quant});
-    run_subcommand("synth", synth);
+    moelora::cli::run_subcommand("synth", synth);
   }
   for (int64_t i = 0; i < a.synth_adapters; ++i) {
     const std::string name = "synth-r" + std::to_string(a.synth_rank) + "-" + std::to_string(i);
     const fs::path dir = scratch->path() / name;
-    run_subcommand(
+    moelora::cli::run_subcommand(
         "synth-adapter",
         {"--model", model_dir.string(), "--layout", a.synth_layout, "--targets", a.synth_targets,
          "--rank", std::to_string(a.synth_rank), "--alpha", std::to_string(2 * a.synth_rank),

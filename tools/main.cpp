@@ -1,6 +1,8 @@
 // moelora: command-line entry point. Subcommands live in tools/<name>.cpp and register
 // themselves (tools/cli.h). Errors from the library arrive as moelora::Error and are printed as
 // one line; the exit code is non-zero.
+#include <stdlib.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -15,6 +17,37 @@ std::vector<Subcommand>& registry() {
   return r;
 }
 
+void run_subcommand(const std::string& name, std::vector<std::string> args) {
+  for (const Subcommand& sub : registry()) {
+    if (sub.name != name) continue;
+    CLI::App app{sub.description, "moelora " + name};
+    std::function<int()> run = sub.setup(app);
+    std::reverse(args.begin(), args.end());  // CLI11 takes the argument vector back to front
+    try {
+      app.parse(args);
+    } catch (const CLI::ParseError& e) {
+      MOELORA_THROW(ErrorCode::kInternal, "moelora ", name, ": ", e.what());
+    }
+    const int code = run();
+    MOELORA_CHECK(code == 0, ErrorCode::kInternal, "moelora ", name, " exited with ", code);
+    return;
+  }
+  MOELORA_THROW(ErrorCode::kInternal, "the subcommand '", name, "' is not built into this binary");
+}
+
+ScratchDir::ScratchDir(const std::string& tag) {
+  std::string pattern =
+      (std::filesystem::temp_directory_path() / ("moelora-" + tag + "-XXXXXX")).string();
+  MOELORA_CHECK(mkdtemp(pattern.data()) != nullptr, ErrorCode::kInvalidArgument,
+                "cannot create a temporary directory ", pattern);
+  path_ = pattern;
+}
+
+ScratchDir::~ScratchDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
 std::vector<int32_t> parse_int_list(const std::string& text, const std::string& what) {
   std::vector<int32_t> out;
   size_t pos = 0;
@@ -22,11 +55,12 @@ std::vector<int32_t> parse_int_list(const std::string& text, const std::string& 
     size_t end = text.find(',', pos);
     if (end == std::string::npos) end = text.size();
     std::string item = text.substr(pos, end - pos);
-    MOELORA_CHECK(!item.empty(), ErrorCode::kInvalidArgument, what, ": empty entry in '", text, "'");
+    MOELORA_CHECK(!item.empty(), ErrorCode::kInvalidArgument, what, ": empty entry in '", text,
+                  "'");
     char* stop = nullptr;
     long long v = std::strtoll(item.c_str(), &stop, 10);
-    MOELORA_CHECK(stop && *stop == '\0' && v >= INT32_MIN && v <= INT32_MAX, ErrorCode::kInvalidArgument, what,
-                  ": '", item, "' is not an integer");
+    MOELORA_CHECK(stop && *stop == '\0' && v >= INT32_MIN && v <= INT32_MAX,
+                  ErrorCode::kInvalidArgument, what, ": '", item, "' is not an integer");
     out.push_back(static_cast<int32_t>(v));
     pos = end + 1;
   }
@@ -46,7 +80,8 @@ int main(int argc, char** argv) {
   app.fallthrough(false);
 
   auto& subs = cli::registry();
-  std::sort(subs.begin(), subs.end(), [](const auto& a, const auto& b) { return a.order < b.order; });
+  std::sort(subs.begin(), subs.end(),
+            [](const auto& a, const auto& b) { return a.order < b.order; });
   std::map<CLI::App*, std::function<int()>> runners;
   std::map<CLI::App*, std::string> names;
   try {

@@ -58,44 +58,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Runs another subcommand of this binary (e.g. "synth") with `args`, as if typed after its name.
-void run_subcommand(const std::string& name, std::vector<std::string> args) {
-  for (const moelora::cli::Subcommand& sub : moelora::cli::registry()) {
-    if (sub.name != name) continue;
-    CLI::App app{sub.description, "moelora " + name};
-    std::function<int()> run = sub.setup(app);
-    std::reverse(args.begin(), args.end());  // CLI11 takes the argument vector back to front
-    try {
-      app.parse(args);
-    } catch (const CLI::ParseError& e) {
-      MOELORA_THROW(ErrorCode::kInternal, "moelora ", name, ": ", e.what());
-    }
-    const int code = run();
-    MOELORA_CHECK(code == 0, ErrorCode::kInternal, "moelora ", name, " exited with ", code);
-    return;
-  }
-  MOELORA_THROW(ErrorCode::kInternal, "the subcommand '", name, "' is not built into this binary");
-}
-
-// A fresh directory under the system temp dir, removed (with its content) when this dies.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string pattern = (fs::temp_directory_path() / "moelora-run-XXXXXX").string();
-    MOELORA_CHECK(mkdtemp(pattern.data()) != nullptr, ErrorCode::kInvalidArgument,
-                  "cannot create a temporary directory ", pattern);
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
 std::string join_ids(const std::vector<int32_t>& ids) {
   std::string s;
   for (int32_t id : ids) s += (s.empty() ? "" : " ") + std::to_string(id);
@@ -257,9 +219,10 @@ int run_gpu_steps(const RunArgs& args, const fs::path& root, const fs::path& mod
     std::string list;
     for (const DemoAdapter& a : adapters)
       list += (list.empty() ? "" : ",") + a.name + "=" + (root / a.name).string();
-    run_subcommand("bench", {"--model", model_dir.string(), "--device", "cuda", "--adapters", list,
-                             "--adapter-dist", "uniform", "--batch-sizes", "4,16", "--input-len",
-                             "32", "--output-len", "16", "--seed", std::to_string(args.seed)});
+    moelora::cli::run_subcommand(
+        "bench", {"--model", model_dir.string(), "--device", "cuda", "--adapters", list,
+                  "--adapter-dist", "uniform", "--batch-sizes", "4,16", "--input-len", "32",
+                  "--output-len", "16", "--seed", std::to_string(args.seed)});
   }
   return 0;
 }
@@ -270,10 +233,10 @@ int run_demo(const RunArgs& args) {
   const bool gpu = device == "cuda" || device == "gpu";
   MOELORA_CHECK(args.max_new_tokens > 0, ErrorCode::kInvalidArgument,
                 "--max-new-tokens must be > 0, got ", args.max_new_tokens);
-  std::unique_ptr<ScratchDir> scratch;
+  std::unique_ptr<moelora::cli::ScratchDir> scratch;
   fs::path root;
   if (args.out.empty()) {
-    scratch = std::make_unique<ScratchDir>();
+    scratch = std::make_unique<moelora::cli::ScratchDir>("run");
     root = scratch->path();
   } else {
     root = args.out;
@@ -294,9 +257,9 @@ int run_demo(const RunArgs& args) {
   std::vector<std::string> synth_args = {
       "--preset", args.preset, "--seed", std::to_string(args.seed), "--out", model_dir.string()};
   if (!args.tokenizer.empty()) synth_args.insert(synth_args.end(), {"--tokenizer", args.tokenizer});
-  run_subcommand("synth", synth_args);
+  moelora::cli::run_subcommand("synth", synth_args);
   for (size_t i = 0; i < adapters.size(); ++i) {
-    run_subcommand(
+    moelora::cli::run_subcommand(
         "synth-adapter",
         {"--model", model_dir.string(), "--layout", adapters[i].layout, "--targets",
          adapters[i].targets, "--rank", std::to_string(adapters[i].rank), "--alpha",
@@ -422,9 +385,10 @@ int run_demo(const RunArgs& args) {
     std::string list;
     for (const DemoAdapter& a : adapters)
       list += (list.empty() ? "" : ",") + a.name + "=" + (root / a.name).string();
-    run_subcommand("bench", {"--model", model_dir.string(), "--adapters", list, "--adapter-dist",
-                             "uniform", "--batch-sizes", "4", "--input-len", "32", "--output-len",
-                             "16", "--seed", std::to_string(args.seed)});
+    moelora::cli::run_subcommand(
+        "bench", {"--model", model_dir.string(), "--adapters", list, "--adapter-dist", "uniform",
+                  "--batch-sizes", "4", "--input-len", "32", "--output-len", "16", "--seed",
+                  std::to_string(args.seed)});
   }
   return identical == requests.size() ? 0 : 1;
 }

@@ -273,6 +273,35 @@ uint64_t estimate_kv_bytes_per_token(const io::ModelConfig& c) {
   return per_layer * static_cast<uint64_t>(c.num_hidden_layers);
 }
 
+void for_each_dense_linear(const io::ModelConfig& c, int64_t layer,
+                           const std::function<void(int64_t out, int64_t in)>& fn) {
+  const int64_t H = c.hidden_size, Hq = c.num_attention_heads;
+  if (c.use_mla) {
+    const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+    if (c.q_lora_rank > 0) {
+      fn(c.q_lora_rank, H);
+      fn(Hq * qk, c.q_lora_rank);
+    } else {
+      fn(Hq * qk, H);
+    }
+    fn(c.kv_lora_rank + c.qk_rope_head_dim, H);
+    fn(Hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank);
+    fn(H, Hq * c.v_head_dim);
+  } else {
+    const int64_t D = c.head_dim, Hkv = c.num_key_value_heads;
+    fn(Hq * D * (c.attention_output_gate ? 2 : 1), H);
+    fn(Hkv * D, H);
+    fn(Hkv * D, H);
+    fn(H, Hq * D);
+  }
+  const int64_t I = c.is_moe_layer(layer) ? c.shared_expert_intermediate_size : c.intermediate_size;
+  if (I > 0) {
+    fn(I, H);  // gate
+    fn(I, H);  // up
+    fn(H, I);  // down
+  }
+}
+
 uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
                                   const ExecutorLimits& limits) {
   // Counts elements (bf16 = 2 bytes) of weights and of the LoRA pool's (in + out) x rank per
@@ -283,47 +312,17 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
   const uint64_t S = static_cast<uint64_t>(std::max(limits.num_slots, 0));
   uint64_t weights = V * H * (c.tie_word_embeddings ? 1 : 2) * 2;  // embedding + lm_head
   uint64_t lora_elems = 0;                                         // per slot
-  auto linear = [&](uint64_t out, uint64_t in) {
-    weights += out * in * 2;
-    lora_elems += (out + in) * R;
-  };
-  const uint64_t Hq = static_cast<uint64_t>(c.num_attention_heads);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    if (c.use_mla) {
-      const uint64_t qk = static_cast<uint64_t>(c.qk_nope_head_dim + c.qk_rope_head_dim);
-      const uint64_t kvr = static_cast<uint64_t>(c.kv_lora_rank);
-      if (c.q_lora_rank > 0) {
-        linear(static_cast<uint64_t>(c.q_lora_rank), H);
-        linear(Hq * qk, static_cast<uint64_t>(c.q_lora_rank));
-      } else {
-        linear(Hq * qk, H);
-      }
-      linear(kvr + static_cast<uint64_t>(c.qk_rope_head_dim), H);
-      linear(Hq * static_cast<uint64_t>(c.qk_nope_head_dim + c.v_head_dim), kvr);
-      linear(H, Hq * static_cast<uint64_t>(c.v_head_dim));
-    } else {
-      const uint64_t D = static_cast<uint64_t>(c.head_dim);
-      const uint64_t Hkv = static_cast<uint64_t>(c.num_key_value_heads);
-      linear(Hq * D * (c.attention_output_gate ? 2 : 1), H);
-      linear(Hkv * D, H);
-      linear(Hkv * D, H);
-      linear(H, Hq * D);
-    }
+    for_each_dense_linear(c, l, [&](int64_t out, int64_t in) {
+      weights += static_cast<uint64_t>(out * in) * 2;
+      lora_elems += static_cast<uint64_t>(out + in) * R;
+    });
     if (c.is_moe_layer(l)) {
       const uint64_t E = static_cast<uint64_t>(c.num_experts);
       const uint64_t I = static_cast<uint64_t>(c.moe_intermediate_size);
       weights += E * H * 4;  // router (fp32 at most)
       weights += E * 3 * H * I * (fp8_experts ? 1 : 2) + E * 3 * H * I / (128 * 128) * 4;
       lora_elems += E * (H + 2 * I) * R + E * (I + H) * R;  // gate_up and down
-      if (c.shared_expert_intermediate_size > 0) {
-        const uint64_t Is = static_cast<uint64_t>(c.shared_expert_intermediate_size);
-        linear(2 * Is, H);
-        linear(H, Is);
-      }
-    } else {
-      const uint64_t I = static_cast<uint64_t>(c.intermediate_size);
-      linear(2 * I, H);
-      linear(H, I);
     }
   }
   // Workspaces: a few [max_tokens, max(H, 2 * top_k * I)] activations and the fp32 logits.

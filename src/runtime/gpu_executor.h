@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -188,6 +189,13 @@ void plan_gpu_step(std::span<const BatchEntry> batch, std::span<const ops::Sampl
                    std::span<const float> uniforms, const StepCapacity& capacity,
                    std::span<const int> buckets, const std::vector<bool>& occupied,
                    PageAllocator& pages, GpuStepPlan& plan);
+
+// Every dense (non-expert) linear of decoder layer `layer` as fn(out_features, in_features):
+// the attention projections (GQA q/k/v/o, or MLA q_a/q_b or q_proj, kv_a, kv_b, o) and the SwiGLU
+// gate/up/down of the dense MLP or of the MoE layer's shared expert. The memory estimate below
+// and `moelora bench`'s byte model both walk the model through it.
+void for_each_dense_linear(const io::ModelConfig& config, int64_t layer,
+                           const std::function<void(int64_t out, int64_t in)>& fn);
 
 // Device bytes the GPU model will need for `config` besides the KV cache, estimated from the
 // shapes (weights as the GPU model stores them, the adapter pool of num_slots x max_rank, and
