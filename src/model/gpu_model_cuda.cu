@@ -357,6 +357,11 @@ class GpuModelImpl final : public GpuModel {
   void forward(const ForwardShape& shape) override;
   const float* logits() const override { return logits_; }
   const int32_t* sampled() const override { return sampled_; }
+  const int32_t* moe_topk_ids(int64_t layer) const override {
+    if (layer < 0 || layer >= static_cast<int64_t>(layers_.size()) || !layers_[layer].moe)
+      return nullptr;
+    return layers_[layer].moe->topk_ids();
+  }
   cudaStream_t main_stream() const override { return main_.get(); }
   uint64_t weight_bytes() const override { return weight_bytes_; }
   uint64_t kv_bytes_per_token() const override { return kv_bytes_per_token_; }

@@ -121,6 +121,10 @@ class GpuModel {
   // Outputs of the last forward (device): fp32 logits [max_seqs, V], sampled tokens [max_seqs].
   virtual const float* logits() const = 0;
   virtual const int32_t* sampled() const = 0;
+  // Routing of the last forward in MoE layer `layer` (device, I32 [tokens, top_k] in the forward's
+  // row order, each row in descending selection score); nullptr for a dense layer. Tests compare
+  // it with the reference's routing (bf16 activations can flip near-tied experts).
+  virtual const int32_t* moe_topk_ids(int64_t layer) const = 0;
 
   virtual cudaStream_t main_stream() const = 0;
   virtual uint64_t weight_bytes() const = 0;        // device bytes of the weights
