@@ -256,8 +256,13 @@ std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch, const F
       h = ops::rms_norm_ref(x, layer.post_attention_layernorm, norm);
       if (layer.is_moe) {
         ops::MoeTrace moe_trace;
+        Tensor forced;
+        if (options.forced_routes) {
+          const auto it = options.forced_routes->find(l);
+          if (it != options.forced_routes->end()) forced = it->second;
+        }
         add_inplace(x, ops::moe_forward_ref(h, slot, layer.moe, adapters_.moe(l), moe_params(config_, layer),
-                                            options.trace ? &moe_trace : nullptr));
+                                            options.trace ? &moe_trace : nullptr, Tensor(), forced));
         if (options.trace) options.trace->routes[l] = moe_trace.route;
       } else {
         add_inplace(x, ops::mlp_forward_ref(h, slot, layer.mlp_gate, layer.mlp_up, layer.mlp_down,

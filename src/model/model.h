@@ -67,6 +67,9 @@ struct ForwardOptions {
   // last token ([1, V]), which is all generation needs (skips most of the lm_head work).
   bool all_logits = true;
   ForwardTrace* trace = nullptr;
+  // Imposed routing by MoE layer index (I32 [T_total, k] in batch token order), e.g. another
+  // implementation's routing of the same tokens; layers without an entry route themselves.
+  const std::map<int64_t, Tensor>* forced_routes = nullptr;
 };
 
 class Model {

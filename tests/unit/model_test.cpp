@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -142,6 +143,44 @@ TEST(ModelBatch, SequencesOfDifferentLengthsAndAdaptersAreIndependent) {
   // The adapters change the output (the batch is really mixed).
   Sequence base = model.new_sequence(-1), adapted = model.new_sequence(a);
   EXPECT_GT(test::max_abs_diff(model.forward(base, prompts[0]), model.forward(adapted, prompts[0])), 0.05);
+}
+
+// Imposed routing: the model's own routing imposed gives the same logits bit for bit; another
+// routing of one layer's tokens changes them, and only from that layer on.
+TEST(ModelForcedRouting, OwnRoutingIsExactAndOtherRoutingTakesEffect) {
+  Model model = load_quiet(fixture("deepseek_v3") / "base");
+  std::mt19937_64 rng(test::test_seed(29));
+  const std::vector<int32_t> prompt = random_tokens(rng, 6, model.vocab_size());
+  ForwardTrace trace;
+  ForwardOptions traced;
+  traced.trace = &trace;
+  Sequence a = model.new_sequence(-1);
+  const Tensor own = model.forward(a, prompt, traced);
+  ASSERT_FALSE(trace.routes.empty());
+  std::map<int64_t, Tensor> routes;
+  for (const auto& [layer, route] : trace.routes) routes[layer] = route.ids;
+  ForwardOptions forced;
+  forced.forced_routes = &routes;
+  Sequence b = model.new_sequence(-1);
+  EXPECT_EQ(test::max_abs_diff(model.forward(b, prompt, forced), own), 0.0);
+  // Shift every token's experts by one in the last MoE layer.
+  const int64_t last = routes.rbegin()->first;
+  Tensor shifted = routes[last].clone();
+  const int64_t experts = model.config().num_experts, k = shifted.dim(1);
+  for (int64_t t = 0; t < shifted.dim(0); ++t)
+    for (int64_t j = 0; j < k; ++j)
+      shifted.data<int32_t>()[t * k + j] =
+          static_cast<int32_t>((routes[last].data<int32_t>()[t * k] + 1 + j) % experts);
+  routes[last] = shifted;
+  ForwardTrace forced_trace;
+  forced.trace = &forced_trace;
+  Sequence c = model.new_sequence(-1);
+  const Tensor moved = model.forward(c, prompt, forced);
+  EXPECT_GT(test::max_abs_diff(moved, own), 1e-3);
+  EXPECT_EQ(test::max_abs_diff(forced_trace.hidden[last], trace.hidden[last]), 0.0);
+  EXPECT_EQ(std::memcmp(forced_trace.routes[last].ids.data<int32_t>(), shifted.data<int32_t>(),
+                        shifted.numel() * 4),
+            0);
 }
 
 TEST(ModelGenerate, BatchedGenerationEqualsSingleRequests) {

@@ -340,6 +340,67 @@ TEST(Route, ZeroTokens) {
   EXPECT_EQ(r.weights.shape(), (Shape{0, 2}));
 }
 
+// Forced routing: the own selection reproduces route_ref bit for bit; another selection gets the
+// weights the router gives those experts (softmax probabilities / unbiased sigmoid scores,
+// renormalized and scaled), computed here in double.
+TEST(Route, ForcedIdsKeepTheWeightRule) {
+  std::mt19937_64 rng(test::test_seed(131));
+  const std::vector<RouteParams> cases = {softmax_params(12, 3, false), softmax_params(12, 3, true),
+                                          noaux_params(16, 4, 4, 2, true, 2.5f),
+                                          noaux_params(12, 3, 6, 3, false, 1.5f)};
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const RouteParams& p = cases[c];
+    const int64_t tokens = 9, k = p.top_k, e_count = p.num_experts;
+    const Tensor logits = test::random_normal({tokens, e_count}, rng, 1.5f);
+    Tensor bias;
+    if (p.kind == RouterKind::kSigmoidNoauxTc) bias = test::random_normal({e_count}, rng, 0.1f);
+    const ops::RouteResult own = ops::route_ref(logits, bias, p);
+    const ops::RouteResult again = ops::route_ref(logits, bias, p, own.ids);
+    EXPECT_EQ(std::memcmp(own.ids.data<int32_t>(), again.ids.data<int32_t>(), tokens * k * 4), 0);
+    EXPECT_EQ(std::memcmp(own.weights.data<float>(), again.weights.data<float>(), tokens * k * 4), 0);
+    // Another selection: the k experts right after the own choice's first one (mod E).
+    Tensor other = Tensor::empty(DType::kI32, {tokens, k});
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < k; ++j)
+        other.data<int32_t>()[t * k + j] =
+            static_cast<int32_t>((own.ids.data<int32_t>()[t * k] + 1 + j) % e_count);
+    const ops::RouteResult forced = ops::route_ref(logits, bias, p, other);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* row = logits.data<float>() + t * e_count;
+      std::vector<double> score(e_count);
+      double denom = 0, max_logit = row[0];
+      for (int64_t e = 1; e < e_count; ++e) max_logit = std::max<double>(max_logit, row[e]);
+      for (int64_t e = 0; e < e_count; ++e) {
+        score[e] = p.kind == RouterKind::kSoftmaxTopK ? std::exp(row[e] - max_logit)
+                                                      : 1.0 / (1.0 + std::exp(-double(row[e])));
+        denom += score[e];
+      }
+      if (p.kind == RouterKind::kSoftmaxTopK)
+        for (double& v : score) v /= denom;
+      double selected = 0;
+      for (int64_t j = 0; j < k; ++j) selected += score[other.data<int32_t>()[t * k + j]];
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = other.data<int32_t>()[t * k + j];
+        EXPECT_EQ(forced.ids.data<int32_t>()[t * k + j], e) << "case " << c << " token " << t;
+        double w = score[e];
+        if (p.renormalize) w /= selected;
+        if (p.kind == RouterKind::kSigmoidNoauxTc) w *= p.routed_scaling_factor;
+        EXPECT_NEAR(forced.weights.data<float>()[t * k + j], w, 2e-6 * (1 + std::fabs(w)))
+            << "case " << c << " token " << t << " j " << j;
+      }
+    }
+  }
+  // Bad forced ids name the problem.
+  const RouteParams p = softmax_params(6, 2, true);
+  const Tensor logits = test::random_normal({2, 6}, rng);
+  Tensor repeat = Tensor::zeros(DType::kI32, {2, 2});
+  EXPECT_ERROR_MENTIONS(ops::route_ref(logits, Tensor(), p, repeat), "repeat expert 0");
+  repeat.data<int32_t>()[1] = 6;
+  EXPECT_ERROR_MENTIONS(ops::route_ref(logits, Tensor(), p, repeat), "outside [0, 6)");
+  EXPECT_ERROR_MENTIONS(ops::route_ref(logits, Tensor(), p, Tensor::zeros(DType::kI32, {2, 3})),
+                        "forced routing ids");
+}
+
 // ============================================================================ linear
 
 std::vector<double> matmul_nt(const std::vector<double>& x, int64_t rows, int64_t in,

@@ -68,6 +68,7 @@ struct MoeTrace {  // optional outputs for tests
 
 // Returns out [T, H] F32. `router_logits`, when defined (F32 [T, E]), replaces x Wg^T (the
 // "routed experts only" configuration of the benchmarks); weights.router may then be undefined.
+// `forced_ids`, when defined (I32 [T, k]), imposes the routing (route_ref's forced_ids).
 // Validates every shape (x [T, H], w13 [E, 2I, H], w2 [E, H, I], router [E, H], shared_w13
 // [2Is, H], shared_w2 [H, Is], shared_gate [1, H]; gate_up A [Ea, R, H] / B [Eb, 2I, R], down
 // A [Ea, R, I] / B [Eb, H, R] with Ea, Eb in {1, E}; shared LoRA [1, R, H] / [1, Is, R] and
@@ -75,7 +76,8 @@ struct MoeTrace {  // optional outputs for tests
 // name the tensor (and slot) with the expected and actual shape.
 Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const MoeWeightsRef& weights,
                        const std::vector<MoeLoraRef>& slots, const MoeParams& params,
-                       MoeTrace* trace = nullptr, const Tensor& router_logits = Tensor());
+                       MoeTrace* trace = nullptr, const Tensor& router_logits = Tensor(),
+                       const Tensor& forced_ids = Tensor());
 
 // SwiGLU MLP with per-slot LoRA on gate/up/down (dense layers and the shared expert):
 //   out = (silu(x Wg^T + dg) * (x Wu^T + du)) Wd^T + dd

@@ -97,7 +97,7 @@ struct PairBlock {
 
 Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const MoeWeightsRef& weights,
                        const std::vector<MoeLoraRef>& slots, const MoeParams& params, MoeTrace* trace,
-                       const Tensor& router_logits) {
+                       const Tensor& router_logits, const Tensor& forced_ids) {
   const auto bad = ErrorCode::kInvalidArgument;
   check_route_params(params.route);
   const int64_t hidden = params.hidden, inter = params.intermediate;
@@ -164,7 +164,7 @@ Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
   } else {
     logits = linear_ref(x, weights.router);
   }
-  RouteResult route = route_ref(logits, weights.correction_bias, params.route);
+  RouteResult route = route_ref(logits, weights.correction_bias, params.route, forced_ids);
   const int32_t* ids = route.ids.data<int32_t>();
   const float* route_w = route.weights.data<float>();
 

@@ -44,7 +44,12 @@ struct RouteResult {
 void check_route_params(const RouteParams& params);
 
 // logits: F32 [T, E]; correction_bias: F32 [E] (kSigmoidNoauxTc only; undefined = zeros).
+// forced_ids, when defined (I32 [T, k], distinct experts per row), replaces the selection: ids =
+// forced_ids and the weights are what the router gives those experts (softmax probabilities or
+// unbiased sigmoid scores, renormalized and scaled as above). Tests use it to run the reference
+// with another implementation's routing, separating near-tie routing flips from other errors.
 // Parallel over tokens; deterministic.
-RouteResult route_ref(const Tensor& logits, const Tensor& correction_bias, const RouteParams& params);
+RouteResult route_ref(const Tensor& logits, const Tensor& correction_bias, const RouteParams& params,
+                      const Tensor& forced_ids = Tensor());
 
 }  // namespace moelora::ops

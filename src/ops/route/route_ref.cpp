@@ -37,8 +37,10 @@ void select_top_k(const float* scores, int64_t n, int64_t k, std::vector<char>& 
   }
 }
 
-void route_softmax_token(const float* logits, const RouteParams& p, std::vector<float>& probs,
-                         std::vector<char>& taken, int32_t* ids, float* weights) {
+// `forced` (k ids or nullptr) replaces the selection; the weights follow from the scores as usual.
+void route_softmax_token(const float* logits, const RouteParams& p, const int32_t* forced,
+                         std::vector<float>& probs, std::vector<char>& taken, int32_t* ids,
+                         float* weights) {
   const int64_t num_experts = p.num_experts;
   float max_logit = logits[0];
   for (int64_t e = 1; e < num_experts; ++e) max_logit = std::max(max_logit, logits[e]);
@@ -48,7 +50,11 @@ void route_softmax_token(const float* logits, const RouteParams& p, std::vector<
     sum += probs[e];
   }
   for (int64_t e = 0; e < num_experts; ++e) probs[e] /= sum;
-  select_top_k(probs.data(), num_experts, p.top_k, taken, ids);
+  if (forced) {
+    std::copy_n(forced, p.top_k, ids);
+  } else {
+    select_top_k(probs.data(), num_experts, p.top_k, taken, ids);
+  }
   float selected = 0.0f;
   for (int64_t j = 0; j < p.top_k; ++j) {
     weights[j] = probs[ids[j]];
@@ -60,7 +66,7 @@ void route_softmax_token(const float* logits, const RouteParams& p, std::vector<
 }
 
 void route_noaux_tc_token(const float* logits, const float* bias, const RouteParams& p,
-                          std::vector<float>& scores, std::vector<float>& biased,
+                          const int32_t* forced, std::vector<float>& scores, std::vector<float>& biased,
                           std::vector<float>& group_scores, std::vector<int32_t>& kept_groups,
                           std::vector<char>& taken, int32_t* ids, float* weights) {
   const int64_t num_experts = p.num_experts;
@@ -69,7 +75,9 @@ void route_noaux_tc_token(const float* logits, const float* bias, const RoutePar
     scores[e] = 1.0f / (1.0f + std::exp(-logits[e]));
     biased[e] = scores[e] + (bias ? bias[e] : 0.0f);
   }
-  if (p.topk_group < p.n_group) {
+  if (forced) {
+    std::copy_n(forced, p.top_k, ids);
+  } else if (p.topk_group < p.n_group) {
     // Group score: sum of the two largest biased scores of the group (group_size >= 2).
     for (int64_t g = 0; g < p.n_group; ++g) {
       const float* b = biased.data() + g * group_size;
@@ -91,7 +99,7 @@ void route_noaux_tc_token(const float* logits, const float* bias, const RoutePar
       if (!keep_group[e / group_size]) biased[e] = kNegInf;
     }
   }
-  select_top_k(biased.data(), num_experts, p.top_k, taken, ids);
+  if (!forced) select_top_k(biased.data(), num_experts, p.top_k, taken, ids);
   float selected = 0.0f;
   for (int64_t j = 0; j < p.top_k; ++j) {
     weights[j] = scores[ids[j]];
@@ -131,7 +139,8 @@ void check_route_params(const RouteParams& p) {
                 "route params: routed_scaling_factor must be finite, got ", p.routed_scaling_factor);
 }
 
-RouteResult route_ref(const Tensor& logits, const Tensor& correction_bias, const RouteParams& params) {
+RouteResult route_ref(const Tensor& logits, const Tensor& correction_bias, const RouteParams& params,
+                      const Tensor& forced_ids) {
   check_route_params(params);
   const auto bad = ErrorCode::kInvalidArgument;
   MOELORA_CHECK(logits.defined() && logits.dtype() == DType::kF32 && logits.ndim() == 2, bad,
@@ -155,6 +164,22 @@ RouteResult route_ref(const Tensor& logits, const Tensor& correction_bias, const
     MOELORA_CHECK(std::isfinite(lp[i]), bad, "router logit of token ", i / num_experts, ", expert ",
                   i % num_experts, " is not finite: ", lp[i]);
   }
+  const int32_t* forced = nullptr;
+  if (forced_ids.defined()) {
+    check_dtype(forced_ids, DType::kI32, "forced routing ids");
+    check_shape(forced_ids, {tokens, k}, "forced routing ids");
+    forced = forced_ids.data<int32_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = forced[t * k + j];
+        MOELORA_CHECK(e >= 0 && e < num_experts, ErrorCode::kOutOfRange, "forced routing id [", t, ", ", j,
+                      "] = ", e, " is outside [0, ", num_experts, ")");
+        for (int64_t i = 0; i < j; ++i) {
+          MOELORA_CHECK(forced[t * k + i] != e, bad, "forced routing ids of token ", t, " repeat expert ", e);
+        }
+      }
+    }
+  }
 
   RouteResult result{Tensor::empty(DType::kI32, {tokens, k}), Tensor::empty(DType::kF32, {tokens, k})};
   int32_t* ids = result.ids.data<int32_t>();
@@ -168,11 +193,12 @@ RouteResult route_ref(const Tensor& logits, const Tensor& correction_bias, const
         std::vector<char> taken;
         for (int64_t t = begin; t < end; ++t) {
           const float* row = lp + t * num_experts;
+          const int32_t* forced_row = forced ? forced + t * k : nullptr;
           if (params.kind == RouterKind::kSoftmaxTopK) {
-            route_softmax_token(row, params, scores, taken, ids + t * k, weights + t * k);
+            route_softmax_token(row, params, forced_row, scores, taken, ids + t * k, weights + t * k);
           } else {
-            route_noaux_tc_token(row, bias, params, scores, biased, group_scores, kept_groups, taken,
-                                 ids + t * k, weights + t * k);
+            route_noaux_tc_token(row, bias, params, forced_row, scores, biased, group_scores, kept_groups,
+                                 taken, ids + t * k, weights + t * k);
           }
         }
       },
