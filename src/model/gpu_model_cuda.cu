@@ -11,10 +11,11 @@
 //   MLA: q_lat [T, q_lora_rank], q [T, n (nope + rope)], kv [T, r + rope], q_full [T, n, r + rope],
 //        o_lat [T, n, r], attn [T, n dv];
 //   dense MLP: gate_up [T, 2 Id], act [T, Id];
-//   LoRA: partial fp32 [splits, T, R] and delta [T, sum of the outputs of one projection group];
+//   LoRA: partial fp32, the [splits, T, R] blocks of one projection group's targets side by side;
 //   head: last_branch / last_resid / last_norm [B, H], logits fp32 [B, V], sampled int32 [B].
-// Dense LoRA runs on the side stream: fork after the projection's input is ready, shrink + expand
-// into delta while the main stream runs the base GEMM, join, add_rows into the output columns.
+// Dense LoRA: fork after the projection's input is ready, one multi-target shrink for all targets
+// that read it on the side stream while the main stream runs the base GEMM(s), join, one
+// multi-target expand on the main stream that adds the deltas into the output columns.
 #include "model/gpu_model_cuda.cuh"
 
 #include <cublas_v2.h>
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -628,10 +630,13 @@ class GpuModelImpl final : public GpuModel {
             : static_cast<float>(1.0 / std::sqrt(static_cast<double>(config_.head_dim)));
 
     // ---- LoRA pools of the dense targets ----
-    size_t partial_bytes = 0, delta_cols = 0;
+    // One projection's targets run in one multi-target shrink, each into its own partials: the
+    // partials of all of a layer's dense targets side by side bound any projection's needs.
+    size_t partial_bytes = 0;
     if (S > 0) {
       for (int64_t l = 0; l < L; ++l) {
         Layer& layer = layers_[static_cast<size_t>(l)];
+        size_t layer_partial_bytes = 0;
         for (int t = 0; t < kNumDenseTargets; ++t) {
           const TargetDims dims = target_dims(l, t);
           if (!dims.exists()) continue;
@@ -644,17 +649,11 @@ class GpuModelImpl final : public GpuModel {
           pool.b = alloc<bf16>(static_cast<size_t>(S) * dims.out * R);
           pool.scaling = alloc<float>(S);
           pool.rank = alloc<int32_t>(S);
-          partial_bytes = std::max(partial_bytes, ops::cuda::lora_partial_bytes(dims.in, T, R));
+          layer_partial_bytes += ops::cuda::lora_partial_bytes(dims.in, T, R);
         }
-        const auto out_of = [&](int t) {
-          return static_cast<size_t>(layer.lora[t].present() ? layer.lora[t].out : 0);
-        };
-        delta_cols = std::max({delta_cols, out_of(kQ) + out_of(kK) + out_of(kV), out_of(kO),
-                               out_of(kQa), out_of(kQb), out_of(kKva),
-                               out_of(kMlpGate) + out_of(kMlpUp), out_of(kMlpDown)});
+        partial_bytes = std::max(partial_bytes, layer_partial_bytes);
       }
       lora_partial_ = alloc<float>(partial_bytes / 4 + 1);
-      lora_delta_ = alloc<bf16>(static_cast<size_t>(T) * std::max<size_t>(delta_cols, 8));
     }
 
     // ---- paged KV cache ----
@@ -855,68 +854,100 @@ class GpuModelImpl final : public GpuModel {
     ops::cuda::launch_rope(a, main_.get());
   }
 
+  // One base GEMM of a projection: y [T, w.out] = x [T, w.in] W^T.
+  struct ProjectGemm {
+    const Linear* w;
+    bf16* y;
+  };
+  // One dense LoRA target of a projection: its delta [T, out] is added into the columns
+  // [column, column + out) of y (row stride y_stride elements).
+  struct ProjectLora {
+    int target;
+    bf16* y;
+    int column;
+    int y_stride;
+  };
+
   // y [T, w.out] = x [T, w.in] W^T, plus the LoRA delta of each (target, first column) of `loras`
-  // on the rows of the LoRA segments. The shrink/expand run on the side stream while the base
-  // GEMM runs on the main stream.
+  // on the rows of the LoRA segments.
   void project(const ForwardShape& shape, const Layer& layer, const bf16* x, const Linear& w,
                bf16* y, std::initializer_list<std::pair<int, int>> loras) {
-    const StepMetadata& d = device_step_;
+    std::array<ProjectLora, ops::cuda::kLoraMaxTargets> targets{};
+    MOELORA_ASSERT(loras.size() <= targets.size(), "a projection has ", loras.size(),
+                   " LoRA targets");
+    size_t n = 0;
+    for (const auto& [target, column] : loras) targets[n++] = {target, y, column, w.out};
+    const ProjectGemm gemm{&w, y};
+    project_group(shape, layer, x, std::span(&gemm, 1), std::span(targets.data(), n));
+  }
+
+  // The base GEMMs of `gemms` and the LoRA of every target of `loras`, all reading x [T, in]
+  // (q/k/v of one fused GEMM; MLA's q_a and kv_a; gate and up): one shrink launch for all targets
+  // on the side stream (forked once x is ready) while the main stream runs the base GEMMs, then,
+  // after the join, one expand launch on the main stream that adds every target's delta straight
+  // into its output columns (LoraExpandMode::kAdd).
+  //
+  // Why the expand runs on the main stream: the shrink reads a few hundred KB and fits under the
+  // base GEMM (at decode ~2-4 us against 5-7 us for the qkv or o GEMM of Qwen3-30B-A3B), so the
+  // join is free and the main stream pays for one small kernel, the same count as the add_rows
+  // that used to follow it, but no longer waits for a side chain of shrink + expand; it also
+  // reads the fp32 partials ([splits, T, R], ~100 KB) instead of a bf16 delta [T, out]. The add
+  // cannot move into the consumers (q/k norms, rope, the next residual RMSNorm) without putting
+  // LoRA into every one of them, and it cannot run on the side stream: no cross-stream in-place
+  // add on a buffer the main stream writes. Rounding is that of expand + add_rows: the delta is
+  // rounded to bf16, then added to the bf16 output in fp32 and rounded once.
+  void project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
+                     std::span<const ProjectGemm> gemms, std::span<const ProjectLora> loras) {
     cudaStream_t main = main_.get(), side = side_.get();
-    bool use_lora = false;
+    const int T = limits_.max_tokens;
+    ops::cuda::LoraMultiShrinkArgs shrink;
+    ops::cuda::LoraMultiExpandArgs expand;
     if (shape.lora && limits_.num_slots > 0) {
-      for (const auto& [target, column] : loras)
-        use_lora = use_lora || layer.lora[target].present();
+      size_t partial_offset = 0;  // floats; the targets' partials side by side (see allocation)
+      for (const ProjectLora& l : loras) {
+        const DenseLoraPool& pool = layer.lora[l.target];
+        if (!pool.present()) continue;
+        const int i = shrink.num_targets++;
+        const ops::cuda::LoraPoolTarget view = pool_view(pool);
+        float* partial = lora_partial_ + partial_offset;
+        partial_offset += ops::cuda::lora_partial_bytes(pool.in, T, view.max_rank) / sizeof(float);
+        shrink.targets[i] = {view, partial};
+        expand.targets[i].pool = view;
+        expand.targets[i].partial = partial;
+        expand.targets[i].out = l.y + l.column;
+        expand.targets[i].out_stride = l.y_stride;
+      }
     }
-    ops::cuda::LoraSegmentsView seg;
-    seg.segments = reinterpret_cast<const int4*>(d.lora_segments);
-    seg.num_segments = d.num_lora_segments;
-    seg.max_segments = limits_.num_slots;
-    seg.row_chunks =
-        std::clamp((shape.tokens + 31) / 32, 1, 64);  // one CTA per 32 rows of a segment
+    const bool use_lora = shrink.num_targets > 0;
     if (use_lora) {
+      const StepMetadata& d = device_step_;
+      ops::cuda::LoraSegmentsView seg;
+      seg.segments = reinterpret_cast<const int4*>(d.lora_segments);
+      seg.num_segments = d.num_lora_segments;
+      seg.max_segments = limits_.num_slots;
+      // Segments are disjoint runs of the forward's token rows: row-major grids, so a single
+      // adapter's rows spread over as many CTAs as many adapters' (see LoraSegmentsView).
+      seg.max_rows = shape.tokens;
+      shrink.seg = seg;
+      shrink.x = x;
+      shrink.gather = nullptr;
+      shrink.row_capacity = T;
+      expand.num_targets = shrink.num_targets;
+      expand.seg = seg;
+      expand.row_capacity = T;
+      expand.mode = ops::cuda::LoraExpandMode::kAdd;
       fork_.record(main);
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(side, fork_.get(), 0));
-      size_t delta_offset = 0;
-      for (const auto& [target, column] : loras) {
-        const DenseLoraPool& pool = layer.lora[target];
-        if (!pool.present()) continue;
-        ops::cuda::LoraShrinkArgs sa;
-        sa.pool = pool_view(pool);
-        sa.seg = seg;
-        sa.x = x;
-        sa.partial = lora_partial_;
-        sa.row_capacity = limits_.max_tokens;
-        ops::cuda::launch_lora_shrink(sa, side);
-        ops::cuda::LoraExpandArgs ea;
-        ea.pool = sa.pool;
-        ea.seg = seg;
-        ea.partial = lora_partial_;
-        ea.row_capacity = limits_.max_tokens;
-        ea.delta = lora_delta_ + delta_offset;
-        ops::cuda::launch_lora_expand(ea, side);
-        delta_offset += static_cast<size_t>(limits_.max_tokens) * pool.out;
-      }
+      ops::cuda::launch_lora_shrink_multi(shrink, side);
       join_.record(side);
     }
-    gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, x, w.in, w.w, y, CUDA_R_16BF,
-                  w.out, shape.tokens, w.out, w.in);
+    for (const ProjectGemm& g : gemms) {
+      gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, x, g.w->in, g.w->w, g.y,
+                    CUDA_R_16BF, g.w->out, shape.tokens, g.w->out, g.w->in);
+    }
     if (!use_lora) return;
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(main, join_.get(), 0));
-    size_t delta_offset = 0;
-    for (const auto& [target, column] : loras) {
-      const DenseLoraPool& pool = layer.lora[target];
-      if (!pool.present()) continue;
-      ops::cuda::AddRowsArgs aa;
-      aa.y = y + column;
-      aa.delta = lora_delta_ + delta_offset;
-      aa.row_slot = d.token_slot;
-      aa.tokens = shape.tokens;
-      aa.num_tokens = d.num_tokens;
-      aa.cols = pool.out;
-      aa.y_stride = w.out;
-      ops::cuda::launch_add_rows(aa, main);
-      delta_offset += static_cast<size_t>(limits_.max_tokens) * pool.out;
-    }
+    ops::cuda::launch_lora_expand_multi(expand, main);
   }
 
   void gqa_attention(const ForwardShape& shape, const Layer& layer, int64_t l) {
@@ -978,14 +1009,19 @@ class GpuModelImpl final : public GpuModel {
     const StepMetadata& d = device_step_;
     const int n = mla_shape_.num_heads, qk = mla_shape_.nope + mla_shape_.rope, r = mla_shape_.rank;
     cublasHandle_t handle = static_cast<cublasHandle_t>(cublas_->get());
-    if (config_.q_lora_rank > 0) {
-      project(shape, layer, hnorm_, layer.q_a, q_lat_, {{kQa, 0}});
+    // q_a (or q_proj without a q LoRA rank) and kv_a both read hnorm: one projection group, so
+    // their LoRA is one shrink and one expand launch.
+    const bool q_latent = config_.q_lora_rank > 0;
+    const Linear& q_first = q_latent ? layer.q_a : layer.q_proj;
+    bf16* q_first_out = q_latent ? q_lat_ : q_;
+    const ProjectGemm first_gemms[] = {{&q_first, q_first_out}, {&layer.kv_a, kv_}};
+    const ProjectLora first_loras[] = {{q_latent ? kQa : kQ, q_first_out, 0, q_first.out},
+                                       {kKva, kv_, 0, layer.kv_a.out}};
+    project_group(shape, layer, hnorm_, first_gemms, first_loras);
+    if (q_latent) {
       rms_norm(q_lat_, nullptr, layer.q_a_norm, q_lat_, shape.tokens, d.num_tokens, layer.q_a.out);
       project(shape, layer, q_lat_, layer.q_b, q_, {{kQb, 0}});
-    } else {
-      project(shape, layer, hnorm_, layer.q_proj, q_, {{kQ, 0}});
     }
-    project(shape, layer, hnorm_, layer.kv_a, kv_, {{kKva, 0}});
     rms_norm(kv_, nullptr, layer.kv_a_norm, kv_, shape.tokens, d.num_tokens, r, latent_width_,
              latent_width_);
     rope(q_, shape, n, static_cast<int64_t>(n) * qk, qk, mla_shape_.nope);
@@ -1135,7 +1171,6 @@ class GpuModelImpl final : public GpuModel {
   bf16 *gate_up_ = nullptr, *act_ = nullptr;
   uint8_t* attn_ws_ = nullptr;
   float* lora_partial_ = nullptr;
-  bf16* lora_delta_ = nullptr;
   bf16 *last_branch_ = nullptr, *last_resid_ = nullptr, *last_norm_ = nullptr;
   float* logits_ = nullptr;
   int32_t* sampled_ = nullptr;

@@ -1,12 +1,24 @@
-// Segmented LoRA shrink / expand kernels (see lora_cuda.cuh for the math).
+// Segmented LoRA shrink / expand kernels (see lora_cuda.cuh for the math and the grids).
 //
-// Shrink: CTA = (segment, K split), 8 warps. Warp w owns ranks r = w, w + 8, ...; it keeps its
-// A rows' slice of the split in registers (kVec 16-byte vectors per lane, 256 * kVec columns per
-// split) and streams the segment's x rows past them, so each A element is read once per CTA.
-// Expand: CTA = (segment, 256-column tile of the output); thread = one output column n holding
-// its B row (up to R values) in registers, the segment's reduced u rows staged in shared memory
-// 32 rows at a time.
+// Both kernels run 256 threads per CTA and serve one contiguous row range [begin, end) of one
+// segment (find_rows: segment-major or row-major scheduling) for one target.
+//
+// Shrink: CTA = (row range, target x K split). The CTA stages 8 x rows of its split
+// (256 * kVec columns) in shared memory per pass; warp w owns ranks r = 2w, 2w + 1, 2w + 16, ...,
+// holds those two A rows' slice of the split in registers (kVec 16-byte vectors per lane) and
+// dots them with the 8 staged rows, so each pass is one round of loads for x and one for A. At
+// decode (one adapter, 64 rows, rank 16) every CTA does a single pass with a single rank group:
+// its latency is the segment lookup plus one load round, and the rows spread over 8 CTAs per
+// split instead of 2.
+// Expand: CTA = (row range, 256-column tile of one target); thread = one output column n holding
+// its B row (up to R values) in registers, the range's reduced u rows staged in shared memory
+// 8 rows at a time. The add mode loads the base outputs of a pass before staging u, so their
+// latency overlaps the partial reduction.
+//
+// No atomics: every partial and output element is written by exactly one thread in a fixed
+// order, so results do not depend on the grid (eager and graph replays are bitwise equal).
 #include <algorithm>
+#include <climits>
 
 #include "core/cuda_utils.h"
 #include "ops/lora/lora_cuda.cuh"
@@ -15,11 +27,22 @@ namespace moelora::ops::cuda {
 
 namespace {
 
-constexpr int kShrinkWarps = 8;
-constexpr int kExpandThreads = 256;
-constexpr int kExpandRows = 32;  // u rows staged per pass = rows per chunk of a segment
+constexpr int kThreads = 256;  // both kernels
+constexpr int kWarps = kThreads / 32;
+constexpr int kShrinkPassRows = 8;                            // x rows staged per shrink pass
+constexpr int kShrinkWarpRanks = 2;                           // ranks a shrink warp holds at once
+constexpr int kShrinkGroupRanks = kWarps * kShrinkWarpRanks;  // ranks of the CTA per group: 16
+constexpr int kExpandPassRows = 8;                            // u rows staged per expand pass
+constexpr int kRowAlign = 8;  // segment-major chunks are multiples of 8 rows
 constexpr int kMaxRank = 256;
-constexpr int kRowsInFlight = 4;  // shrink rows a warp reduces at once
+// Row-major grids: chunks of kMinChunkRows rows, doubled (up to kMaxChunkRows) while the grid
+// would exceed kTargetCtas CTAs (about 8 per SM of an H200, a few waves at 2-3 resident CTAs per
+// SM): small batches get many CTAs (latency), long prefills fewer, longer ones (A and B reuse).
+constexpr int kMinChunkRows = 8;
+constexpr int kMaxChunkRows = 64;
+constexpr int64_t kTargetCtas = 1024;
+
+static_assert(kShrinkPassRows * kShrinkWarpRanks <= 32, "one lane per (rank, row) result");
 
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
@@ -35,88 +58,214 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
+// Inclusive prefix sum of v over the CTA (kThreads threads, all must call it); total = sum of all.
+__device__ int block_inclusive_scan(int v, int& total) {
+  __shared__ int warp_sums[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += t;
+  }
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int s = warp_sums[w];
+    if (w < warp) before += s;
+    total += s;
+  }
+  __syncthreads();  // warp_sums is rewritten by the next call
+  return v + before;
+}
+
+// The rows [begin, end) of segment `seg` this CTA serves; begin >= end: none. All threads of the
+// CTA call it (it synchronizes) and get the same answer.
+struct RowRange {
+  int4 seg;  // {slot, expert, begin, end}
+  int begin, end;
+};
+
+__device__ RowRange find_rows(const LoraSegmentsView& v, int chunk_rows) {
+  RowRange out{make_int4(0, 0, 0, 0), 0, 0};
+  const int count = min(*v.num_segments, v.max_segments);
+  if (v.max_rows <= 0) {
+    // Segment-major: blockIdx.x = segment, blockIdx.z = chunk of near-equal contiguous rows.
+    const int s = blockIdx.x;
+    if (s >= count) return out;
+    out.seg = v.segments[s];
+    const int len = max(out.seg.w - out.seg.z, 0);
+    int per = (len + static_cast<int>(gridDim.z) - 1) / static_cast<int>(gridDim.z);
+    per = (per + kRowAlign - 1) / kRowAlign * kRowAlign;
+    out.begin = out.seg.z + static_cast<int>(blockIdx.z) * per;
+    out.end = min(out.seg.w, out.begin + per);
+    return out;
+  }
+  // Row-major: blockIdx.x = work item w; segment s owns chunks [first_s, first_s + ceil(len_s /
+  // chunk_rows)) with first_s the prefix sum of the chunk counts before it (segments in order).
+  __shared__ int found[3];  // segment, first row, last row + 1
+  if (threadIdx.x == 0) found[0] = -1;
+  const int work = blockIdx.x;
+  int base = 0;                                   // chunks of the segments before this pass
+  for (int s0 = 0; s0 < count; s0 += kThreads) {  // uniform: count and base are CTA-wide
+    const int s = s0 + threadIdx.x;
+    int4 seg = make_int4(0, 0, 0, 0);
+    int chunks = 0;
+    if (s < count) {
+      seg = v.segments[s];
+      chunks = (max(seg.w - seg.z, 0) + chunk_rows - 1) / chunk_rows;
+    }
+    int total = 0;
+    const int last = base + block_inclusive_scan(chunks, total);  // one past s's chunks
+    const int first = last - chunks;
+    if (s < count && work >= first && work < last) {  // at most one thread of the CTA
+      found[0] = s;
+      found[1] = seg.z + (work - first) * chunk_rows;
+      found[2] = min(seg.w, found[1] + chunk_rows);
+    }
+    base += total;
+    if (base > work) break;
+  }
+  __syncthreads();
+  if (found[0] < 0) return out;
+  out.seg = v.segments[found[0]];
+  out.begin = found[1];
+  out.end = found[2];
+  return out;
+}
+
+// A rows r0 .. r0 + kShrinkWarpRanks - 1 (zero at r >= rank_limit) over the lane's columns of the
+// split starting at k0: k0 + (v * 32 + lane) * 8 .. + 8 for v < kVec.
 template <int kVec>
-__global__ void __launch_bounds__(32 * kShrinkWarps) lora_shrink_kernel(const LoraShrinkArgs p) {
-  const int seg_index = blockIdx.x;
-  if (seg_index >= *p.seg.num_segments) return;
-  const int4 seg = p.seg.segments[seg_index];  // {slot, expert, begin, end}
-  const int slot = seg.x, expert = seg.y;
-  const LoraPoolTarget& pool = p.pool;
-  const int rank = pool.rank[slot];
-  if (rank == 0) return;  // the expand writes zeros for this segment without reading partials
-  const int split = blockIdx.y;
+__device__ __forceinline__ void load_a(uint4 (&a)[kShrinkWarpRanks][kVec],
+                                       const __nv_bfloat16* a_base, int r0, int rank_limit, int K,
+                                       int k0, int lane) {
+#pragma unroll
+  for (int h = 0; h < kShrinkWarpRanks; ++h) {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const int r = r0 + h, col = k0 + (v * 32 + lane) * 8;
+      a[h][v] = (r < rank_limit && col < K)
+                    ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r) * K + col)
+                    : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// grid: (row ranges, num_targets * splits, segment-major row chunks); blockIdx.y = target *
+// splits + split. partial[split, q, r] for this target, rows q of the range, r < rank.
+template <int kVec>
+__global__ void __launch_bounds__(kThreads)
+    lora_shrink_kernel(const __grid_constant__ LoraMultiShrinkArgs p, int splits, int chunk_rows) {
+  constexpr int kSplitCols = 256 * kVec;           // 32 lanes x 8 bf16 x kVec
+  constexpr int kRowVecs = kSplitCols / 8;         // 16-byte vectors of one x row in a split
+  __shared__ uint4 xs[kShrinkPassRows][kRowVecs];  // 4 KB per kVec
+
+  const RowRange rr = find_rows(p.seg, chunk_rows);
+  if (rr.begin >= rr.end) return;
+  const int target = blockIdx.y / splits, split = blockIdx.y % splits;
+  const LoraShrinkTarget& t = p.targets[target];
+  const LoraPoolTarget& pool = t.pool;
+  const int slot = rr.seg.x, expert = rr.seg.y;
   const int K = pool.in_features, R = pool.max_rank;
-  constexpr int kSplitCols = 256 * kVec;
   const int k0 = split * kSplitCols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int ea = (pool.ea == 1 || (pool.a_shared && pool.a_shared[slot])) ? 0 : expert;
   const __nv_bfloat16* a_base = pool.a + (static_cast<size_t>(slot) * pool.ea + ea) * R * K;
 
-  for (int r0 = warp; r0 < rank; r0 += kShrinkWarps) {
-    // lane's columns: k0 + (v * 32 + lane) * 8 .. +8 for v < kVec
-    uint4 a_reg[kVec];
-#pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      const int col = k0 + (v * 32 + lane) * 8;
-      a_reg[v] = col < K
-                     ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r0) * K + col)
+  // The first rank group's A (bounded by the pool's R, not the slot's rank, so the loads need not
+  // wait for rank[slot]; rows past the rank are computed but never stored) is in flight together
+  // with the rank lookup and the first x pass.
+  uint4 a_reg[kShrinkWarpRanks][kVec];
+  load_a<kVec>(a_reg, a_base, warp * kShrinkWarpRanks, R, K, k0, lane);
+  const int rank = min(pool.rank[slot], R);  // a slot's rank never exceeds the pool's R
+  if (rank == 0) return;  // uniform; the expand writes zeros (or adds nothing) for this segment
+  const bool one_group = rank <= kShrinkGroupRanks;
+
+  for (int q0 = rr.begin; q0 < rr.end; q0 += kShrinkPassRows) {
+    const int rows = min(kShrinkPassRows, rr.end - q0);
+    __syncthreads();  // the previous pass finished reading xs
+    for (int i = threadIdx.x; i < kShrinkPassRows * kRowVecs; i += kThreads) {
+      const int j = i / kRowVecs, v = i % kRowVecs;
+      const int col = k0 + v * 8;
+      const int row = j < rows ? (p.gather ? p.gather[q0 + j] : q0 + j) : -1;
+      xs[j][v] = (row >= 0 && col < K)
+                     ? *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(row) * K + col)
                      : make_uint4(0, 0, 0, 0);
     }
-    // This CTA's rows: chunks of kExpandRows starting at chunk blockIdx.z, every gridDim.z-th.
-    for (int c0 = seg.z + blockIdx.z * kExpandRows; c0 < seg.w; c0 += gridDim.z * kExpandRows) {
-      const int c1 = min(seg.w, c0 + kExpandRows);
-      // kRowsInFlight rows per pass: their loads and warp reductions are independent, so the
-      // warp overlaps their latencies instead of paying one L2 round trip per row.
-      for (int q0 = c0; q0 < c1; q0 += kRowsInFlight) {
-        uint4 x_reg[kRowsInFlight][kVec];
+    __syncthreads();
+    // No barrier inside this loop, so warps may leave it at different ranks.
+    for (int g0 = 0; g0 < rank; g0 += kShrinkGroupRanks) {
+      const int r0 = g0 + warp * kShrinkWarpRanks;
+      if (r0 >= rank) break;
+      if (g0 > 0 || (q0 > rr.begin && !one_group))
+        load_a<kVec>(a_reg, a_base, r0, rank, K, k0, lane);
+      float s[kShrinkWarpRanks][kShrinkPassRows];
 #pragma unroll
-        for (int j = 0; j < kRowsInFlight; ++j) {
-          const int q = q0 + j;
-          const int row = q < c1 ? (p.gather ? p.gather[q] : q) : -1;
+      for (int h = 0; h < kShrinkWarpRanks; ++h) {
 #pragma unroll
-          for (int v = 0; v < kVec; ++v) {
-            const int col = k0 + (v * 32 + lane) * 8;
-            x_reg[j][v] =
-                (row >= 0 && col < K)
-                    ? *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(row) * K + col)
-                    : make_uint4(0, 0, 0, 0);
-          }
-        }
-        float s[kRowsInFlight];
+        for (int j = 0; j < kShrinkPassRows; ++j) {
+          float acc = 0.f;
 #pragma unroll
-        for (int j = 0; j < kRowsInFlight; ++j) {
-          s[j] = 0.f;
-#pragma unroll
-          for (int v = 0; v < kVec; ++v) s[j] += dot8(a_reg[v], x_reg[j][v]);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-          for (int j = 0; j < kRowsInFlight; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], o);
-        }
-        if (lane == 0) {
-#pragma unroll
-          for (int j = 0; j < kRowsInFlight; ++j)
-            if (q0 + j < c1)
-              p.partial[(static_cast<size_t>(split) * p.row_capacity + q0 + j) * R + r0] = s[j];
+          for (int v = 0; v < kVec; ++v) acc += dot8(a_reg[h][v], xs[j][v * 32 + lane]);
+          s[h][j] = acc;
         }
       }
+      // Butterfly: afterwards every lane holds all kShrinkWarpRanks * kShrinkPassRows sums.
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int h = 0; h < kShrinkWarpRanks; ++h) {
+#pragma unroll
+          for (int j = 0; j < kShrinkPassRows; ++j)
+            s[h][j] += __shfl_xor_sync(0xffffffffu, s[h][j], o);
+        }
+      }
+      // Lane h * kShrinkPassRows + j stores (rank r0 + h, row q0 + j): one store per warp.
+      float mine = 0.f;
+#pragma unroll
+      for (int h = 0; h < kShrinkWarpRanks; ++h) {
+#pragma unroll
+        for (int j = 0; j < kShrinkPassRows; ++j)
+          if (lane == h * kShrinkPassRows + j) mine = s[h][j];
+      }
+      const int h = lane / kShrinkPassRows, j = lane % kShrinkPassRows;
+      if (h < kShrinkWarpRanks && r0 + h < rank && j < rows)
+        t.partial[(static_cast<size_t>(split) * p.row_capacity + q0 + j) * R + r0 + h] = mine;
     }
   }
 }
 
+// Column tiles of the targets of one expand launch: target t owns blockIdx.y in
+// [tile_begin[t], tile_begin[t + 1]).
+struct ExpandTiles {
+  int tile_begin[kLoraMaxTargets + 1];
+};
+
+// grid: (row ranges, sum of the targets' 256-column tiles, segment-major row chunks).
 template <int kRankChunks>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
-__global__ void __launch_bounds__(kExpandThreads)
-    lora_expand_kernel(const LoraExpandArgs p, int splits) {
-  __shared__ float u[kExpandRows][8 * kRankChunks];
-  const int seg_index = blockIdx.x;
-  if (seg_index >= *p.seg.num_segments) return;
-  const int4 seg = p.seg.segments[seg_index];
-  const int slot = seg.x, expert = seg.y;
-  const LoraPoolTarget& pool = p.pool;
-  const int rank = pool.rank[slot];
+__global__ void __launch_bounds__(kThreads)
+    lora_expand_kernel(const __grid_constant__ LoraMultiExpandArgs p, int splits, int chunk_rows,
+                       ExpandTiles tiles) {
+  constexpr int kUStride = 8 * kRankChunks;
+  __shared__ __align__(16) float u[kExpandPassRows][kUStride];
+
+  const RowRange rr = find_rows(p.seg, chunk_rows);
+  if (rr.begin >= rr.end) return;
+  int target = 0;
+  while (target + 1 < p.num_targets && static_cast<int>(blockIdx.y) >= tiles.tile_begin[target + 1])
+    ++target;
+  const LoraExpandTarget& t = p.targets[target];
+  const LoraPoolTarget& pool = t.pool;
+  const bool add = p.mode == LoraExpandMode::kAdd;
+  const int slot = rr.seg.x, expert = rr.seg.y;
   const int R = pool.max_rank, N = pool.out_features;
-  const int n = blockIdx.y * kExpandThreads + threadIdx.x;
+  const int rank = min(pool.rank[slot], R);  // a slot's rank never exceeds the pool's R
+  if (rank == 0 && add) return;              // uniform: a zero delta leaves the output as it is
+  const int64_t stride = t.out_stride;       // resolved by the launcher
+  const int n = (static_cast<int>(blockIdx.y) - tiles.tile_begin[target]) * kThreads + threadIdx.x;
   const int rank_chunks = (rank + 7) / 8;
   const float scaling = pool.scaling[slot];
   const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
@@ -129,36 +278,55 @@ __global__ void __launch_bounds__(kExpandThreads)
     b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
                                           : make_uint4(0, 0, 0, 0);
 
-  for (int q0 = seg.z + blockIdx.z * kExpandRows; q0 < seg.w; q0 += gridDim.z * kExpandRows) {
-    const int rows = min(kExpandRows, seg.w - q0);
-    __syncthreads();  // previous pass finished reading u
-    // u[i][r] = scaling * sum over splits of the partials (zero past the slot's rank)
-    for (int i = threadIdx.x; i < rows * 8 * kRankChunks; i += kExpandThreads) {
-      const int row = i / (8 * kRankChunks), r = i % (8 * kRankChunks);
+  for (int q0 = rr.begin; q0 < rr.end; q0 += kExpandPassRows) {
+    const int rows = min(kExpandPassRows, rr.end - q0);
+    float base[kExpandPassRows];  // add mode: out[q0 + i, n] before the add
+#pragma unroll
+    for (int i = 0; i < kExpandPassRows; ++i)
+      base[i] = (add && i < rows && n < N)
+                    ? __bfloat162float(t.out[static_cast<int64_t>(q0 + i) * stride + n])
+                    : 0.f;
+    __syncthreads();  // the previous pass finished reading u
+    // u[i][r] = scaling * sum over splits of the partials, r < 8 * rank_chunks (zero past rank)
+    const int width = 8 * rank_chunks;
+    for (int i = threadIdx.x; i < rows * width; i += kThreads) {
+      const int row = i / width, r = i % width;
       float s = 0.f;
       if (r < rank) {
-        const size_t u = p.u_row ? p.u_row[q0 + row] : q0 + row;
+        const size_t uq = p.u_row ? p.u_row[q0 + row] : q0 + row;
+#pragma unroll 4
         for (int sp = 0; sp < splits; ++sp)
-          s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + u) * R + r];
+          s += t.partial[(static_cast<size_t>(sp) * p.row_capacity + uq) * R + r];
       }
       u[row][r] = s * scaling;
     }
     __syncthreads();
     if (n < N) {
-      for (int i = 0; i < rows; ++i) {
+#pragma unroll
+      for (int i = 0; i < kExpandPassRows; ++i) {
+        if (i >= rows) break;
+        // acc = sum_r u[i][r] * B[n, r]; u reads are CTA-wide broadcasts
+        const float4* u4 = reinterpret_cast<const float4*>(u[i]);
         float acc = 0.f;
 #pragma unroll
         for (int c = 0; c < kRankChunks; ++c) {
           if (c >= rank_chunks) break;
           const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b_reg[c]);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 bf = __bfloat1622float2(b2[j]);
-            acc = fmaf(u[i][c * 8 + 2 * j], bf.x, acc);
-            acc = fmaf(u[i][c * 8 + 2 * j + 1], bf.y, acc);
-          }
+          const float4 lo = u4[2 * c], hi = u4[2 * c + 1];
+          const float2 b01 = __bfloat1622float2(b2[0]), b23 = __bfloat1622float2(b2[1]);
+          const float2 b45 = __bfloat1622float2(b2[2]), b67 = __bfloat1622float2(b2[3]);
+          acc = fmaf(lo.x, b01.x, acc);
+          acc = fmaf(lo.y, b01.y, acc);
+          acc = fmaf(lo.z, b23.x, acc);
+          acc = fmaf(lo.w, b23.y, acc);
+          acc = fmaf(hi.x, b45.x, acc);
+          acc = fmaf(hi.y, b45.y, acc);
+          acc = fmaf(hi.z, b67.x, acc);
+          acc = fmaf(hi.w, b67.y, acc);
         }
-        p.delta[static_cast<size_t>(q0 + i) * N + n] = __float2bfloat16(acc);
+        const __nv_bfloat16 delta = __float2bfloat16(acc);
+        t.out[static_cast<int64_t>(q0 + i) * stride + n] =
+            add ? __float2bfloat16(base[i] + __bfloat162float(delta)) : delta;
       }
     }
   }
@@ -168,17 +336,54 @@ int shrink_vec(int in_features) {
   return std::clamp((in_features + 2047) / 2048, 1, 4);
 }
 
-void check_pool(const LoraPoolTarget& pool, const char* what) {
+void check_pool(const LoraPoolTarget& pool, const char* what, int target) {
   MOELORA_CHECK(pool.a && pool.b && pool.scaling && pool.rank, ErrorCode::kInvalidArgument, what,
-                ": pool pointers a, b, scaling and rank are required");
+                " target ", target, ": pool pointers a, b, scaling and rank are required");
   MOELORA_CHECK(pool.max_rank > 0 && pool.max_rank % 8 == 0 && pool.max_rank <= kMaxRank,
-                ErrorCode::kUnsupported, what, ": pool rank ", pool.max_rank,
+                ErrorCode::kUnsupported, what, " target ", target, ": pool rank ", pool.max_rank,
                 " must be a multiple of 8 in [8, ", kMaxRank, "]");
   MOELORA_CHECK(pool.in_features > 0 && pool.in_features % 8 == 0, ErrorCode::kInvalidArgument,
-                what, ": in_features = ", pool.in_features, " must be a positive multiple of 8");
+                what, " target ", target, ": in_features = ", pool.in_features,
+                " must be a positive multiple of 8");
   MOELORA_CHECK(pool.out_features > 0 && pool.ea >= 1 && pool.eb >= 1, ErrorCode::kInvalidArgument,
-                what, ": out_features = ", pool.out_features, ", Ea = ", pool.ea,
-                ", Eb = ", pool.eb);
+                what, " target ", target, ": out_features = ", pool.out_features,
+                ", Ea = ", pool.ea, ", Eb = ", pool.eb);
+}
+
+void check_segments(const LoraSegmentsView& seg, int row_capacity, const char* what) {
+  MOELORA_CHECK(seg.segments && seg.num_segments, ErrorCode::kInvalidArgument, what,
+                ": segments and num_segments are required");
+  MOELORA_CHECK(seg.max_segments >= 0 && seg.max_rows >= 0 && seg.row_chunks >= 0,
+                ErrorCode::kInvalidArgument, what, ": max_segments = ", seg.max_segments,
+                ", max_rows = ", seg.max_rows, ", row_chunks = ", seg.row_chunks, " must be >= 0");
+  MOELORA_CHECK(seg.max_segments == 0 || row_capacity > 0, ErrorCode::kInvalidArgument, what,
+                ": row_capacity = ", row_capacity, " must be > 0");
+}
+
+// Row-major grids: the chunk length and the number of chunks (grid x) for `ctas_per_chunk` CTAs
+// per chunk. Segment-major grids: (0, max_segments).
+struct RowGrid {
+  int chunk_rows = 0;
+  int64_t work = 0;
+};
+
+RowGrid row_grid(const LoraSegmentsView& seg, int64_t ctas_per_chunk) {
+  if (seg.max_rows <= 0) return {0, seg.max_segments};
+  // sum_s ceil(len_s / c) <= ceil(sum_s len_s / c) + (non-empty segments) - 1, and there are at
+  // most min(max_segments, max_rows) non-empty segments.
+  const int64_t nonempty = std::min<int64_t>(seg.max_segments, seg.max_rows);
+  auto chunks = [&](int c) { return (seg.max_rows + c - 1) / c + nonempty - 1; };
+  int c = kMinChunkRows;
+  while (c < kMaxChunkRows && chunks(c) * ctas_per_chunk > kTargetCtas) c *= 2;
+  return {c, chunks(c)};
+}
+
+dim3 make_grid(const LoraSegmentsView& seg, const RowGrid& rg, int64_t grid_y, const char* what) {
+  const int64_t z = seg.max_rows > 0 ? 1 : std::max(1, seg.row_chunks);
+  MOELORA_CHECK(rg.work <= INT_MAX && grid_y <= 65535 && z <= 65535, ErrorCode::kUnsupported, what,
+                ": grid (", rg.work, ", ", grid_y, ", ", z, ") exceeds the CUDA limits");
+  return dim3(static_cast<unsigned>(rg.work), static_cast<unsigned>(grid_y),
+              static_cast<unsigned>(z));
 }
 
 }  // namespace
@@ -193,44 +398,110 @@ size_t lora_partial_bytes(int in_features, int row_capacity, int max_rank) {
          sizeof(float);
 }
 
-void launch_lora_shrink(const LoraShrinkArgs& p, cudaStream_t stream) {
-  check_pool(p.pool, "lora shrink");
-  MOELORA_CHECK(p.x && p.partial && p.seg.segments && p.seg.num_segments,
-                ErrorCode::kInvalidArgument, "lora shrink: x, partial and segments are required");
+void launch_lora_shrink_multi(const LoraMultiShrinkArgs& p, cudaStream_t stream) {
+  const char* what = "lora shrink";
+  MOELORA_CHECK(p.num_targets >= 1 && p.num_targets <= kLoraMaxTargets, ErrorCode::kInvalidArgument,
+                what, ": num_targets = ", p.num_targets, ", expected 1..", kLoraMaxTargets);
+  MOELORA_CHECK(p.x, ErrorCode::kInvalidArgument, what, ": x is required");
+  check_segments(p.seg, p.row_capacity, what);
+  const int in = p.targets[0].pool.in_features;
+  for (int t = 0; t < p.num_targets; ++t) {
+    check_pool(p.targets[t].pool, what, t);
+    MOELORA_CHECK(p.targets[t].partial, ErrorCode::kInvalidArgument, what, " target ", t,
+                  ": partial is required");
+    MOELORA_CHECK(p.targets[t].pool.in_features == in, ErrorCode::kInvalidArgument, what,
+                  " target ", t, ": in_features = ", p.targets[t].pool.in_features,
+                  " differs from target 0's ", in, " (the targets of one launch share x)");
+  }
   if (p.seg.max_segments == 0) return;
-  dim3 grid(p.seg.max_segments, lora_shrink_splits(p.pool.in_features),
-            std::max(1, p.seg.row_chunks));
-  switch (shrink_vec(p.pool.in_features)) {
-    case 1: lora_shrink_kernel<1><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
-    case 2: lora_shrink_kernel<2><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
-    case 3: lora_shrink_kernel<3><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
-    default: lora_shrink_kernel<4><<<grid, dim3(32 * kShrinkWarps), 0, stream>>>(p); break;
+  const int splits = lora_shrink_splits(in);
+  const int64_t grid_y = static_cast<int64_t>(splits) * p.num_targets;
+  const RowGrid rg = row_grid(p.seg, grid_y);
+  if (rg.work == 0) return;
+  const dim3 grid = make_grid(p.seg, rg, grid_y, what);
+  switch (shrink_vec(in)) {
+    case 1: lora_shrink_kernel<1><<<grid, kThreads, 0, stream>>>(p, splits, rg.chunk_rows); break;
+    case 2: lora_shrink_kernel<2><<<grid, kThreads, 0, stream>>>(p, splits, rg.chunk_rows); break;
+    case 3: lora_shrink_kernel<3><<<grid, kThreads, 0, stream>>>(p, splits, rg.chunk_rows); break;
+    default: lora_shrink_kernel<4><<<grid, kThreads, 0, stream>>>(p, splits, rg.chunk_rows); break;
   }
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
-void launch_lora_expand(const LoraExpandArgs& p, cudaStream_t stream) {
-  check_pool(p.pool, "lora expand");
-  MOELORA_CHECK(p.partial && p.delta && p.seg.segments && p.seg.num_segments,
-                ErrorCode::kInvalidArgument,
-                "lora expand: partial, delta and segments are required");
+void launch_lora_expand_multi(const LoraMultiExpandArgs& args, cudaStream_t stream) {
+  const char* what = "lora expand";
+  MOELORA_CHECK(args.num_targets >= 1 && args.num_targets <= kLoraMaxTargets,
+                ErrorCode::kInvalidArgument, what, ": num_targets = ", args.num_targets,
+                ", expected 1..", kLoraMaxTargets);
+  check_segments(args.seg, args.row_capacity, what);
+  LoraMultiExpandArgs p = args;
+  const int in = p.targets[0].pool.in_features;
+  ExpandTiles tiles{};
+  int max_rank = 0;
+  for (int t = 0; t < p.num_targets; ++t) {
+    LoraExpandTarget& e = p.targets[t];
+    check_pool(e.pool, what, t);
+    MOELORA_CHECK(e.partial && e.out, ErrorCode::kInvalidArgument, what, " target ", t,
+                  ": partial and out are required");
+    MOELORA_CHECK(e.pool.in_features == in, ErrorCode::kInvalidArgument, what, " target ", t,
+                  ": in_features = ", e.pool.in_features, " differs from target 0's ", in,
+                  " (the targets of one launch share the shrink's splits)");
+    if (e.out_stride == 0) e.out_stride = e.pool.out_features;
+    MOELORA_CHECK(e.out_stride >= e.pool.out_features, ErrorCode::kInvalidArgument, what,
+                  " target ", t, ": out_stride ", e.out_stride, " is smaller than out_features ",
+                  e.pool.out_features);
+    tiles.tile_begin[t + 1] = tiles.tile_begin[t] + (e.pool.out_features + kThreads - 1) / kThreads;
+    max_rank = std::max(max_rank, e.pool.max_rank);
+  }
+  MOELORA_CHECK(p.splits >= 0, ErrorCode::kInvalidArgument, what, ": splits = ", p.splits,
+                " must be >= 0");
   if (p.seg.max_segments == 0) return;
-  const int splits = p.splits > 0 ? p.splits : lora_shrink_splits(p.pool.in_features);
-  dim3 grid(p.seg.max_segments, (p.pool.out_features + kExpandThreads - 1) / kExpandThreads,
-            std::max(1, p.seg.row_chunks));
-  const int chunks = p.pool.max_rank / 8;
+  const int splits = p.splits > 0 ? p.splits : lora_shrink_splits(in);
+  const int64_t grid_y = tiles.tile_begin[p.num_targets];
+  const RowGrid rg = row_grid(p.seg, grid_y);
+  if (rg.work == 0) return;
+  const dim3 grid = make_grid(p.seg, rg, grid_y, what);
+  const int chunks = max_rank / 8;
+  const int c = rg.chunk_rows;
   if (chunks <= 2) {
-    lora_expand_kernel<2><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
+    lora_expand_kernel<2><<<grid, kThreads, 0, stream>>>(p, splits, c, tiles);
   } else if (chunks <= 4) {
-    lora_expand_kernel<4><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
+    lora_expand_kernel<4><<<grid, kThreads, 0, stream>>>(p, splits, c, tiles);
   } else if (chunks <= 8) {
-    lora_expand_kernel<8><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
+    lora_expand_kernel<8><<<grid, kThreads, 0, stream>>>(p, splits, c, tiles);
   } else if (chunks <= 16) {
-    lora_expand_kernel<16><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
+    lora_expand_kernel<16><<<grid, kThreads, 0, stream>>>(p, splits, c, tiles);
   } else {
-    lora_expand_kernel<32><<<grid, dim3(kExpandThreads), 0, stream>>>(p, splits);
+    lora_expand_kernel<32><<<grid, kThreads, 0, stream>>>(p, splits, c, tiles);
   }
   MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_lora_shrink(const LoraShrinkArgs& args, cudaStream_t stream) {
+  LoraMultiShrinkArgs p;
+  p.targets[0].pool = args.pool;
+  p.targets[0].partial = args.partial;
+  p.num_targets = 1;
+  p.seg = args.seg;
+  p.x = args.x;
+  p.gather = args.gather;
+  p.row_capacity = args.row_capacity;
+  launch_lora_shrink_multi(p, stream);
+}
+
+void launch_lora_expand(const LoraExpandArgs& args, cudaStream_t stream) {
+  LoraMultiExpandArgs p;
+  p.targets[0].pool = args.pool;
+  p.targets[0].partial = args.partial;
+  p.targets[0].out = args.delta;
+  p.targets[0].out_stride = args.pool.out_features;
+  p.num_targets = 1;
+  p.seg = args.seg;
+  p.row_capacity = args.row_capacity;
+  p.splits = args.splits;
+  p.u_row = args.u_row;
+  p.mode = LoraExpandMode::kWrite;
+  launch_lora_expand_multi(p, stream);
 }
 
 }  // namespace moelora::ops::cuda
