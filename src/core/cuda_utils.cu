@@ -47,10 +47,17 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   return *this;
 }
 
+void wait_for_host_copies() {
+  // cudaMemcpy from pageable memory returns once the data is staged; the DMA into device memory
+  // runs on the legacy default stream, which work on non-blocking streams does not wait for.
+  MOELORA_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 void DeviceBuffer::upload(const void* host, size_t bytes, size_t offset) {
   MOELORA_CHECK(offset + bytes <= bytes_, ErrorCode::kOutOfRange, "upload of ", bytes, " bytes at offset ", offset,
                 " into a device buffer of ", bytes_, " bytes");
   if (bytes) MOELORA_CUDA_CHECK(cudaMemcpy(static_cast<char*>(ptr_) + offset, host, bytes, cudaMemcpyHostToDevice));
+  wait_for_host_copies();
 }
 
 void DeviceBuffer::download(void* host, size_t bytes, size_t offset) const {

@@ -47,6 +47,12 @@ struct DeviceInfo {
 };
 DeviceInfo device_info(int ordinal = 0);
 
+// Waits until every cudaMemcpy from host memory issued so far has landed in device memory. A
+// cudaMemcpy from pageable memory may return before its DMA completes, and that DMA runs on the
+// legacy default stream, which kernels on non-blocking streams (all of ours) do not wait for:
+// call this at the end of every synchronous upload API before device work may read the data.
+void wait_for_host_copies();
+
 // Owned device allocation (cudaMalloc). Move-only. Allocation happens at construction only
 // (Workspace sizing), never inside a forward pass.
 class DeviceBuffer {

@@ -151,8 +151,10 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
+// Synchronous: returns once the bytes are in device memory (see cuda::wait_for_host_copies).
 void copy_to_device(void* dst, const void* src, size_t bytes) {
   MOELORA_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  cuda::wait_for_host_copies();
 }
 
 // Any float tensor as bf16 bits (bf16 tensors copied as they are).
