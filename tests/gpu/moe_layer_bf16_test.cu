@@ -6,7 +6,10 @@
 //   - the Qwen3-30B-A3B routed shape (H 2048, I 768, E 128, k 8) with device-randomized weights;
 //   - tokens of slot -1 mixed with 1-3 adapters of different ranks (per-expert and shared-outer)
 //     and an empty slot; the single-adapter path; both tiles of the bf16 grouped GEMM; skewed
-//     routing (one expert takes every token); CUDA-graph capture and replay.
+//     routing (one expert takes every token); CUDA-graph capture and replay;
+//   - a 600-token prefill with 1 and 3 adapters of ranks 16 and 40 (pool rank 40): the
+//     tensor-core LoRA kernels that kAuto picks at this size against the reference and against
+//     the CUDA-core LoRA kernels, and the tensor-core kernels forced on a decode-sized batch.
 //
 // Tolerance: PERF.md's bf16 elementwise bound (|x - ref| <= 2e-2 |ref| + 2e-2 rms(ref)) with the
 // layer's looser cosine >= 0.999 (h, a, y, the LoRA deltas and out are each rounded to bf16).
@@ -29,6 +32,7 @@
 #include <string>
 
 #include "gpu/gpu_test_util.cuh"
+#include "ops/lora/lora_mma_cuda.cuh"
 #include "ops/moe/moe.h"
 #include "ops/moe/moe_layer_cuda.cuh"
 #include "support/test_support.h"
@@ -597,6 +601,77 @@ TEST_F(Sm90_MoeLayerBf16, GraphReplaysMatchEager) {
     }
     MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
     MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
+// Prefill-sized forwards (T = 600 >= kLoraMmaMinTokens) take the tensor-core (mma) LoRA kernels:
+// ~150 pair rows per expert, the shared expert's token segments of up to 600 rows. Pool rank 40
+// (not a multiple of 16; the shared expert's fused gate/up target has rank 80 and slot ranks
+// r + r / 2 = 24 and 60). Phases: one per-expert r16 adapter; one shared-outer r40 adapter through
+// the single-adapter path (dense cuBLAS shrinks, mma expands reading u through the row map) and
+// the segmented path; three adapters (per-expert r40 and r16, shared-outer r40) with base tokens
+// and an empty slot. Each must match the reference per token and the CUDA-core LoRA kernels.
+TEST_F(Sm90_MoeLayerBf16, PrefillLoraTensorCorePath) {
+  std::mt19937_64 rng(test::test_seed(708));
+  LayerSpec s;
+  s.hidden = 200;
+  s.inter = 72;
+  s.experts = 8;
+  s.top_k = 2;
+  s.shared_inter = 96;
+  s.shared_gate = true;
+  s.router = RouterKind::kSoftmaxTopK;
+  s.max_tokens = 600;
+  s.slots = 4;
+  s.max_rank = 40;
+  LayerFixture lf = make_host_layer(s, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  std::vector<HostAdapter> adapters(4);
+  adapters[0] = make_adapter(lf.config, 40, /*shared_outer=*/false, rng);
+  adapters[1] = make_adapter(lf.config, 16, /*shared_outer=*/false, rng);
+  adapters[3] = make_adapter(lf.config, 40, /*shared_outer=*/true, rng);
+  struct Phase {
+    std::vector<int> slots;  // filled pool slots; tokens cycle through them and -1
+    int single_slot;
+    std::string what;
+  };
+  const std::vector<Phase> phases = {
+      {{1}, -1, "1 adapter (per-expert r16)"},
+      {{3}, 3, "1 adapter (shared-outer r40), single-adapter path"},
+      {{3}, -1, "1 adapter (shared-outer r40), segmented path"},
+      {{0, 1, 3}, -1, "3 adapters"},
+  };
+  for (const Phase& ph : phases) {
+    std::vector<ops::MoeLoraRef> refs(4);
+    for (int slot = 0; slot < 4; ++slot) layer.clear_adapter(slot);
+    for (int slot : ph.slots) {
+      layer.set_adapter(slot, adapters[slot].gpu());
+      refs[slot] = adapters[slot].ref();
+    }
+    for (int T : {600, 37}) {
+      Tensor x = bf16_round(test::random_normal({T, s.hidden}, rng));
+      Tensor logits = test::random_normal({T, s.experts}, rng, 3.0f);
+      std::vector<int32_t> slots(T);
+      const int cycle = static_cast<int>(ph.slots.size()) + (ph.slots.size() > 1 ? 2 : 1);
+      for (int t = 0; t < T; ++t) {
+        const int i = (t * 7 + 3) % cycle;  // base tokens (and the empty slot 2 with 3 adapters)
+        slots[t] = i < static_cast<int>(ph.slots.size())
+                       ? ph.slots[i]
+                       : (i == static_cast<int>(ph.slots.size()) ? -1 : 2);
+      }
+      const std::string what = ph.what + ", T = " + std::to_string(T);
+      // T = 600: kAuto takes the mma kernels; T = 37: they are forced on a decode-sized batch
+      layer.set_lora_path(T >= ops::cuda::kLoraMmaMinTokens ? ops::cuda::LoraPath::kAuto
+                                                            : ops::cuda::LoraPath::kTensorCore);
+      Tensor mma = run(layer, x, slots, logits, true, ph.single_slot);
+      check_against_reference(mma, x, slots, lf, refs, logits, what + ", tensor-core LoRA");
+      layer.set_lora_path(ops::cuda::LoraPath::kCudaCore);
+      Tensor core = run(layer, x, slots, logits, true, ph.single_slot);
+      layer.set_lora_path(ops::cuda::LoraPath::kAuto);
+      EXPECT_TRUE(test::close_bf16(mma, core)) << what << ": tensor-core vs CUDA-core LoRA";
+      for (int t = 0; t < T; ++t)
+        EXPECT_LT(row_rel_error(mma, core, t), 0.02) << what << ": token " << t;
+    }
   }
 }
 

@@ -14,6 +14,7 @@
 #include "ops/gemm/moe_gemm.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
 #include "ops/lora/lora_cuda.cuh"
+#include "ops/lora/lora_mma_cuda.cuh"
 #include "ops/moe/moe_cuda.cuh"
 #include "ops/moe_align/moe_align_cuda.cuh"
 #include "ops/quant/quant_cuda.cuh"
@@ -423,6 +424,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     }
   }
   m.ws.allocate();
+  ::moelora::cuda::wait_for_host_copies();
 }
 
 MoeLayerCuda::~MoeLayerCuda() = default;
@@ -473,6 +475,8 @@ void MoeLayerCuda::set_adapter(int slot, const MoeLayerAdapter& a) {
     }
     m.write_pool(m.shared_down, slot, a.shared_down, "shared expert down LoRA");
   }
+  // The next forward / replay reads the slot on other streams.
+  ::moelora::cuda::wait_for_host_copies();
 }
 
 void MoeLayerCuda::clear_adapter(int slot) {
@@ -629,12 +633,20 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   LoraSegmentsView token_segments{m.x<int4>(m.token_segments), m.x<int32_t>(m.num_token_segments),
                                   std::min(T, c.num_slots), (T + 31) / 32};
   auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side.get());
+  // Prefill-sized forwards take the tensor-core shrink / expand (64-row tiles of a segment through
+  // mma.sync): from kLoraMmaMinTokens tokens on, a segment holds enough rows that the CUDA-core
+  // kernels' per-row FMA work dominates (lora_mma_cuda.cuh). Decode sizes keep the CUDA-core
+  // kernels, whose split-K shrink spreads a few rows over many CTAs. Both write the same partial
+  // and delta layouts; the mma shrink fills split 0 only, so its expand runs with splits = 1.
+  const bool lora_mma = lora_path_ == LoraPath::kTensorCore ||
+                        (lora_path_ == LoraPath::kAuto && should_use_lora_mma(T));
   // The LoRA of one target, on the side stream: shrink x rows (gathered) into fp32 partials (the
   // segmented kernel, or one dense cuBLAS GEMM over all T rows of x when `dense_a` is given), then
-  // expand into `delta` (rows in the segments' order).
-  auto run_lora = [&](const PoolTarget& t, const LoraSegmentsView& seg, const __nv_bfloat16* x,
-                      const int32_t* gather, float* partial, int row_capacity, __nv_bfloat16* delta,
-                      const __nv_bfloat16* dense_a) {
+  // expand into `delta` (rows in the segments' order). max_rows bounds the rows of all segments
+  // together (the mma kernels' grid capacity): T * k for expert pairs, T for tokens.
+  auto run_lora = [&](const PoolTarget& t, const LoraSegmentsView& seg, int max_rows,
+                      const __nv_bfloat16* x, const int32_t* gather, float* partial,
+                      int row_capacity, __nv_bfloat16* delta, const __nv_bfloat16* dense_a) {
     LoraExpandArgs e;
     e.pool = m.view(t);
     e.seg = seg;
@@ -653,10 +665,19 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       sh.gather = gather;
       sh.partial = partial;
       sh.row_capacity = row_capacity;
-      launch_lora_shrink(sh, m.side);
+      if (lora_mma) {
+        launch_lora_shrink_mma(sh, max_rows, m.side);
+        e.splits = 1;
+      } else {
+        launch_lora_shrink(sh, m.side);
+      }
       e.row_capacity = row_capacity;
     }
-    launch_lora_expand(e, m.side);
+    if (lora_mma) {
+      launch_lora_expand_mma(e, max_rows, m.side);
+    } else {
+      launch_lora_expand(e, m.side);
+    }
   };
   // A slot's A factor of target t (expert 0), for the dense single-adapter shrink.
   auto slot_a = [&](const PoolTarget& t, int slot) {
@@ -672,12 +693,12 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     // One adapter whose gate_up A is shared by the experts: u = x A^T depends on the token only,
     // so one dense GEMM over the T tokens replaces the per-pair shrink (k times fewer rows); base
     // tokens' rows are computed but never expanded.
-    run_lora(m.gate_up, pair_segments, f.x, m.x<int32_t>(m.sorted_token), m.x<float>(m.part1), m.P,
-             m.x<__nv_bfloat16>(m.d1),
+    run_lora(m.gate_up, pair_segments, P, f.x, m.x<int32_t>(m.sorted_token), m.x<float>(m.part1),
+             m.P, m.x<__nv_bfloat16>(m.d1),
              single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr);
     m.ev_lora1.record(m.side);
     if (shared) {  // the shared expert's A is a plain [R, H] matrix: dense for a single adapter
-      run_lora(m.shared_gate_up, token_segments, f.x, m.x<int32_t>(m.token_sorted),
+      run_lora(m.shared_gate_up, token_segments, T, f.x, m.x<int32_t>(m.token_sorted),
                m.x<float>(m.spart1), c.max_tokens, m.x<__nv_bfloat16>(m.sd1),
                single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr);
       m.ev_shared_lora1.record(m.side);
@@ -772,7 +793,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (lora) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
-    run_lora(m.down, pair_segments, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2), m.P,
+    run_lora(m.down, pair_segments, P, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2), m.P,
              m.x<__nv_bfloat16>(m.d2), nullptr);
   }
 
@@ -824,7 +845,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     if (lora) {
       m.ev_shared_act.record(m.main);
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_shared_act.get(), 0));
-      run_lora(m.shared_down, token_segments, m.x<__nv_bfloat16>(m.sa16),
+      run_lora(m.shared_down, token_segments, T, m.x<__nv_bfloat16>(m.sa16),
                m.x<int32_t>(m.token_sorted), m.x<float>(m.spart2), c.max_tokens,
                m.x<__nv_bfloat16>(m.sd2), nullptr);
     }

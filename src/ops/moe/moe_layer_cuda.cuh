@@ -88,6 +88,11 @@ struct MoeForwardArgs {
 // CUTLASS grouped GEMM. bf16 experts: the decode or the prefill tile of the bf16 grouped GEMM.
 enum class GemmPath { kAuto, kDecode, kPrefill };
 
+// Which LoRA shrink / expand kernels the layer uses: kAuto takes the tensor-core (mma) ones for
+// forwards of at least kLoraMmaMinTokens tokens (lora_mma_cuda.cuh says why) and the decode-tuned
+// CUDA-core ones below; the others force one family (tests, benchmarks).
+enum class LoraPath { kAuto, kCudaCore, kTensorCore };
+
 class MoeLayerCuda {
  public:
   // Streams must outlive the layer; they are created before any capture.
@@ -111,6 +116,7 @@ class MoeLayerCuda {
   void forward(const MoeForwardArgs& args);
 
   void set_gemm_path(GemmPath path) { gemm_path_ = path; }
+  void set_lora_path(LoraPath path) { lora_path_ = path; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
   // incl. scales or bf16 experts, router, shared expert): the byte roofline's numerator.
@@ -150,6 +156,7 @@ class MoeLayerCuda {
   std::unique_ptr<Impl> impl_;
   MoeLayerConfig config_;
   GemmPath gemm_path_ = GemmPath::kAuto;
+  LoraPath lora_path_ = LoraPath::kAuto;
 };
 
 }  // namespace moelora::ops::cuda
