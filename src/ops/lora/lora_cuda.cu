@@ -332,6 +332,149 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- segment-major kernels for many short segments (the MoE layer's (slot, expert) pairs) ----
+//
+// Shrink: CTA = (segment, K split), 8 warps; warp w owns ranks r = w, w + 8, ...; it keeps its A
+// rows' slice of the split in registers and streams the segment's x rows past them, four rows in
+// flight, without shared memory or barriers. Expand: CTA = (segment, 256-column tile); thread =
+// one output column holding its B row in registers, the segment's reduced u rows staged in shared
+// memory 32 at a time. Measured on the H200: a decode MoE layer (segments of 1-10 pair rows)
+// keeps 3-6 % more of its no-LoRA throughput with these than with the row-chunk kernels above,
+// which stage 8 rows per pass and win on the long token segments of the dense projections.
+constexpr int kSegShrinkWarps = 8;
+constexpr int kSegExpandThreads = 256;
+constexpr int kSegExpandRows = 32;   // u rows staged per pass = rows per chunk of a segment
+constexpr int kSegRowsInFlight = 4;  // shrink rows a warp reduces at once
+
+template <int kVec>
+__global__ void __launch_bounds__(32 * kSegShrinkWarps) lora_shrink_segment_kernel(const LoraShrinkArgs p) {
+  const int seg_index = blockIdx.x;
+  if (seg_index >= *p.seg.num_segments) return;
+  const int4 seg = p.seg.segments[seg_index];  // {slot, expert, begin, end}
+  const int slot = seg.x, expert = seg.y;
+  const LoraPoolTarget& pool = p.pool;
+  const int rank = pool.rank[slot];
+  if (rank == 0) return;  // the expand writes zeros for this segment without reading partials
+  const int split = blockIdx.y;
+  const int K = pool.in_features, R = pool.max_rank;
+  constexpr int kSplitCols = 256 * kVec;
+  const int k0 = split * kSplitCols;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int ea = (pool.ea == 1 || (pool.a_shared && pool.a_shared[slot])) ? 0 : expert;
+  const __nv_bfloat16* a_base = pool.a + (static_cast<size_t>(slot) * pool.ea + ea) * R * K;
+
+  for (int r0 = warp; r0 < rank; r0 += kSegShrinkWarps) {
+    // lane's columns: k0 + (v * 32 + lane) * 8 .. +8 for v < kVec
+    uint4 a_reg[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const int col = k0 + (v * 32 + lane) * 8;
+      a_reg[v] = col < K
+                     ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r0) * K + col)
+                     : make_uint4(0, 0, 0, 0);
+    }
+    // This CTA's rows: chunks of kSegExpandRows starting at chunk blockIdx.z, every gridDim.z-th.
+    for (int c0 = seg.z + blockIdx.z * kSegExpandRows; c0 < seg.w; c0 += gridDim.z * kSegExpandRows) {
+      const int c1 = min(seg.w, c0 + kSegExpandRows);
+      // kSegRowsInFlight rows per pass: their loads and warp reductions are independent, so the
+      // warp overlaps their latencies instead of paying one L2 round trip per row.
+      for (int q0 = c0; q0 < c1; q0 += kSegRowsInFlight) {
+        uint4 x_reg[kSegRowsInFlight][kVec];
+#pragma unroll
+        for (int j = 0; j < kSegRowsInFlight; ++j) {
+          const int q = q0 + j;
+          const int row = q < c1 ? (p.gather ? p.gather[q] : q) : -1;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) {
+            const int col = k0 + (v * 32 + lane) * 8;
+            x_reg[j][v] =
+                (row >= 0 && col < K)
+                    ? *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(row) * K + col)
+                    : make_uint4(0, 0, 0, 0);
+          }
+        }
+        float s[kSegRowsInFlight];
+#pragma unroll
+        for (int j = 0; j < kSegRowsInFlight; ++j) {
+          s[j] = 0.f;
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) s[j] += dot8(a_reg[v], x_reg[j][v]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+          for (int j = 0; j < kSegRowsInFlight; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], o);
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int j = 0; j < kSegRowsInFlight; ++j)
+            if (q0 + j < c1)
+              p.partial[(static_cast<size_t>(split) * p.row_capacity + q0 + j) * R + r0] = s[j];
+        }
+      }
+    }
+  }
+}
+
+template <int kRankChunks>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
+__global__ void __launch_bounds__(kSegExpandThreads)
+    lora_expand_segment_kernel(const LoraExpandArgs p, int splits) {
+  __shared__ float u[kSegExpandRows][8 * kRankChunks];
+  const int seg_index = blockIdx.x;
+  if (seg_index >= *p.seg.num_segments) return;
+  const int4 seg = p.seg.segments[seg_index];
+  const int slot = seg.x, expert = seg.y;
+  const LoraPoolTarget& pool = p.pool;
+  const int rank = pool.rank[slot];
+  const int R = pool.max_rank, N = pool.out_features;
+  const int n = blockIdx.y * kSegExpandThreads + threadIdx.x;
+  const int rank_chunks = (rank + 7) / 8;
+  const float scaling = pool.scaling[slot];
+  const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
+  const __nv_bfloat16* b_row =
+      pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R;
+
+  uint4 b_reg[kRankChunks];
+#pragma unroll
+  for (int c = 0; c < kRankChunks; ++c)
+    b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
+                                          : make_uint4(0, 0, 0, 0);
+
+  for (int q0 = seg.z + blockIdx.z * kSegExpandRows; q0 < seg.w; q0 += gridDim.z * kSegExpandRows) {
+    const int rows = min(kSegExpandRows, seg.w - q0);
+    __syncthreads();  // previous pass finished reading u
+    // u[i][r] = scaling * sum over splits of the partials (zero past the slot's rank)
+    for (int i = threadIdx.x; i < rows * 8 * kRankChunks; i += kSegExpandThreads) {
+      const int row = i / (8 * kRankChunks), r = i % (8 * kRankChunks);
+      float s = 0.f;
+      if (r < rank) {
+        const size_t u = p.u_row ? p.u_row[q0 + row] : q0 + row;
+        for (int sp = 0; sp < splits; ++sp)
+          s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + u) * R + r];
+      }
+      u[row][r] = s * scaling;
+    }
+    __syncthreads();
+    if (n < N) {
+      for (int i = 0; i < rows; ++i) {
+        float acc = 0.f;
+#pragma unroll
+        for (int c = 0; c < kRankChunks; ++c) {
+          if (c >= rank_chunks) break;
+          const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b_reg[c]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 bf = __bfloat1622float2(b2[j]);
+            acc = fmaf(u[i][c * 8 + 2 * j], bf.x, acc);
+            acc = fmaf(u[i][c * 8 + 2 * j + 1], bf.y, acc);
+          }
+        }
+        p.delta[static_cast<size_t>(q0 + i) * N + n] = __float2bfloat16(acc);
+      }
+    }
+  }
+}
+
 int shrink_vec(int in_features) {
   return std::clamp((in_features + 2047) / 2048, 1, 4);
 }
@@ -478,6 +621,26 @@ void launch_lora_expand_multi(const LoraMultiExpandArgs& args, cudaStream_t stre
 }
 
 void launch_lora_shrink(const LoraShrinkArgs& args, cudaStream_t stream) {
+  if (args.seg.max_rows <= 0) {  // segment-major: the short-segment kernel
+    const char* what = "lora shrink";
+    check_pool(args.pool, what, 0);
+    MOELORA_CHECK(args.x && args.partial, ErrorCode::kInvalidArgument, what,
+                  ": x and partial are required");
+    check_segments(args.seg, args.row_capacity, what);
+    if (args.seg.max_segments == 0) return;
+    const dim3 grid(args.seg.max_segments, lora_shrink_splits(args.pool.in_features),
+                    std::max(1, args.seg.row_chunks));
+    MOELORA_CHECK(grid.z <= 65535, ErrorCode::kUnsupported, what, ": row_chunks ", grid.z,
+                  " exceeds the CUDA grid limit");
+    switch (shrink_vec(args.pool.in_features)) {
+      case 1: lora_shrink_segment_kernel<1><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
+      case 2: lora_shrink_segment_kernel<2><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
+      case 3: lora_shrink_segment_kernel<3><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
+      default: lora_shrink_segment_kernel<4><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
+    }
+    MOELORA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   LoraMultiShrinkArgs p;
   p.targets[0].pool = args.pool;
   p.targets[0].partial = args.partial;
@@ -490,6 +653,36 @@ void launch_lora_shrink(const LoraShrinkArgs& args, cudaStream_t stream) {
 }
 
 void launch_lora_expand(const LoraExpandArgs& args, cudaStream_t stream) {
+  if (args.seg.max_rows <= 0) {  // segment-major: the short-segment kernel
+    const char* what = "lora expand";
+    check_pool(args.pool, what, 0);
+    MOELORA_CHECK(args.partial && args.delta, ErrorCode::kInvalidArgument, what,
+                  ": partial and delta are required");
+    MOELORA_CHECK(args.splits >= 0, ErrorCode::kInvalidArgument, what, ": splits = ", args.splits,
+                  " must be >= 0");
+    check_segments(args.seg, args.row_capacity, what);
+    if (args.seg.max_segments == 0) return;
+    const int splits = args.splits > 0 ? args.splits : lora_shrink_splits(args.pool.in_features);
+    const dim3 grid(args.seg.max_segments,
+                    (args.pool.out_features + kSegExpandThreads - 1) / kSegExpandThreads,
+                    std::max(1, args.seg.row_chunks));
+    MOELORA_CHECK(grid.y <= 65535 && grid.z <= 65535, ErrorCode::kUnsupported, what, ": grid (",
+                  grid.x, ", ", grid.y, ", ", grid.z, ") exceeds the CUDA limits");
+    const int chunks = args.pool.max_rank / 8;
+    if (chunks <= 2) {
+      lora_expand_segment_kernel<2><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+    } else if (chunks <= 4) {
+      lora_expand_segment_kernel<4><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+    } else if (chunks <= 8) {
+      lora_expand_segment_kernel<8><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+    } else if (chunks <= 16) {
+      lora_expand_segment_kernel<16><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+    } else {
+      lora_expand_segment_kernel<32><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+    }
+    MOELORA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   LoraMultiExpandArgs p;
   p.targets[0].pool = args.pool;
   p.targets[0].partial = args.partial;

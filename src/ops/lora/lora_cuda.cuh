@@ -48,10 +48,12 @@ struct LoraSegmentsView {
   const int4* segments = nullptr;         // [max_segments] {slot, expert, begin, end}
   const int32_t* num_segments = nullptr;  // [1], at most max_segments
   int max_segments = 0;                   // grid capacity
-  // Segment-major grids (max_rows == 0): CTA x serves segment x, and the segment's rows are cut
-  // into row_chunks contiguous near-equal chunks, one CTA each (any segment size is covered; more
-  // chunks = more parallelism for long segments, e.g. a prefill's single adapter over thousands
-  // of tokens). Grid: max_segments x row_chunks per target and K split / column tile.
+  // Segment-major grids (max_rows == 0): CTA x serves segment x, and row_chunks CTAs share its
+  // rows (any segment size is covered; more chunks = more parallelism for long segments). Grid:
+  // max_segments x row_chunks per target and K split / column tile. The single-target launchers
+  // (launch_lora_shrink / launch_lora_expand) run the short-segment kernels here, whose CTA z
+  // takes the 32-row chunks z, z + row_chunks, ...; the multi-target ones cut each segment into
+  // row_chunks contiguous near-equal chunks.
   int row_chunks = 1;
   // Row-major grids (max_rows > 0): the caller promises that the segments hold at most max_rows
   // rows in all (disjoint token rows, as for a dense projection). The launchers cut every segment
