@@ -747,6 +747,14 @@ TEST(Sm90_Lora, MultiTargetRejectsInconsistentTargets) {
   sa.num_targets = ops::cuda::kLoraMaxTargets + 1;
   test::error_message([&] { ops::cuda::launch_lora_shrink_multi(sa, nullptr); },
                       ErrorCode::kInvalidArgument);
+  // A segment-major view belongs to the single-target (short-segment) launchers.
+  sa.num_targets = 1;
+  sa.seg.max_rows = 0;
+  EXPECT_NE(test::error_message([&] { ops::cuda::launch_lora_shrink_multi(sa, nullptr); },
+                                ErrorCode::kInvalidArgument)
+                .find("row-major"),
+            std::string::npos);
+  sa.seg.max_rows = view.max_rows;
   ops::cuda::LoraMultiExpandArgs ea;
   ea.targets[0].pool = pool;
   ea.targets[0].partial = static_cast<const float*>(fake(7));

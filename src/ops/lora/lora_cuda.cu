@@ -1,7 +1,10 @@
-// Segmented LoRA shrink / expand kernels (see lora_cuda.cuh for the math and the grids).
+// Segmented LoRA shrink / expand kernels (see lora_cuda.cuh for the math and the grids), two
+// families: the row-chunk kernels below (row-major views: long token segments, multi-target
+// launches) and the short-segment kernels further down (segment-major views: the MoE layer's
+// (slot, expert) pairs).
 //
-// Both kernels run 256 threads per CTA and serve one contiguous row range [begin, end) of one
-// segment (find_rows: segment-major or row-major scheduling) for one target.
+// Row-chunk kernels: 256 threads per CTA, one contiguous row range [begin, end) of one segment
+// (find_rows) for one target.
 //
 // Shrink: CTA = (row range, target x K split). The CTA stages 8 x rows of its split
 // (256 * kVec columns) in shared memory per pass; warp w owns ranks r = 2w, 2w + 1, 2w + 16, ...,
@@ -33,7 +36,6 @@ constexpr int kShrinkPassRows = 8;                            // x rows staged p
 constexpr int kShrinkWarpRanks = 2;                           // ranks a shrink warp holds at once
 constexpr int kShrinkGroupRanks = kWarps * kShrinkWarpRanks;  // ranks of the CTA per group: 16
 constexpr int kExpandPassRows = 8;                            // u rows staged per expand pass
-constexpr int kRowAlign = 8;  // segment-major chunks are multiples of 8 rows
 constexpr int kMaxRank = 256;
 // Row-major grids: chunks of kMinChunkRows rows, doubled (up to kMaxChunkRows) while the grid
 // would exceed kTargetCtas CTAs (about 8 per SM of an H200, a few waves at 2-3 resident CTAs per
@@ -88,23 +90,11 @@ struct RowRange {
   int begin, end;
 };
 
+// The row range of this CTA in a row-major grid (v.max_rows > 0): blockIdx.x = work item w; segment s owns chunks [first_s, first_s + ceil(len_s /
+// chunk_rows)) with first_s the prefix sum of the chunk counts before it (segments in order).
 __device__ RowRange find_rows(const LoraSegmentsView& v, int chunk_rows) {
   RowRange out{make_int4(0, 0, 0, 0), 0, 0};
   const int count = min(*v.num_segments, v.max_segments);
-  if (v.max_rows <= 0) {
-    // Segment-major: blockIdx.x = segment, blockIdx.z = chunk of near-equal contiguous rows.
-    const int s = blockIdx.x;
-    if (s >= count) return out;
-    out.seg = v.segments[s];
-    const int len = max(out.seg.w - out.seg.z, 0);
-    int per = (len + static_cast<int>(gridDim.z) - 1) / static_cast<int>(gridDim.z);
-    per = (per + kRowAlign - 1) / kRowAlign * kRowAlign;
-    out.begin = out.seg.z + static_cast<int>(blockIdx.z) * per;
-    out.end = min(out.seg.w, out.begin + per);
-    return out;
-  }
-  // Row-major: blockIdx.x = work item w; segment s owns chunks [first_s, first_s + ceil(len_s /
-  // chunk_rows)) with first_s the prefix sum of the chunk counts before it (segments in order).
   __shared__ int found[3];  // segment, first row, last row + 1
   if (threadIdx.x == 0) found[0] = -1;
   const int work = blockIdx.x;
@@ -154,7 +144,7 @@ __device__ __forceinline__ void load_a(uint4 (&a)[kShrinkWarpRanks][kVec],
   }
 }
 
-// grid: (row ranges, num_targets * splits, segment-major row chunks); blockIdx.y = target *
+// grid: (row ranges, num_targets * splits); blockIdx.y = target *
 // splits + split. partial[split, q, r] for this target, rows q of the range, r < rank.
 template <int kVec>
 __global__ void __launch_bounds__(kThreads)
@@ -238,13 +228,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Thread n's B row of (slot, expert): kRankChunks 8-value chunks, zero past the slot's rank
+// (rounded up to 8) and for n >= N. The pool's rank tail is zero, so ranks that are not multiples
+// of 8 read zeros there.
+template <int kRankChunks>
+__device__ __forceinline__ void load_b_row(const LoraPoolTarget& pool, int slot, int expert,
+                                           int n, int rank, uint4 (&b_reg)[kRankChunks]) {
+  const int N = pool.out_features, R = pool.max_rank;
+  const int rank_chunks = (rank + 7) / 8;
+  const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
+  const __nv_bfloat16* b_row =
+      pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R;
+#pragma unroll
+  for (int c = 0; c < kRankChunks; ++c)
+    b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
+                                          : make_uint4(0, 0, 0, 0);
+}
+
 // Column tiles of the targets of one expand launch: target t owns blockIdx.y in
 // [tile_begin[t], tile_begin[t + 1]).
 struct ExpandTiles {
   int tile_begin[kLoraMaxTargets + 1];
 };
 
-// grid: (row ranges, sum of the targets' 256-column tiles, segment-major row chunks).
+// grid: (row ranges, sum of the targets' 256-column tiles).
 template <int kRankChunks>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
 __global__ void __launch_bounds__(kThreads)
     lora_expand_kernel(const __grid_constant__ LoraMultiExpandArgs p, int splits, int chunk_rows,
@@ -268,15 +275,8 @@ __global__ void __launch_bounds__(kThreads)
   const int n = (static_cast<int>(blockIdx.y) - tiles.tile_begin[target]) * kThreads + threadIdx.x;
   const int rank_chunks = (rank + 7) / 8;
   const float scaling = pool.scaling[slot];
-  const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
-  const __nv_bfloat16* b_row =
-      pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R;
-
   uint4 b_reg[kRankChunks];
-#pragma unroll
-  for (int c = 0; c < kRankChunks; ++c)
-    b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
-                                          : make_uint4(0, 0, 0, 0);
+  load_b_row<kRankChunks>(pool, slot, expert, n, rank, b_reg);
 
   for (int q0 = rr.begin; q0 < rr.end; q0 += kExpandPassRows) {
     const int rows = min(kExpandPassRows, rr.end - q0);
@@ -430,15 +430,8 @@ __global__ void __launch_bounds__(kSegExpandThreads)
   const int n = blockIdx.y * kSegExpandThreads + threadIdx.x;
   const int rank_chunks = (rank + 7) / 8;
   const float scaling = pool.scaling[slot];
-  const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
-  const __nv_bfloat16* b_row =
-      pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R;
-
   uint4 b_reg[kRankChunks];
-#pragma unroll
-  for (int c = 0; c < kRankChunks; ++c)
-    b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
-                                          : make_uint4(0, 0, 0, 0);
+  load_b_row<kRankChunks>(pool, slot, expert, n, rank, b_reg);
 
   for (int q0 = seg.z + blockIdx.z * kSegExpandRows; q0 < seg.w; q0 += gridDim.z * kSegExpandRows) {
     const int rows = min(kSegExpandRows, seg.w - q0);
@@ -504,14 +497,13 @@ void check_segments(const LoraSegmentsView& seg, int row_capacity, const char* w
 }
 
 // Row-major grids: the chunk length and the number of chunks (grid x) for `ctas_per_chunk` CTAs
-// per chunk. Segment-major grids: (0, max_segments).
+// per chunk.
 struct RowGrid {
   int chunk_rows = 0;
   int64_t work = 0;
 };
 
 RowGrid row_grid(const LoraSegmentsView& seg, int64_t ctas_per_chunk) {
-  if (seg.max_rows <= 0) return {0, seg.max_segments};
   // sum_s ceil(len_s / c) <= ceil(sum_s len_s / c) + (non-empty segments) - 1, and there are at
   // most min(max_segments, max_rows) non-empty segments.
   const int64_t nonempty = std::min<int64_t>(seg.max_segments, seg.max_rows);
@@ -521,12 +513,18 @@ RowGrid row_grid(const LoraSegmentsView& seg, int64_t ctas_per_chunk) {
   return {c, chunks(c)};
 }
 
-dim3 make_grid(const LoraSegmentsView& seg, const RowGrid& rg, int64_t grid_y, const char* what) {
-  const int64_t z = seg.max_rows > 0 ? 1 : std::max(1, seg.row_chunks);
-  MOELORA_CHECK(rg.work <= INT_MAX && grid_y <= 65535 && z <= 65535, ErrorCode::kUnsupported, what,
-                ": grid (", rg.work, ", ", grid_y, ", ", z, ") exceeds the CUDA limits");
-  return dim3(static_cast<unsigned>(rg.work), static_cast<unsigned>(grid_y),
-              static_cast<unsigned>(z));
+dim3 make_grid(const RowGrid& rg, int64_t grid_y, const char* what) {
+  MOELORA_CHECK(rg.work <= INT_MAX && grid_y <= 65535, ErrorCode::kUnsupported, what, ": grid (",
+                rg.work, ", ", grid_y, ") exceeds the CUDA limits");
+  return dim3(static_cast<unsigned>(rg.work), static_cast<unsigned>(grid_y));
+}
+
+// The multi-target (row-chunk) launchers serve row-major views only.
+void check_row_major(const LoraSegmentsView& seg, const char* what) {
+  MOELORA_CHECK(seg.max_rows > 0 || seg.max_segments == 0, ErrorCode::kInvalidArgument, what,
+                ": multi-target launches need a row-major view (max_rows > 0, the rows of all "
+                "segments together), got max_rows = ",
+                seg.max_rows);
 }
 
 }  // namespace
@@ -547,6 +545,7 @@ void launch_lora_shrink_multi(const LoraMultiShrinkArgs& p, cudaStream_t stream)
                 what, ": num_targets = ", p.num_targets, ", expected 1..", kLoraMaxTargets);
   MOELORA_CHECK(p.x, ErrorCode::kInvalidArgument, what, ": x is required");
   check_segments(p.seg, p.row_capacity, what);
+  check_row_major(p.seg, what);
   const int in = p.targets[0].pool.in_features;
   for (int t = 0; t < p.num_targets; ++t) {
     check_pool(p.targets[t].pool, what, t);
@@ -561,7 +560,7 @@ void launch_lora_shrink_multi(const LoraMultiShrinkArgs& p, cudaStream_t stream)
   const int64_t grid_y = static_cast<int64_t>(splits) * p.num_targets;
   const RowGrid rg = row_grid(p.seg, grid_y);
   if (rg.work == 0) return;
-  const dim3 grid = make_grid(p.seg, rg, grid_y, what);
+  const dim3 grid = make_grid(rg, grid_y, what);
   switch (shrink_vec(in)) {
     case 1: lora_shrink_kernel<1><<<grid, kThreads, 0, stream>>>(p, splits, rg.chunk_rows); break;
     case 2: lora_shrink_kernel<2><<<grid, kThreads, 0, stream>>>(p, splits, rg.chunk_rows); break;
@@ -577,6 +576,7 @@ void launch_lora_expand_multi(const LoraMultiExpandArgs& args, cudaStream_t stre
                 ErrorCode::kInvalidArgument, what, ": num_targets = ", args.num_targets,
                 ", expected 1..", kLoraMaxTargets);
   check_segments(args.seg, args.row_capacity, what);
+  check_row_major(args.seg, what);
   LoraMultiExpandArgs p = args;
   const int in = p.targets[0].pool.in_features;
   ExpandTiles tiles{};
@@ -603,7 +603,7 @@ void launch_lora_expand_multi(const LoraMultiExpandArgs& args, cudaStream_t stre
   const int64_t grid_y = tiles.tile_begin[p.num_targets];
   const RowGrid rg = row_grid(p.seg, grid_y);
   if (rg.work == 0) return;
-  const dim3 grid = make_grid(p.seg, rg, grid_y, what);
+  const dim3 grid = make_grid(rg, grid_y, what);
   const int chunks = max_rank / 8;
   const int c = rg.chunk_rows;
   if (chunks <= 2) {

@@ -48,22 +48,21 @@ struct LoraSegmentsView {
   const int4* segments = nullptr;         // [max_segments] {slot, expert, begin, end}
   const int32_t* num_segments = nullptr;  // [1], at most max_segments
   int max_segments = 0;                   // grid capacity
-  // Segment-major grids (max_rows == 0): CTA x serves segment x, and row_chunks CTAs share its
-  // rows (any segment size is covered; more chunks = more parallelism for long segments). Grid:
-  // max_segments x row_chunks per target and K split / column tile. The single-target launchers
-  // (launch_lora_shrink / launch_lora_expand) run the short-segment kernels here, whose CTA z
-  // takes the 32-row chunks z, z + row_chunks, ...; the multi-target ones cut each segment into
-  // row_chunks contiguous near-equal chunks.
+  // Segment-major grids (max_rows == 0; single-target launches only, the short-segment kernels):
+  // CTA x serves segment x, and its CTA z takes the segment's 32-row chunks z, z + row_chunks, ...
+  // (any segment size is covered; more chunks = more parallelism for long segments). Grid:
+  // max_segments x K splits / column tiles x row_chunks.
   int row_chunks = 1;
-  // Row-major grids (max_rows > 0): the caller promises that the segments hold at most max_rows
-  // rows in all (disjoint token rows, as for a dense projection). The launchers cut every segment
-  // into chunks of a few rows (8 at decode sizes, more for long prefills) and size the grid by the
-  // chunk capacity ceil(max_rows / chunk) + min(max_segments, max_rows) - 1, which bounds
-  // sum_s ceil(len_s / chunk) for any split of max_rows rows into max_segments segments; each CTA
-  // finds its (segment, chunk) with a prefix sum over the segment lengths (in array order; the
-  // segments need not be sorted by row). So one adapter's 64
-  // decode rows spread over as many CTAs as 8 adapters' 8 rows each, and the grid does not grow
-  // with the number of slots times the rows. row_chunks is ignored.
+  // Row-major grids (max_rows > 0; required by the multi-target launchers, the row-chunk kernels):
+  // the caller promises that the segments hold at most max_rows rows in all (disjoint token rows,
+  // as for a dense projection). The launchers cut every segment into chunks of a few rows (8 at
+  // decode sizes, more for long prefills) and size the grid by the chunk capacity
+  // ceil(max_rows / chunk) + min(max_segments, max_rows) - 1, which bounds sum_s ceil(len_s /
+  // chunk) for any split of max_rows rows into max_segments segments; each CTA finds its
+  // (segment, chunk) with a prefix sum over the segment lengths (in array order; the segments need
+  // not be sorted by row). So one adapter's 64 decode rows spread over as many CTAs as 8 adapters'
+  // 8 rows each, and the grid does not grow with the number of slots times the rows. row_chunks
+  // is ignored.
   int max_rows = 0;
 };
 
