@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "core/cuda_utils.h"
+#include "core/mma_ptx.cuh"
 #include "core/error.h"
 
 namespace moelora::ops::cuda {
@@ -52,42 +53,8 @@ constexpr int kChunksPerOutRow = kExpandCols / 8;   // 16-byte chunks per output
 
 static_assert(kThreads == 128 && kTileRows == 64, "warp layouts below assume 4 warps, 64 rows");
 
-// ---- PTX wrappers --------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; src_bytes 0 writes zeros without reading `src`.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// Four 8x8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8 and receives
-// row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of each matrix.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += a (16x16 bf16, row-major) * b (16x8 bf16, column-major), fp32 accumulate.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// PTX wrappers: src/core/mma_ptx.cuh.
+using namespace ::moelora::cuda::ptx;
 
 // Fragment addressing (lane l), for a 16x16 tile at (row0, k0) of a row-major shared matrix:
 //   A operand (rows = M, columns = K): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
