@@ -151,10 +151,11 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
-// Synchronous: returns once the bytes are in device memory (see cuda::wait_for_host_copies).
+// The source may be freed on return; the bytes may still be in flight to the device: the public
+// upload APIs end with a wait (finish_construction's device sync, write_slot / clear_slot's
+// cuda::wait_for_host_copies) before any device work reads them.
 void copy_to_device(void* dst, const void* src, size_t bytes) {
   MOELORA_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  cuda::wait_for_host_copies();
 }
 
 // Any float tensor as bf16 bits (bf16 tensors copied as they are).
@@ -1343,6 +1344,7 @@ void GpuModelImpl::write_slot(int32_t slot, const io::LoraAdapter& adapter) {
       layer.moe->set_adapter(slot, a);
     }
   }
+  cuda::wait_for_host_copies();  // the next forward / replay reads the slot on other streams
 }
 
 void GpuModelImpl::clear_slot(int32_t slot) {
@@ -1355,6 +1357,7 @@ void GpuModelImpl::clear_slot(int32_t slot) {
     }
     if (layer.moe) layer.moe->clear_adapter(slot);
   }
+  cuda::wait_for_host_copies();
 }
 
 void GpuModelImpl::randomize_slot(int32_t slot, int rank, bool shared_outer, uint64_t seed) {
