@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -1827,6 +1828,25 @@ TEST(BenchCli, TableAndJson) {
       EXPECT_EQ(run["adapters_in_batch"], 0);
     }
   }
+
+  // scripts/engine-report renders the file: one row per run, the LoRA runs' share of no-LoRA as
+  // percentages taken from the JSON, and CPU runs without GPU fields shown as "-".
+  const fs::path report = test::data_dir().parent_path().parent_path() / "scripts" / "engine-report";
+  const auto rendered = test::run_command("python3 " + quote(report) + " " + quote(json));
+  ASSERT_EQ(rendered.exit_code, 0) << rendered.output;
+  EXPECT_TRUE(contains(rendered.output, "| model | B | adapters | in / out |")) << rendered.output;
+  const double pct = j["runs"][1]["pct_of_no_lora"]["overall"].get<double>();
+  char share[32];
+  std::snprintf(share, sizeof share, "| %.1f %% (", pct);
+  EXPECT_TRUE(contains(rendered.output, "| qwen3_moe (")) << rendered.output;
+  EXPECT_TRUE(contains(rendered.output, share)) << share << "\n" << rendered.output;
+  size_t rows = 0;
+  for (size_t pos = 0; (pos = rendered.output.find("\n| qwen3_moe (", pos)) != std::string::npos; ++pos)
+    ++rows;
+  EXPECT_EQ(rows, 4u) << rendered.output;
+  const auto broken = test::run_command("python3 " + quote(report) + " " + quote(tmp / "missing.json"));
+  EXPECT_NE(broken.exit_code, 0);
+  EXPECT_TRUE(contains(broken.output, "missing.json")) << broken.output;
 }
 
 TEST(BenchCli, DistinctAdaptersAndSynthesizedPreset) {
