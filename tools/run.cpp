@@ -130,7 +130,11 @@ int run_gpu_steps(const RunArgs& args, const fs::path& root, const fs::path& mod
   options.max_batch_tokens = 1024;
   options.adapter_slots = static_cast<int32_t>(adapters.size());
   options.max_loras_per_batch = static_cast<int32_t>(adapters.size());
-  options.max_lora_rank = 16;
+  // Separate gate_proj and up_proj LoRAs of the routed experts are stacked into one A of the sum
+  // of their ranks (io/peft.cpp), so the pool's rank is twice the largest adapter rank.
+  int64_t largest_rank = 0;
+  for (const DemoAdapter& a : adapters) largest_rank = std::max(largest_rank, a.rank);
+  options.max_lora_rank = (2 * largest_rank + 7) / 8 * 8;
   options.max_seq_len = 1024;
   moelora::Result<std::unique_ptr<moelora::Engine>> created = moelora::Engine::create(options);
   check_status(created.status());
