@@ -27,12 +27,18 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "core/cuda_utils.h"
 #include "ops/moe/moe_layer_cuda.cuh"
 
 using namespace moelora;
 
 namespace {
+
+using bench::json_escape;
+using bench::measure_copy_bandwidth;
+using bench::median;
+using bench::parse_list;
 
 struct Preset {
   std::string name;
@@ -75,45 +81,6 @@ struct Row {
   int distinct_experts;
   double baseline_us = 0;  // unfused baseline (0 = not run)
 };
-
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-// Device-to-device copy bandwidth (bytes read + written per second), 2 GB.
-double measure_copy_bandwidth() {
-  const size_t bytes = size_t(1) << 31;
-  cuda::DeviceBuffer a(bytes), b(bytes);
-  a.zero();
-  cuda::Event e0(true), e1(true);
-  for (int i = 0; i < 3; ++i) MOELORA_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
-  std::vector<float> ms;
-  for (int i = 0; i < 10; ++i) {
-    e0.record(nullptr);
-    MOELORA_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
-    e1.record(nullptr);
-    ms.push_back(cuda::Event::elapsed_ms(e0, e1));
-  }
-  return 2.0 * bytes / (median(ms) * 1e-3);
-}
-
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
-  return out;
-}
-
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\';
-    o += c;
-  }
-  return o;
-}
 
 struct Options {
   std::vector<std::string> presets = {"qwen3.5-35b-a3b", "kimi-k2.5", "kimi-k2.5-ep8"};
