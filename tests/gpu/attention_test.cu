@@ -18,6 +18,7 @@
 #include "gpu/gpu_test_util.cuh"
 #include "ops/attention/attention.h"
 #include "ops/attention/attention_cuda.cuh"
+#include "ops/attention/attention_flashinfer.cuh"
 #include "support/test_support.h"
 
 namespace moelora {
@@ -217,26 +218,9 @@ int batch_max_kv_len(const Case& c) {
   return c.kv_len_bound > 0 ? c.kv_len_bound : m;
 }
 
-// Compares the downloaded cache and out with the host image and attention_ref.
-void check_results(const Case& c, const Batch& b, const DeviceBatch& dev) {
-  const auto cache_k = download_vector<uint16_t>(dev.cache_k, b.expect_k.size());
-  const auto cache_v = download_vector<uint16_t>(dev.cache_v, b.expect_v.size());
-  for (size_t i = 0; i < cache_k.size(); ++i)
-    ASSERT_EQ(cache_k[i], b.expect_k[i])
-        << "K cache element " << i << " (slot " << i / (c.hkv * c.d) << ")";
-  for (size_t i = 0; i < cache_v.size(); ++i)
-    ASSERT_EQ(cache_v[i], b.expect_v[i])
-        << "V cache element " << i << " (slot " << i / (c.hkv * c.dv) << ")";
-
-  const auto out = download_vector<uint16_t>(dev.out, static_cast<size_t>(b.rows) * c.hq * c.dv);
+// Compares out (bf16 bits, [rows, Hq, Dv]) of the sequences' rows with attention_ref.
+void check_output(const Case& c, const Batch& b, const std::vector<uint16_t>& out) {
   const int64_t out_row = static_cast<int64_t>(c.hq) * c.dv;
-  for (int r = 0; r < b.rows; ++r) {
-    if (b.token_seq[r] >= 0) continue;
-    for (int64_t i = 0; i < out_row; ++i)
-      ASSERT_EQ(out[r * out_row + i], kOutSentinel)
-          << "padding row " << r << " of out was written at " << i;
-  }
-
   std::vector<float> actual, expected;
   for (size_t s = 0; s < c.seqs.size(); ++s) {
     const int T = c.seqs[s].q_len, S = c.seqs[s].kv_len;
@@ -256,6 +240,31 @@ void check_results(const Case& c, const Batch& b, const DeviceBatch& dev) {
   const int64_t n = static_cast<int64_t>(expected.size()) / out_row;
   EXPECT_TRUE(test::close_bf16(Tensor::from_f32(actual, {n, c.hq, c.dv}),
                                Tensor::from_f32(expected, {n, c.hq, c.dv})));
+}
+
+// Compares the downloaded cache and out with the host image and attention_ref; padding rows of
+// out must keep their sentinel unless padding_rows_written (FlashInfer's decode plan computes
+// them).
+void check_results(const Case& c, const Batch& b, const DeviceBatch& dev,
+                   bool padding_rows_written = false) {
+  const auto cache_k = download_vector<uint16_t>(dev.cache_k, b.expect_k.size());
+  const auto cache_v = download_vector<uint16_t>(dev.cache_v, b.expect_v.size());
+  for (size_t i = 0; i < cache_k.size(); ++i)
+    ASSERT_EQ(cache_k[i], b.expect_k[i])
+        << "K cache element " << i << " (slot " << i / (c.hkv * c.d) << ")";
+  for (size_t i = 0; i < cache_v.size(); ++i)
+    ASSERT_EQ(cache_v[i], b.expect_v[i])
+        << "V cache element " << i << " (slot " << i / (c.hkv * c.dv) << ")";
+
+  const auto out = download_vector<uint16_t>(dev.out, static_cast<size_t>(b.rows) * c.hq * c.dv);
+  const int64_t out_row = static_cast<int64_t>(c.hq) * c.dv;
+  for (int r = 0; r < b.rows && !padding_rows_written; ++r) {
+    if (b.token_seq[r] >= 0) continue;
+    for (int64_t i = 0; i < out_row; ++i)
+      ASSERT_EQ(out[r * out_row + i], kOutSentinel)
+          << "padding row " << r << " of out was written at " << i;
+  }
+  check_output(c, b, out);
 }
 
 void run_case(const Case& c) {
@@ -449,6 +458,201 @@ TEST(GpuPagedAttention, GraphReplayWithOtherLengths) {
 
   MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
   MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// ---- FlashInfer's paged-prefill kernel behind ops::cuda::FlashInferAttention ----
+
+// The engine's layout for FlashInfer: rows back to back; for a decode plan, padding sequences
+// (q_len 0) at the end with one padding row each (row b for sequence b, as in a graph bucket).
+void add_trailing_padding_rows(const Case& c, Batch& b, int rows, std::mt19937_64& rng) {
+  for (int r = 0; r < rows; ++r) {
+    b.token_seq.push_back(-1);
+    b.token_pos.push_back(0);
+  }
+  b.rows += rows;
+  const auto q_pad = random_bf16(static_cast<size_t>(rows) * c.hq * c.d, rng);
+  b.q.insert(b.q.end(), q_pad.begin(), q_pad.end());
+  b.k_new.resize(static_cast<size_t>(b.rows) * b.k_stride, 0);
+  b.v_new.resize(static_cast<size_t>(b.rows) * b.v_stride, 0);
+}
+
+ops::cuda::FlashInferAttentionShape flashinfer_shape(const Case& c, const Batch& b) {
+  ops::cuda::FlashInferAttentionShape s;
+  s.num_q_heads = c.hq;
+  s.num_kv_heads = c.hkv;
+  s.head_dim = c.d;
+  s.page_size = c.page_size;
+  s.max_seqs = static_cast<int>(c.seqs.size());
+  s.max_tokens = b.rows;
+  s.max_pages_per_seq = b.max_pages_per_seq;
+  return s;
+}
+
+ops::cuda::FlashInferHostBatch host_batch(const Case& c, const Batch& b) {
+  ops::cuda::FlashInferHostBatch h;
+  h.q_start = b.q_start.data();
+  h.q_len = b.q_len.data();
+  h.kv_len = b.kv_len.data();
+  h.page_table = b.page_table.data();
+  h.seqs = static_cast<int>(c.seqs.size());
+  return h;
+}
+
+// moelora's append, then FlashInfer's attention, against attention_ref. padding_seqs: the last
+// ones of c.seqs ({0, 0}), each given a trailing padding row (decode plans).
+void run_flashinfer_case(const Case& c, bool decode, int padding_seqs = 0) {
+  std::mt19937_64 rng(test::test_seed(c.seed));
+  Batch b = make_batch(c, rng);
+  add_trailing_padding_rows(c, b, padding_seqs, rng);
+  DeviceBatch dev;
+  make_device(c, b, batch_max_q_len(c), batch_max_kv_len(c), dev);
+  ops::cuda::FlashInferAttention attention(flashinfer_shape(c, b));
+  cuda::Stream stream;
+  attention.plan(host_batch(c, b), decode, stream.get());
+  ops::cuda::launch_paged_kv_append(dev.append, stream.get());
+  attention.launch(dev.attend, stream.get());
+  stream.synchronize();
+  check_results(c, b, dev, /*padding_rows_written=*/decode && padding_seqs > 0);
+}
+
+#define MOELORA_REQUIRE_FLASHINFER()                                       \
+  do {                                                                     \
+    MOELORA_REQUIRE_SM90();                                                \
+    if (!ops::cuda::FlashInferAttention::compiled())                       \
+      GTEST_SKIP() << "this build has no FlashInfer kernels (scripts/setup)"; \
+  } while (0)
+
+TEST(GpuFlashInferAttention, DecodeGroup8HeadDim128WithPaddingSequences) {
+  MOELORA_REQUIRE_FLASHINFER();
+  Case c;  // Qwen3-30B-A3B heads; a bucket of 7 with two padding sequences at the end
+  c.hq = 32, c.hkv = 4, c.page_size = 64;
+  c.seqs = {{1, 4096}, {1, 7}, {1, 129}, {1, 1}, {1, 1000}, {0, 0}, {0, 0}};
+  c.seed = 201;
+  run_flashinfer_case(c, /*decode=*/true, /*padding_seqs=*/2);
+}
+
+TEST(GpuFlashInferAttention, DecodeGroup4HeadDim64Page16) {
+  MOELORA_REQUIRE_FLASHINFER();
+  Case c;
+  c.hq = 8, c.hkv = 2, c.d = c.dv = 64, c.page_size = 16;
+  c.seqs = {{1, 33}, {1, 2048}, {1, 16}, {1, 17}};
+  c.scale = 0.2f;
+  c.seed = 202;
+  run_flashinfer_case(c, /*decode=*/true);
+}
+
+TEST(GpuFlashInferAttention, PrefillHeadDim256Group8) {
+  MOELORA_REQUIRE_FLASHINFER();
+  Case c;  // Qwen3.5's full-attention heads
+  c.hq = 16, c.hkv = 2, c.d = c.dv = 256, c.page_size = 64;
+  c.seqs = {{300, 300}, {1, 1}, {65, 65}};
+  c.seed = 203;
+  run_flashinfer_case(c, /*decode=*/false);
+}
+
+TEST(GpuFlashInferAttention, ChunkedPrefillMixedWithDecodesGroup1) {
+  MOELORA_REQUIRE_FLASHINFER();
+  Case c;  // a chunked-prefill step: decodes, chunks over cached context, a whole prompt
+  c.hq = 4, c.hkv = 4, c.d = c.dv = 128, c.page_size = 16;
+  c.seqs = {{1, 1000}, {129, 1000}, {7, 71}, {1, 2}, {64, 64}};
+  c.seed = 204;
+  run_flashinfer_case(c, /*decode=*/false);
+}
+
+// A graph captured after one decode plan, replayed after plans of other batches of the same
+// bucket size: other lengths, fewer live sequences, other pages.
+TEST(GpuFlashInferAttention, GraphReplayAcrossPlans) {
+  MOELORA_REQUIRE_FLASHINFER();
+  Case first;
+  first.hq = 32, first.hkv = 4, first.page_size = 64;
+  first.seqs = {{1, 2000}, {1, 9}, {1, 64}, {1, 65}, {0, 0}, {0, 0}};
+  first.seed = 205;
+  Case second = first;
+  second.seqs = {{1, 3}, {1, 2000}, {0, 0}, {0, 0}, {0, 0}, {0, 0}};
+  second.seed = 206;
+  std::mt19937_64 rng(test::test_seed(first.seed));
+  Batch b1 = make_batch(first, rng), b2 = make_batch(second, rng);
+  add_trailing_padding_rows(first, b1, 2, rng);
+  add_trailing_padding_rows(second, b2, 4, rng);
+  ASSERT_EQ(b1.rows, b2.rows);
+  ASSERT_EQ(b1.max_pages_per_seq, b2.max_pages_per_seq);
+  // The cache after the append is what attention reads: upload it whole.
+  const size_t cache_elems = std::max(b1.expect_k.size(), b2.expect_k.size());
+  cuda::DeviceBuffer k(cache_elems * 2), v(cache_elems * 2),
+      q(b1.q.size() * 2), out(static_cast<size_t>(b1.rows) * first.hq * first.dv * 2);
+  ops::cuda::PagedAttentionArgs a;
+  a.cache.k = k.as<__nv_bfloat16>();
+  a.cache.v = v.as<__nv_bfloat16>();
+  a.cache.page_size = first.page_size;
+  a.cache.num_kv_heads = first.hkv;
+  a.cache.head_dim = a.cache.v_head_dim = first.d;
+  a.q = q.as<__nv_bfloat16>();
+  a.q_stride = static_cast<int64_t>(first.hq) * first.d;
+  a.num_q_heads = first.hq;
+  a.out = out.as<__nv_bfloat16>();
+  ops::cuda::FlashInferAttention attention(flashinfer_shape(first, b1));
+  cuda::Stream stream;
+  auto load = [&](const Batch& b) {
+    k.upload(b.expect_k.data(), b.expect_k.size() * 2);
+    v.upload(b.expect_v.data(), b.expect_v.size() * 2);
+    q.upload(b.q.data(), b.q.size() * 2);
+  };
+
+  load(b1);
+  attention.plan(host_batch(first, b1), /*decode=*/true, stream.get());
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  attention.launch(a, stream.get());
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+  stream.synchronize();
+  check_output(first, b1, download_vector<uint16_t>(out, out.bytes() / 2));
+
+  load(b2);
+  attention.plan(host_batch(second, b2), /*decode=*/true, stream.get());
+  MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+  stream.synchronize();
+  check_output(second, b2, download_vector<uint16_t>(out, out.bytes() / 2));
+
+  MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST(GpuFlashInferAttention, RejectsBatchesItCannotServe) {
+  MOELORA_REQUIRE_FLASHINFER();
+  Case c;
+  c.hq = 8, c.hkv = 2, c.d = c.dv = 64;
+  c.seqs = {{3, 10}, {1, 5}};
+  std::mt19937_64 rng(1);
+  Batch b = make_batch(c, rng);
+  ops::cuda::FlashInferAttention attention(flashinfer_shape(c, b));
+  cuda::Stream stream;
+  // A decode plan needs one row per sequence.
+  std::string message = test::error_message(
+      [&] { attention.plan(host_batch(c, b), /*decode=*/true, stream.get()); },
+      ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("q_len 3"), std::string::npos) << message;
+  // Rows must be back to back.
+  std::vector<int32_t> q_start = b.q_start;
+  q_start[1] += 1;
+  ops::cuda::FlashInferHostBatch h = host_batch(c, b);
+  h.q_start = q_start.data();
+  message = test::error_message([&] { attention.plan(h, /*decode=*/false, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("starts at row 4, expected 3"), std::string::npos) << message;
+  // launch before a successful plan.
+  ops::cuda::PagedAttentionArgs a;
+  message = test::error_message([&] { attention.launch(a, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("before plan"), std::string::npos) << message;
+  // Shapes FlashInfer's kernels are not built for.
+  ops::cuda::FlashInferAttentionShape s = flashinfer_shape(c, b);
+  s.head_dim = 96;
+  message = test::error_message([&] { ops::cuda::FlashInferAttention bad(s); },
+                                ErrorCode::kUnsupported);
+  EXPECT_NE(message.find("head_dim 96"), std::string::npos) << message;
 }
 
 TEST(GpuPagedAttention, RejectsUnsupportedHeadDim) {
