@@ -8,7 +8,7 @@
 //                 [--adapter-dist uniform|distinct|skewed] [--base-share F] [--json FILE]
 //                 [--device cpu|cuda] [--seed S] [--max-batch-tokens N] [--prefill-chunk N]
 //                 [--max-layers N] [--gpu-memory-fraction F] [--adapter-slots N]
-//                 [--max-lora-rank R]
+//                 [--max-lora-rank R] [--attention auto|flashinfer|moelora]
 //
 // --device defaults to cuda when this build has CUDA and a device is visible, else cpu.
 // --random-weights (GPU only) takes the preset's config.json without writing any weights: the
@@ -44,7 +44,7 @@
 // Output: a Markdown table on stdout, a progress bar per run on stderr, and with --json FILE one
 // object: {"benchmark", "date", "host", "device", "threads", "model", "input_len", "output_len",
 // "seed", "max_batch_tokens", "prefill_chunk", "adapter_slots", "max_lora_rank", "kv_cache_pages",
-// "kv_page_size", "adapters", "adapter_dist", "base_share", "runs":
+// "kv_page_size", "attention_kernel", "adapters", "adapter_dist", "base_share", "runs":
 // [{"batch_size", "lora", "adapters_in_batch", "base_requests", "prefill_tokens_per_s",
 // "decode_tokens_per_s", "overall_tokens_per_s", "latency_s", "ttft_ms": {"mean", "p50", "max"},
 // "peak_rss_mb", "peak_kv_cache_mb", "steps", "kv_blocked_steps", "pct_of_no_lora": null or
@@ -128,6 +128,7 @@ struct BenchArgs {
   double gpu_memory_fraction = 0.9;
   int64_t adapter_slots = 0;  // 0 = the run's adapters (at least 1)
   int64_t max_lora_rank = 0;  // 0 = the run's largest rank, rounded up to a multiple of 8
+  std::string attention = "auto";  // EngineOptions::attention
 };
 
 // Unwraps a public-API result, turning a failed Status into the library's exception.
@@ -555,6 +556,7 @@ int run_bench(const BenchArgs& arg_in) {
   options.random_weights = a.random_weights;
   options.random_seed = a.seed;
   options.gpu_memory_fraction = a.gpu_memory_fraction;
+  options.attention = a.attention;
   if (gpu) options.max_seq_len = std::max<int64_t>(a.input_len + a.output_len, 64);
   moelora::Result<std::unique_ptr<moelora::Engine>> created = moelora::Engine::create(options);
   check(created.status());
@@ -573,12 +575,12 @@ int run_bench(const BenchArgs& arg_in) {
 
   std::printf(
       "moelora bench: %s, %lld layers, hidden %lld, %lld experts top-%lld, vocab %lld; device %s, "
-      "%d threads; adapter slots %d (max %d per batch), max LoRA rank %lld\n",
+      "%d threads; adapter slots %d (max %d per batch), max LoRA rank %lld; attention %s\n",
       config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
       static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_experts),
       static_cast<long long>(config.num_experts_per_tok), static_cast<long long>(config.vocab_size),
       a.device.c_str(), moelora::num_threads(), options.adapter_slots, options.max_loras_per_batch,
-      static_cast<long long>(options.max_lora_rank));
+      static_cast<long long>(options.max_lora_rank), engine.model_info().attention_kernel.c_str());
   const moelora::ModelInfo& info = engine.model_info();
   if (info.kv_cache_pages > 0) {
     std::printf(
@@ -784,6 +786,7 @@ int run_bench(const BenchArgs& arg_in) {
     j["max_lora_rank"] = options.max_lora_rank;
     j["kv_cache_pages"] = info.kv_cache_pages;
     j["kv_page_size"] = info.kv_page_size;
+    j["attention_kernel"] = info.attention_kernel;
     j["adapters"] = nlohmann::json::array();
     for (const auto& s : specs) {
       j["adapters"].push_back({{"name", s.name},
@@ -904,6 +907,11 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--max-lora-rank", a->max_lora_rank,
                  "Largest adapter rank a slot holds (0 = the run's largest rank, rounded up to a "
                  "multiple of 8)")
+      ->capture_default_str();
+  app.add_option("--attention", a->attention,
+                 "GPU attention kernels of GQA models: auto (FlashInfer's when built in and the "
+                 "head dim is served), flashinfer, moelora")
+      ->check(CLI::IsMember({"auto", "flashinfer", "moelora"}))
       ->capture_default_str();
   app.add_option("--seed", a->seed,
                  "Seed of the prompts (and of --preset / --synth-adapters weights)")

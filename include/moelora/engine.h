@@ -121,6 +121,10 @@ struct EngineOptions {
   uint64_t kv_cache_bytes = 0;
   double gpu_memory_fraction = 0.9;
   bool cuda_graphs = true;  // decode steps replay one CUDA graph per batch bucket
+  // GQA attention kernels: "auto" (FlashInfer's paged-prefill kernel when the build has it and
+  // serves the head dim, else moelora's own), "flashinfer" or "moelora". MLA models always run
+  // moelora's absorbed MLA kernels.
+  std::string attention = "auto";
 };
 
 struct SamplingParams {
@@ -172,6 +176,8 @@ struct ModelInfo {
   int64_t kv_cache_pages = 0;
   int64_t kv_page_size = 0;
   std::vector<int32_t> eos_token_ids;
+  // Attention kernels in use: "reference" (CPU), "flashinfer", "moelora" or "moelora-mla" (GPU).
+  std::string attention_kernel;
 };
 
 struct AdapterInfo {

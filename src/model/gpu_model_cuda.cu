@@ -37,6 +37,7 @@
 #include "model/model.h"
 #include "model/weights.h"
 #include "ops/attention/attention_cuda.cuh"
+#include "ops/attention/attention_flashinfer.cuh"
 #include "ops/embedding/embedding_cuda.cuh"
 #include "ops/linear/linear_cuda.cuh"
 #include "ops/lora/lora_cuda.cuh"
@@ -354,9 +355,25 @@ class GpuModelImpl final : public GpuModel {
 
   StepMetadata& host_step() override { return host_step_; }
   const StepMetadata& device_step() const override { return device_step_; }
-  void upload_step(cudaStream_t stream) override {
+  void upload_step(const ForwardShape& shape, cudaStream_t stream) override {
     MOELORA_CUDA_CHECK(cudaMemcpyAsync(step_device_.get(), step_host_->get(), step_bytes_,
                                        cudaMemcpyHostToDevice, stream));
+    if (flashinfer_) {
+      // One schedule for every attention layer of the forward. Decode-only forwards (the ones
+      // captured as graphs) take FlashInfer's graph-stable plan: the same launch configuration
+      // for every plan of one bucket size.
+      ops::cuda::FlashInferHostBatch b;
+      b.q_start = host_step_.q_start;
+      b.q_len = host_step_.q_len;
+      b.kv_len = host_step_.kv_len;
+      b.page_table = host_step_.page_table;
+      b.seqs = shape.seqs;
+      flashinfer_->plan(b, /*decode=*/shape.max_q_len <= 1, stream);
+    }
+  }
+
+  const char* attention_kernel() const override {
+    return config_.use_mla ? "moelora-mla" : flashinfer_ ? "flashinfer" : "moelora";
   }
 
   void forward(const ForwardShape& shape) override;
@@ -715,12 +732,30 @@ class GpuModelImpl final : public GpuModel {
           static_cast<size_t>(n + 2 * config_.num_key_value_heads) * config_.head_dim;
       qkv_ = alloc<bf16>(t * width);
       attn_ = alloc<bf16>(t * n * config_.head_dim);
-      size_t ws = 0;
-      for (int seqs = 1; seqs <= B; ++seqs) {
-        ws = std::max(ws, ops::cuda::paged_attention_workspace_bytes(
-                              T, n, static_cast<int>(config_.head_dim), seqs));
+      const int Hkv = static_cast<int>(config_.num_key_value_heads), D = static_cast<int>(config_.head_dim);
+      const bool fi_served = ops::cuda::FlashInferAttention::supports(n, Hkv, D);
+      MOELORA_CHECK(options_.attention != AttentionKernel::kFlashInfer || fi_served,
+                    ErrorCode::kUnsupported, "GpuModel: FlashInfer attention was asked for, but ",
+                    ops::cuda::FlashInferAttention::compiled()
+                        ? detail::concat("it does not serve ", n, " / ", Hkv, " heads of head_dim ", D,
+                                         " (head_dim 64, 128 or 256)")
+                        : std::string("this build has no FlashInfer kernels"));
+      if (fi_served && options_.attention != AttentionKernel::kMoelora) {
+        ops::cuda::FlashInferAttentionShape fs;
+        fs.num_q_heads = n;
+        fs.num_kv_heads = Hkv;
+        fs.head_dim = D;
+        fs.page_size = limits_.page_size;
+        fs.max_seqs = B;
+        fs.max_tokens = T;
+        fs.max_pages_per_seq = limits_.max_pages_per_seq;
+        flashinfer_ = std::make_unique<ops::cuda::FlashInferAttention>(fs);
+      } else {
+        size_t ws = 0;
+        for (int seqs = 1; seqs <= B; ++seqs)
+          ws = std::max(ws, ops::cuda::paged_attention_workspace_bytes(T, n, D, seqs));
+        attn_ws_ = alloc<uint8_t>(ws);
       }
-      attn_ws_ = alloc<uint8_t>(ws);
     }
     int max_inter = 0;
     for (const Layer& layer : layers_)
@@ -1004,7 +1039,10 @@ class GpuModelImpl final : public GpuModel {
     attn.scale = attention_scale_;
     attn.out = attn_;
     attn.workspace = attn_ws_;
-    ops::cuda::launch_paged_attention(attn, main_.get());
+    if (flashinfer_)
+      flashinfer_->launch(attn, main_.get());
+    else
+      ops::cuda::launch_paged_attention(attn, main_.get());
     project(shape, layer, attn_, layer.o, branch_, {{kO, 0}});
   }
 
@@ -1173,6 +1211,8 @@ class GpuModelImpl final : public GpuModel {
   bf16 *q_lat_ = nullptr, *q_ = nullptr, *kv_ = nullptr, *q_full_ = nullptr, *o_lat_ = nullptr;
   bf16 *gate_up_ = nullptr, *act_ = nullptr;
   uint8_t* attn_ws_ = nullptr;
+  // GQA attention through FlashInfer's kernel (planned in upload_step); null: moelora's kernel.
+  std::unique_ptr<ops::cuda::FlashInferAttention> flashinfer_;
   float* lora_partial_ = nullptr;
   bf16 *last_branch_ = nullptr, *last_resid_ = nullptr, *last_norm_ = nullptr;
   float* logits_ = nullptr;
@@ -1406,6 +1446,14 @@ void GpuModelImpl::randomize_slot(int32_t slot, int rank, bool shared_outer, uin
 }
 
 }  // namespace
+
+AttentionKernel parse_attention_kernel(const std::string& name) {
+  if (name == "auto") return AttentionKernel::kAuto;
+  if (name == "flashinfer") return AttentionKernel::kFlashInfer;
+  if (name == "moelora") return AttentionKernel::kMoelora;
+  MOELORA_THROW(ErrorCode::kInvalidArgument, "attention kernel '", name,
+                "': expected auto, flashinfer or moelora");
+}
 
 std::unique_ptr<GpuModel> GpuModel::load(const io::ModelWeights& weights,
                                          const GpuModelLimits& limits,

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "core/tensor.h"
 #include "io/checkpoint.h"
@@ -48,9 +49,21 @@ struct GpuModelLimits {
   int max_pages_per_seq = 0;    // page-table width (longest sequence / page_size, rounded up)
 };
 
+// Kernels of the GQA attention layers (Qwen3-MoE): FlashInfer's paged-prefill kernel
+// (ops/attention/attention_flashinfer.cuh, 2-3x faster, see there) or moelora's own. MLA layers
+// always run moelora's absorbed MLA kernels.
+enum class AttentionKernel {
+  kAuto,        // FlashInfer's when the build has it and serves the shape, else moelora's
+  kFlashInfer,  // kUnsupported when the build lacks it or the shape is not served
+  kMoelora,
+};
+// "auto", "flashinfer", "moelora" (kInvalidArgument naming the value otherwise).
+AttentionKernel parse_attention_kernel(const std::string& name);
+
 struct GpuModelOptions {
   bool show_progress = true;  // progress bar on stderr while uploading
   int device = 0;
+  AttentionKernel attention = AttentionKernel::kAuto;
 };
 
 // Per-step device metadata (all owned by the model; sizes from GpuModelLimits). The host mirror
@@ -112,9 +125,12 @@ class GpuModel {
   virtual void randomize_slot(int32_t slot, int rank, bool shared_outer, uint64_t seed) = 0;
 
   // Step metadata: host mirror (pinned, write it, then upload_step) and device copy.
+  // upload_step copies the mirror to the device and plans the forward of `shape` (FlashInfer's
+  // attention schedule, read from the mirror): call it before forward(shape) and before replaying
+  // a graph captured from forward(shape).
   virtual StepMetadata& host_step() = 0;
   virtual const StepMetadata& device_step() const = 0;
-  virtual void upload_step(cudaStream_t stream) = 0;
+  virtual void upload_step(const ForwardShape& shape, cudaStream_t stream) = 0;
 
   // Enqueues one forward on main_stream() (LoRA on the side stream). Captureable.
   virtual void forward(const ForwardShape& shape) = 0;
@@ -125,6 +141,9 @@ class GpuModel {
   // row order, each row in descending selection score); nullptr for a dense layer. Tests compare
   // it with the reference's routing (bf16 activations can flip near-tied experts).
   virtual const int32_t* moe_topk_ids(int64_t layer) const = 0;
+
+  // The attention kernels the model runs: "flashinfer", "moelora" (GQA) or "moelora-mla".
+  virtual const char* attention_kernel() const = 0;
 
   virtual cudaStream_t main_stream() const = 0;
   virtual uint64_t weight_bytes() const = 0;        // device bytes of the weights

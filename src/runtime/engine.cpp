@@ -119,6 +119,8 @@ void check_options(const EngineOptions& o) {
                 o.max_seq_len);
   MOELORA_CHECK(o.gpu_memory_fraction > 0.0 && o.gpu_memory_fraction <= 1.0, bad,
                 "gpu_memory_fraction must be in (0, 1], got ", o.gpu_memory_fraction);
+  MOELORA_CHECK(o.attention == "auto" || o.attention == "flashinfer" || o.attention == "moelora",
+                bad, "attention must be auto, flashinfer or moelora, got '", o.attention, "'");
   runtime::check_scheduler_options(scheduler_options(o, {}), o.adapter_slots);
 }
 
@@ -186,6 +188,7 @@ struct Engine::Impl {
     info.num_layers = config.num_hidden_layers;
     info.max_position_embeddings = config.max_position_embeddings;
     info.max_sequence_length = executor->max_sequence_length();
+    info.attention_kernel = executor->attention_kernel();
     if (scheduler.kv_limited()) {
       info.kv_cache_pages = scheduler.options().kv_pages;
       info.kv_page_size = scheduler.options().kv_page_size;
@@ -449,6 +452,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
       g.kv_cache_bytes = options.kv_cache_bytes;
       g.gpu_memory_fraction = options.gpu_memory_fraction;
       g.cuda_graphs = options.cuda_graphs;
+      g.attention = options.attention;
       g.show_progress = options.show_progress;
       executor = runtime::make_gpu_executor(g);
     } else {

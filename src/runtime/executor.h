@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -132,6 +133,8 @@ class Executor {
   virtual void randomize_slot(int32_t slot, int64_t rank, bool shared_outer, uint64_t seed);
 
   virtual ExecutorCounters counters() const { return {}; }
+  // The attention kernels the backend runs (ModelInfo::attention_kernel).
+  virtual std::string attention_kernel() const { return "reference"; }
 };
 
 }  // namespace moelora::runtime

@@ -55,6 +55,8 @@ struct GpuExecutorOptions {
   double gpu_memory_fraction = 0.9;
   int page_size = 64;       // KV tokens per page
   bool cuda_graphs = true;  // false: every step runs eagerly (debugging)
+  // GQA attention kernels: "auto", "flashinfer" or "moelora" (model::AttentionKernel).
+  std::string attention = "auto";
   bool show_progress = false;
   int device = 0;
 };

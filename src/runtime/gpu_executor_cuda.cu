@@ -223,6 +223,7 @@ class GpuExecutor final : public Executor {
   }
 
   ExecutorCounters counters() const override { return counters_; }
+  std::string attention_kernel() const override { return model_->attention_kernel(); }
 
  private:
   static constexpr int32_t kUnbound = -2;  // a sequence's slot before its first forward
@@ -291,7 +292,7 @@ class GpuExecutor final : public Executor {
   void launch(bool sample) {
     const cudaStream_t stream = model_->main_stream();
     write_mirror();  // the previous step synchronized: the mirror is not being read
-    model_->upload_step(stream);
+    model_->upload_step(shape_of(sample), stream);
     const std::pair<int, bool> key{plan_.rows, plan_.lora};
     bool captured_now = false;
     if (plan_.graph) {
@@ -450,6 +451,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   model::GpuModelOptions mo;
   mo.show_progress = o.show_progress;
   mo.device = o.device;
+  mo.attention = model::parse_attention_kernel(o.attention);
   std::unique_ptr<model::GpuModel> model =
       o.random_weights ? model::GpuModel::random(config, o.random_seed, fp8_experts, m, mo)
                        : model::GpuModel::load(*weights, m, mo);

@@ -1326,12 +1326,16 @@ TEST(Engine, BadOptionsAreRejected) {
   bad = o;
   bad.model_dir = fixture("qwen3_moe") / "does_not_exist";
   EXPECT_TRUE(contains(error(bad), "does_not_exist"));
+  bad = o;
+  bad.attention = "flash";
+  EXPECT_TRUE(contains(error(bad), "attention must be auto, flashinfer or moelora, got 'flash'"));
   // The defaults work and describe the model.
   Result<std::unique_ptr<Engine>> e = Engine::create(o);
   ASSERT_TRUE(e.is_ok()) << e.status().message();
   EXPECT_EQ(e.value()->model_info().vocab_size, 512);
   EXPECT_EQ(e.value()->model_info().model_type, "qwen3_moe");
   EXPECT_EQ(e.value()->model_info().eos_token_ids, std::vector<int32_t>{2});
+  EXPECT_EQ(e.value()->model_info().attention_kernel, "reference");
 }
 
 TEST(Engine, LoraOffRejectsAdapterRequests) {
@@ -1789,12 +1793,13 @@ TEST(BenchCli, TableAndJson) {
                                 io::load_adapter(q / "lora_shared_outer", config, "b").max_rank);
   const int64_t pool_rank = (rank + 7) / 8 * 8;
   EXPECT_TRUE(contains(r.output, "threads; adapter slots 2 (max 2 per batch), max LoRA rank " +
-                                     std::to_string(pool_rank) + "\n"))
+                                     std::to_string(pool_rank) + "; attention reference\n"))
       << r.output;
 
   const nlohmann::json j = nlohmann::json::parse(test::read_text_file(json));
   EXPECT_EQ(j["adapter_slots"], 2);
   EXPECT_EQ(j["max_lora_rank"], pool_rank);
+  EXPECT_EQ(j["attention_kernel"], "reference");  // the CPU backend
   EXPECT_EQ(j["kv_cache_pages"], 0);  // the CPU backend has no page pool
   EXPECT_EQ(j["device"], "cpu");
   EXPECT_EQ(j["input_len"], 5);
@@ -1838,7 +1843,8 @@ TEST(BenchCli, TableAndJson) {
   const double pct = j["runs"][1]["pct_of_no_lora"]["overall"].get<double>();
   char share[32];
   std::snprintf(share, sizeof share, "| %.1f %% (", pct);
-  EXPECT_TRUE(contains(rendered.output, "| qwen3_moe (")) << rendered.output;
+  EXPECT_TRUE(contains(rendered.output, "| qwen3_moe (3 layers, reference attention) |"))
+      << rendered.output;
   EXPECT_TRUE(contains(rendered.output, share)) << share << "\n" << rendered.output;
   size_t rows = 0;
   for (size_t pos = 0; (pos = rendered.output.find("\n| qwen3_moe (", pos)) != std::string::npos; ++pos)
@@ -1879,13 +1885,13 @@ TEST(BenchCli, AdapterPoolSizedFromTheRunOrTheOverrides) {
   // No adapters: one slot of the smallest rank.
   auto r = test::run_moelora(common);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(contains(r.output, "adapter slots 1 (max 1 per batch), max LoRA rank 8\n"))
+  EXPECT_TRUE(contains(r.output, "adapter slots 1 (max 1 per batch), max LoRA rank 8; attention"))
       << r.output;
   // Overrides, used as given.
   r = test::run_moelora(common + " --adapters a=" + quote(q / "lora_peft3d") +
                         " --adapter-slots 3 --max-lora-rank 13");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(contains(r.output, "adapter slots 3 (max 3 per batch), max LoRA rank 13\n"))
+  EXPECT_TRUE(contains(r.output, "adapter slots 3 (max 3 per batch), max LoRA rank 13; attention"))
       << r.output;
   // Overrides too small for the run's adapters.
   r = test::run_moelora(common + " --adapters a=" + quote(q / "lora_peft3d") +
