@@ -335,9 +335,11 @@ std::string iso_date() {
   return buf;
 }
 
-// The commit of the source tree the binary runs from, or "unknown".
+// The commit of the source tree the benchmark runs in (the working directory's repository), with
+// "-dirty" when the tree has uncommitted changes (the binary may then be of code no commit holds),
+// or "unknown" outside a repository.
 std::string git_commit() {
-  FILE* pipe = popen("git rev-parse --short=12 HEAD 2>/dev/null", "r");
+  FILE* pipe = popen("git describe --always --dirty --abbrev=12 2>/dev/null", "r");
   if (pipe == nullptr) return "unknown";
   char buf[64] = {0};
   const bool got = std::fgets(buf, sizeof buf, pipe) != nullptr;
