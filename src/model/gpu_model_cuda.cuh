@@ -127,7 +127,8 @@ class GpuModel {
   // Step metadata: host mirror (pinned, write it, then upload_step) and device copy.
   // upload_step copies the mirror to the device and plans the forward of `shape` (FlashInfer's
   // attention schedule, read from the mirror): call it before forward(shape) and before replaying
-  // a graph captured from forward(shape).
+  // a graph captured from forward(shape). Graphs: decode shapes only (max_q_len 1), whose plans
+  // keep one launch configuration per number of sequences.
   virtual StepMetadata& host_step() = 0;
   virtual const StepMetadata& device_step() const = 0;
   virtual void upload_step(const ForwardShape& shape, cudaStream_t stream) = 0;

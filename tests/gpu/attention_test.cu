@@ -498,12 +498,13 @@ ops::cuda::FlashInferHostBatch host_batch(const Case& c, const Batch& b) {
   return h;
 }
 
-// moelora's append, then FlashInfer's attention, against attention_ref. padding_seqs: the last
-// ones of c.seqs ({0, 0}), each given a trailing padding row (decode plans).
-void run_flashinfer_case(const Case& c, bool decode, int padding_seqs = 0) {
+// moelora's append, then FlashInfer's attention, against attention_ref. trailing_rows: padding
+// rows after the sequences' rows; a decode plan gives them to the padding sequences at the end of
+// c.seqs ({0, 0}, one each) and writes them, a general plan must leave them untouched.
+void run_flashinfer_case(const Case& c, bool decode, int trailing_rows = 0) {
   std::mt19937_64 rng(test::test_seed(c.seed));
   Batch b = make_batch(c, rng);
-  add_trailing_padding_rows(c, b, padding_seqs, rng);
+  add_trailing_padding_rows(c, b, trailing_rows, rng);
   DeviceBatch dev;
   make_device(c, b, batch_max_q_len(c), batch_max_kv_len(c), dev);
   ops::cuda::FlashInferAttention attention(flashinfer_shape(c, b));
@@ -512,7 +513,7 @@ void run_flashinfer_case(const Case& c, bool decode, int padding_seqs = 0) {
   ops::cuda::launch_paged_kv_append(dev.append, stream.get());
   attention.launch(dev.attend, stream.get());
   stream.synchronize();
-  check_results(c, b, dev, /*padding_rows_written=*/decode && padding_seqs > 0);
+  check_results(c, b, dev, /*padding_rows_written=*/decode && trailing_rows > 0);
 }
 
 #define MOELORA_REQUIRE_FLASHINFER()                                       \
@@ -552,19 +553,19 @@ TEST(GpuFlashInferAttention, PrefillHeadDim256Group8) {
 
 TEST(GpuFlashInferAttention, ChunkedPrefillMixedWithDecodesGroup1) {
   MOELORA_REQUIRE_FLASHINFER();
-  Case c;  // a chunked-prefill step: decodes, chunks over cached context, a whole prompt
+  Case c;  // a chunked-prefill step: decodes, chunks over cached context, a whole prompt, an idle
+           // sequence (q_len 0) and padding rows at the end that must stay untouched
   c.hq = 4, c.hkv = 4, c.d = c.dv = 128, c.page_size = 16;
-  c.seqs = {{1, 1000}, {129, 1000}, {7, 71}, {1, 2}, {64, 64}};
+  c.seqs = {{1, 1000}, {129, 1000}, {0, 0}, {7, 71}, {1, 2}, {64, 64}};
   c.seed = 204;
-  run_flashinfer_case(c, /*decode=*/false);
+  run_flashinfer_case(c, /*decode=*/false, /*trailing_rows=*/3);
 }
 
 // A graph captured after one decode plan, replayed after plans of other batches of the same
 // bucket size: other lengths, fewer live sequences, other pages.
-TEST(GpuFlashInferAttention, GraphReplayAcrossPlans) {
-  MOELORA_REQUIRE_FLASHINFER();
+void check_graph_replay_across_plans(int hq, int hkv) {
   Case first;
-  first.hq = 32, first.hkv = 4, first.page_size = 64;
+  first.hq = hq, first.hkv = hkv, first.page_size = 64;
   first.seqs = {{1, 2000}, {1, 9}, {1, 64}, {1, 65}, {0, 0}, {0, 0}};
   first.seed = 205;
   Case second = first;
@@ -620,6 +621,18 @@ TEST(GpuFlashInferAttention, GraphReplayAcrossPlans) {
   MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
+TEST(GpuFlashInferAttention, GraphReplayAcrossPlans) {
+  MOELORA_REQUIRE_FLASHINFER();
+  check_graph_replay_across_plans(32, 4);  // 6 query tiles within the split budget: KV split
+}
+
+TEST(GpuFlashInferAttention, GraphReplayAcrossPlansWithoutSplits) {
+  MOELORA_REQUIRE_FLASHINFER();
+  // 64 KV heads leave a split budget of 2 CTAs x SMs / 64 = 4 work items, below the bucket's 6
+  // query tiles: the planner turns KV splitting off for this bucket (no merge kernel).
+  check_graph_replay_across_plans(64, 64);
+}
+
 TEST(GpuFlashInferAttention, RejectsBatchesItCannotServe) {
   MOELORA_REQUIRE_FLASHINFER();
   Case c;
@@ -647,6 +660,53 @@ TEST(GpuFlashInferAttention, RejectsBatchesItCannotServe) {
   message = test::error_message([&] { attention.launch(a, stream.get()); },
                                 ErrorCode::kInvalidArgument);
   EXPECT_NE(message.find("before plan"), std::string::npos) << message;
+  // Capacities: sequences, rows, the page table, unassigned pages.
+  ops::cuda::FlashInferHostBatch many = host_batch(c, b);
+  many.seqs = 3;
+  message = test::error_message([&] { attention.plan(many, /*decode=*/false, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("batch.seqs = 3, expected 0 .. max_seqs = 2"), std::string::npos) << message;
+  std::vector<int32_t> q_len = b.q_len, kv_len = b.kv_len;
+  q_len[1] = 2;  // 3 + 2 rows in a batch built for 4
+  kv_len[1] = 6;
+  h = host_batch(c, b);
+  h.q_len = q_len.data();
+  h.kv_len = kv_len.data();
+  message = test::error_message([&] { attention.plan(h, /*decode=*/false, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("5 query rows"), std::string::npos) << message;
+  kv_len = b.kv_len;
+  kv_len[0] = b.max_pages_per_seq * c.page_size + 1;
+  h = host_batch(c, b);
+  h.kv_len = kv_len.data();
+  message = test::error_message([&] { attention.plan(h, /*decode=*/false, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("the page table's capacity"), std::string::npos) << message;
+  std::vector<int32_t> table = b.page_table;
+  table[0] = -1;
+  h = host_batch(c, b);
+  h.page_table = table.data();
+  message = test::error_message([&] { attention.plan(h, /*decode=*/false, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("page_table[0] = -1"), std::string::npos) << message;
+  // A general plan's launch may not be captured into a graph.
+  DeviceBatch dev;
+  make_device(c, b, batch_max_q_len(c), batch_max_kv_len(c), dev);
+  attention.plan(host_batch(c, b), /*decode=*/false, stream.get());
+  stream.synchronize();
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  message = test::error_message([&] { attention.launch(dev.attend, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  cudaGraph_t graph = nullptr;
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  if (graph) MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+  EXPECT_NE(message.find("only decode plans"), std::string::npos) << message;
+  // Misaligned q.
+  ops::cuda::PagedAttentionArgs misaligned = dev.attend;
+  misaligned.q = dev.attend.q + 1;
+  message = test::error_message([&] { attention.launch(misaligned, stream.get()); },
+                                ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("16-byte aligned"), std::string::npos) << message;
   // Shapes FlashInfer's kernels are not built for.
   ops::cuda::FlashInferAttentionShape s = flashinfer_shape(c, b);
   s.head_dim = 96;

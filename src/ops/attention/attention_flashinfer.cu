@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <exception>
 #include <string>
 
@@ -112,7 +113,10 @@ FlashInferAttention::FlashInferAttention(const FlashInferAttentionShape& s)
   Impl& m = *impl_;
   m.shape = s;
   const int group = s.num_q_heads / s.num_kv_heads;
-  const int num_sms = ::moelora::cuda::device_info().num_sms;
+  // The current device, as FlashInfer's planner sees it (cudaGetDevice), not device 0.
+  int device = 0;
+  MOELORA_CUDA_CHECK(cudaGetDevice(&device));
+  const int num_sms = ::moelora::cuda::device_info(device).num_sms;
   // Bounds of FlashInfer's planner (PrefillPlanImpl): it splits KV only while the work items fit
   // two CTAs per SM per KV head (budget), so split partials need at most budget * 128 / group
   // rows; under CUDA graphs the grid is padded to max(budget, query tiles).
@@ -143,8 +147,9 @@ void FlashInferAttention::plan(const FlashInferHostBatch& batch, bool decode, cu
   Impl& m = *impl_;
   const FlashInferAttentionShape& s = m.shape;
   const ErrorCode bad = ErrorCode::kInvalidArgument;
-  MOELORA_CHECK(batch.seqs >= 0 && batch.seqs <= s.max_seqs, bad, "FlashInferAttention::plan: ",
-                batch.seqs, " sequences, capacity ", s.max_seqs);
+  MOELORA_CHECK(batch.seqs >= 0 && batch.seqs <= s.max_seqs, bad,
+                "FlashInferAttention::plan: batch.seqs = ", batch.seqs, ", expected 0 .. max_seqs = ",
+                s.max_seqs);
   if (m.copies_pending) MOELORA_CUDA_CHECK(cudaEventSynchronize(m.copies_done.get()));
   m.copies_pending = false;
   m.planned = false;
@@ -157,26 +162,33 @@ void FlashInferAttention::plan(const FlashInferHostBatch& batch, bool decode, cu
   q_indptr[0] = 0;
   int64_t pages = 0, rows = 0;
   for (int b = 0; b < batch.seqs; ++b) {
-    int64_t q = batch.q_len[b], kv = batch.kv_len[b];
-    MOELORA_CHECK(q >= 0 && kv >= q && kv <= max_kv, bad, "FlashInferAttention::plan: sequence ",
-                  b, " has q_len ", q, " and kv_len ", kv, " (need 0 <= q_len <= kv_len <= ",
-                  max_kv, ", the page table's capacity)");
-    if (decode) {
-      MOELORA_CHECK(q <= 1 && (q == 0 || batch.q_start[b] == b), bad,
-                    "FlashInferAttention::plan (decode): sequence ", b, " has q_len ", q,
-                    " at row ", batch.q_start[b], "; decode plans take one row per sequence, row b "
-                    "for sequence b");
-      if (q == 0) q = kv = 1;  // padding: one position of page 0 (see below)
+    int64_t q = batch.q_len[b], kv = batch.kv_len[b], np = 0;
+    MOELORA_CHECK(q >= 0, bad, "FlashInferAttention::plan: q_len[", b, "] = ", q);
+    if (q == 0) {
+      // No rows: a padding sequence. Decode plans give it one position of page 0 (its table row
+      // and kv_len may hold anything; page 0 always exists) so that every plan of a bucket has
+      // the same shape; general plans give it nothing to read.
+      kv = decode ? 1 : 0;
+      np = decode ? 1 : 0;
+      if (decode) {
+        q = 1;
+        indices[pages] = 0;
+      }
     } else {
-      MOELORA_CHECK(q == 0 || batch.q_start[b] == rows, bad, "FlashInferAttention::plan: sequence ",
-                    b, " starts at row ", batch.q_start[b], ", expected ", rows,
-                    " (rows must be back to back in sequence order)");
-    }
-    const int64_t np = (kv + s.page_size - 1) / s.page_size;
-    const int32_t* table = batch.page_table + static_cast<size_t>(b) * s.max_pages_per_seq;
-    if (batch.q_len[b] == 0 && decode) {
-      indices[pages] = 0;  // a padding sequence's table row may hold anything; page 0 always exists
-    } else {
+      MOELORA_CHECK(kv >= q && kv <= max_kv, bad, "FlashInferAttention::plan: sequence ", b,
+                    " has q_len ", q, " and kv_len ", kv, " (need q_len <= kv_len <= ", max_kv,
+                    ", the page table's capacity)");
+      if (decode) {
+        MOELORA_CHECK(q == 1 && batch.q_start[b] == b, bad, "FlashInferAttention::plan (decode): "
+                      "sequence ", b, " has q_len ", q, " at row ", batch.q_start[b],
+                      "; decode plans take one row per sequence, row b for sequence b");
+      } else {
+        MOELORA_CHECK(batch.q_start[b] == rows, bad, "FlashInferAttention::plan: sequence ", b,
+                      " starts at row ", batch.q_start[b], ", expected ", rows,
+                      " (rows must be back to back in sequence order)");
+      }
+      np = (kv + s.page_size - 1) / s.page_size;
+      const int32_t* table = batch.page_table + static_cast<size_t>(b) * s.max_pages_per_seq;
       for (int64_t i = 0; i < np; ++i) {
         MOELORA_CHECK(table[i] >= 0, bad, "FlashInferAttention::plan: sequence ", b,
                       " has page_table[", i, "] = ", table[i], " within its kv_len ", kv);
@@ -190,7 +202,7 @@ void FlashInferAttention::plan(const FlashInferHostBatch& batch, bool decode, cu
     q_indptr[b + 1] = static_cast<int32_t>(rows);
   }
   MOELORA_CHECK(rows <= s.max_tokens, bad, "FlashInferAttention::plan: ", rows,
-                " query rows, capacity ", s.max_tokens);
+                " query rows (the sum of q_len), more than max_tokens = ", s.max_tokens);
   m.batch = rows > 0 ? batch.seqs : 0;
   if (m.batch == 0) {
     m.planned = true;
@@ -198,6 +210,8 @@ void FlashInferAttention::plan(const FlashInferHostBatch& batch, bool decode, cu
   }
   MOELORA_CUDA_CHECK(cudaMemcpyAsync(m.csr.get(), m.csr_staging->ptr, m.csr_bytes,
                                      cudaMemcpyHostToDevice, stream));
+  m.copies_done.record(stream);  // also if the planner fails below
+  m.copies_pending = true;
   cudaError_t status = cudaSuccess;
   try {
     status = fi::PrefillPlan<int32_t>(
@@ -210,9 +224,11 @@ void FlashInferAttention::plan(const FlashInferHostBatch& batch, bool decode, cu
   } catch (const std::exception& e) {
     MOELORA_THROW(ErrorCode::kInternal, "FlashInferAttention::plan: FlashInfer's planner: ", e.what());
   }
-  MOELORA_CUDA_CHECK(status);
-  m.copies_done.record(stream);
-  m.copies_pending = true;
+  MOELORA_CHECK(status == cudaSuccess, ErrorCode::kCuda, "FlashInferAttention::plan (",
+                batch.seqs, " sequences, ", rows, " rows, decode ", decode, "): FlashInfer's planner: ",
+                cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
+  m.copies_done.record(stream);  // after the planner's own copy of its schedule
+
   m.planned = true;
 }
 
@@ -220,7 +236,7 @@ void FlashInferAttention::launch(const PagedAttentionArgs& args, cudaStream_t st
   const Impl& m = *impl_;
   const FlashInferAttentionShape& s = m.shape;
   const ErrorCode bad = ErrorCode::kInvalidArgument;
-  MOELORA_CHECK(m.planned, bad, "FlashInferAttention::launch before plan()");
+  MOELORA_CHECK(m.planned, bad, "FlashInferAttention::launch before plan() (or after a plan() that failed)");
   MOELORA_CHECK(args.num_q_heads == s.num_q_heads && args.cache.num_kv_heads == s.num_kv_heads &&
                     args.cache.head_dim == s.head_dim && args.cache.v_head_dim == s.head_dim &&
                     args.cache.page_size == s.page_size,
@@ -228,10 +244,30 @@ void FlashInferAttention::launch(const PagedAttentionArgs& args, cudaStream_t st
                 args.cache.num_kv_heads, ", head dims ", args.cache.head_dim, " / ",
                 args.cache.v_head_dim, ", page size ", args.cache.page_size, "; planned for ",
                 s.num_q_heads, " / ", s.num_kv_heads, ", ", s.head_dim, ", ", s.page_size);
-  MOELORA_CHECK(args.q && args.out && args.cache.k && args.cache.v && args.q_stride >= int64_t(s.num_q_heads) * s.head_dim,
-                bad, "FlashInferAttention::launch: null q / out / cache, or q_stride ", args.q_stride,
-                " below Hq * D = ", int64_t(s.num_q_heads) * s.head_dim);
+  // FlashInfer loads q / k / v and stores out in 16-byte vectors and indexes rows in 32 bits.
+  const auto check_pointer = [&](const void* p, const char* name) {
+    MOELORA_CHECK(p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 == 0, bad,
+                  "FlashInferAttention::launch: ", name, " = ", p, " must be non-null and 16-byte aligned");
+  };
+  check_pointer(args.q, "q");
+  check_pointer(args.out, "out");
+  check_pointer(args.cache.k, "cache.k");
+  check_pointer(args.cache.v, "cache.v");
+  const int64_t row = int64_t(s.num_q_heads) * s.head_dim;
+  MOELORA_CHECK(args.q_stride >= row && args.q_stride % 8 == 0 &&
+                    (int64_t(s.max_tokens) - 1) * args.q_stride + row < (int64_t(1) << 31) &&
+                    int64_t(s.max_tokens) * row < (int64_t(1) << 31),
+                bad, "FlashInferAttention::launch: q_stride = ", args.q_stride,
+                " (need a multiple of 8, >= Hq * D = ", row, ", and max_tokens = ", s.max_tokens,
+                " rows of q and out addressable in 31 bits)");
   if (m.batch == 0) return;
+  // A general plan sizes the grid and the split merge for its own batch; only decode plans keep
+  // one launch configuration for every batch of a bucket (see the header).
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  MOELORA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  MOELORA_CHECK(capturing == cudaStreamCaptureStatusNone || m.plan.enable_cuda_graph, bad,
+                "FlashInferAttention::launch: a CUDA graph is being captured after a general "
+                "plan; only decode plans (plan(..., decode = true)) may be captured");
   const int D = s.head_dim;
   fi::paged_kv_t<Bf16, int32_t> kv(
       s.num_kv_heads, s.page_size, D, m.batch, fi::QKVLayout::kNHD,
@@ -273,7 +309,9 @@ void FlashInferAttention::launch(const PagedAttentionArgs& args, cudaStream_t st
   } catch (const std::exception& e) {
     MOELORA_THROW(ErrorCode::kInternal, "FlashInferAttention::launch: FlashInfer: ", e.what());
   }
-  MOELORA_CUDA_CHECK(status);
+  MOELORA_CHECK(status == cudaSuccess, ErrorCode::kCuda, "FlashInferAttention::launch (",
+                m.batch, " sequences, Hq ", s.num_q_heads, ", D ", D, ", query tile ", tile,
+                "): ", cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
 }
 
 #else  // !MOELORA_WITH_FLASHINFER

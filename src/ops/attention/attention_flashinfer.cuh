@@ -16,7 +16,9 @@
 //            (page list, page offsets, last-page lengths, query offsets) and its work schedule,
 //            and enqueues one host-to-device copy of each on `stream`.
 //   launch() enqueues the kernels of one layer (attention, and the merge of KV splits) using the
-//            last plan. No allocation, no synchronization: capturable.
+//            last plan. No allocation, no synchronization: capturable after a decode plan (a
+//            general plan's launch configuration fits its own batch only; launch refuses to be
+//            captured after one).
 //
 // Decode mode (plan with decode = true): every sequence has one query row, row b belongs to
 // sequence b; sequences with q_len 0 are padding (a CUDA-graph bucket's unused entries) and are
@@ -25,7 +27,8 @@
 // give the same launch configuration, which is what lets a graph captured after one plan replay
 // after another (FlashInfer's CUDA-graph mode with a uniform query length).
 // General mode: sequences' rows must be back to back in sequence order (q_start[b] = the sum of
-// the earlier q_len); rows after the last sequence's are left untouched.
+// the earlier q_len); sequences with q_len 0 read nothing; rows after the last sequence's are left
+// untouched.
 #pragma once
 
 #include <cuda_runtime.h>
