@@ -121,9 +121,9 @@ struct Problem {
   cuda::DeviceBuffer k, v, q;
   // moelora
   cuda::DeviceBuffer page_table, q_start, q_len_d, kv_len_d, token_seq, token_pos;
-  // FlashInfer
-  std::vector<int32_t> page_indptr_h, q_indptr_h;
-  cuda::DeviceBuffer page_indices, page_indptr, last_page_len, q_indptr;
+  // the same pages as a CSR list, for FlashInfer's CUDA-core decode kernel (fi-decode)
+  std::vector<int32_t> page_indptr_h;
+  cuda::DeviceBuffer page_indices, page_indptr, last_page_len;
   // host copies of the moelora batch (FlashInferAttention plans from them)
   std::vector<int32_t> page_table_h, q_start_h, q_len_h, kv_len_h;
   ops::cuda::PagedAttentionArgs moelora_args;  // out / workspace set per contender
@@ -162,7 +162,6 @@ Problem make_problem(const Preset& p, int batch, int q_len, int kv_len, int page
   std::vector<int32_t> page_table(size_t(batch) * pr.pages_per_seq), q_start(batch),
       q_lens(batch, q_len), kv_lens(batch, kv_len), token_seq, token_pos, last_page(batch);
   pr.page_indptr_h = {0};
-  pr.q_indptr_h = {0};
   for (int b = 0; b < batch; ++b) {
     for (int i = 0; i < pr.pages_per_seq; ++i)
       page_table[size_t(b) * pr.pages_per_seq + i] = pages[size_t(b) * pr.pages_per_seq + i];
@@ -172,7 +171,6 @@ Problem make_problem(const Preset& p, int batch, int q_len, int kv_len, int page
       token_pos.push_back(kv_len - q_len + t);
     }
     pr.page_indptr_h.push_back((b + 1) * pr.pages_per_seq);
-    pr.q_indptr_h.push_back((b + 1) * q_len);
     last_page[b] = kv_len - (pr.pages_per_seq - 1) * page_size;
   }
   pr.page_table_h = page_table;
@@ -188,7 +186,6 @@ Problem make_problem(const Preset& p, int batch, int q_len, int kv_len, int page
   pr.page_indices = upload(page_table);  // rows of the page table back to back = the CSR list
   pr.page_indptr = upload(pr.page_indptr_h);
   pr.last_page_len = upload(last_page);
-  pr.q_indptr = upload(pr.q_indptr_h);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
   return pr;
 }
