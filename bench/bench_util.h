@@ -37,9 +37,10 @@ inline double measure_copy_bandwidth() {
   return 2.0 * bytes / (median(ms) * 1e-3);
 }
 
-// "16,32,64" -> {16, 32, 64}; "" -> {}.
+// "16,32,64" -> {16, 32, 64}; "" or "none" -> {}.
 inline std::vector<int> parse_list(const std::string& s) {
   std::vector<int> out;
+  if (s == "none") return out;
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));

@@ -6,8 +6,13 @@
 // % of the copy bandwidth measured in the same run, TFLOP/s for prefill, LoRA/no-LoRA time
 // ratios against the ideal byte ratio, and writes JSON + Markdown with the `targets` array.
 //
+// Routed-only rows of the presets the peer was measured on carry the peer's µs (PERF.md: SGLang's
+// Triton fused_moe FP8 on an H200, LoRA by its fast-path kernels) and a P1 target entry each;
+// --compare-register also times the earlier register-fed decode GEMM on the no-LoRA decode rows
+// (before / after in one run). One JSON + Markdown file per preset: moe_layer_<preset>.json/.md.
+//
 //   bench_moe_layer [--preset NAME|all] [--decode 1,2,4,...] [--prefill 2048,4096] [--reps N]
-//                   [--routed-only] [--out DIR] [--quick]
+//                   [--no-routed-only] [--out DIR] [--quick] [--no-baseline] [--compare-register]
 #include <cublas_v2.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -80,7 +85,36 @@ struct Row {
   double lora_ratio = 0, ideal_ratio = 0, ratio_of_ideal = 0;  // for LoRA rows
   int distinct_experts;
   double baseline_us = 0;  // unfused baseline (0 = not run)
+  double peer_us = 0;      // the peer's µs for this configuration (0 = not measured)
+  double register_us = 0;  // the register-fed decode GEMM's µs (0 = not run)
+  double check_cosine = 0; // cosine of the output against the unfused baseline's (0 = not checked)
 };
+
+// The peer on the same H200 (PERF.md, "The peer"): SGLang's Triton fused_moe FP8 (w8a8, 128x128
+// blocks, tuned H200 configs), routed experts only (no router GEMM, no shared expert); LoRA =
+// one r16 per-expert adapter through its fast-path kernels, given as the LoRA / no-LoRA time ratio.
+struct PeerPoint {
+  int tokens;
+  double no_lora_us, lora_time_ratio;
+};
+const std::map<std::string, std::vector<PeerPoint>> kPeer = {
+    {"qwen3.5-35b-a3b",
+     {{1, 29.8, 1.35}, {4, 47.1, 1.27}, {16, 100.0, 1.22}, {32, 144.0, 1.19}, {64, 196.5, 1.16}, {128, 225.2, 1.16},
+      {4096, 766.0, 1.38}}},
+    {"kimi-k2.5-ep8",
+     {{1, 113, 1.11}, {4, 303, 1.05}, {16, 518, 1.04}, {32, 545, 1.05}, {64, 559, 1.07}, {128, 576, 1.09},
+      {4096, 4668, 1.18}}},
+};
+
+// The peer's µs for a routed-only row (0 when the peer was not measured there).
+double peer_us_for(const std::string& preset, int tokens, const std::string& lora, bool routed_only) {
+  if (!routed_only || (lora != "none" && lora != "1x r16")) return 0;
+  auto it = kPeer.find(preset);
+  if (it == kPeer.end()) return 0;
+  for (const auto& pt : it->second)
+    if (pt.tokens == tokens) return lora == "none" ? pt.no_lora_us : pt.no_lora_us * pt.lora_time_ratio;
+  return 0;
+}
 
 struct Options {
   std::vector<std::string> presets = {"qwen3.5-35b-a3b", "kimi-k2.5", "kimi-k2.5-ep8"};
@@ -88,9 +122,14 @@ struct Options {
   std::vector<int> prefill = {2048, 4096, 8192, 16384};
   int reps = 60;
   bool routed_only_too = true;
+  bool full_layer = true;             // false: routed-only rows alone (--routed-only)
+  std::vector<std::string> lora;      // LoRA configurations to run (empty = all)
   std::string out = "bench/results/h200";
   bool quick = false;
   bool baseline = true;
+  bool compare_register = false;
+  ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
+  float warmup_ms = 20.f;  // warm-up replays before timing (0 under a profiler)
 };
 
 // Per-forward LoRA bytes for the (slot, expert) pairs the batch touches.
@@ -262,7 +301,8 @@ int main(int argc, char** argv) {
       if (v == "all") {
         for (auto& p : kPresets) opt.presets.push_back(p.name);
       } else {
-        opt.presets.push_back(v);
+        std::stringstream ss(v);
+        for (std::string item; std::getline(ss, item, ',');) opt.presets.push_back(item);
       }
     } else if (a == "--decode") {
       opt.decode = parse_list(next());
@@ -274,21 +314,56 @@ int main(int argc, char** argv) {
       opt.out = next();
     } else if (a == "--no-routed-only") {
       opt.routed_only_too = false;
+    } else if (a == "--routed-only") {
+      opt.full_layer = false;
+    } else if (a == "--lora") {
+      std::stringstream ss(next());
+      for (std::string item; std::getline(ss, item, ',');) {
+        std::replace(item.begin(), item.end(), '_', ' ');  // 1x_r16 = "1x r16" (no quoting needed)
+        if (std::none_of(kLoraConfigs.begin(), kLoraConfigs.end(), [&](const LoraConfig& c) { return c.name == item; })) {
+          std::fprintf(stderr, "bench_moe_layer: unknown LoRA configuration '%s' (see --help)\n", item.c_str());
+          return 2;
+        }
+        opt.lora.push_back(item);
+      }
     } else if (a == "--quick") {
       opt.quick = true;
     } else if (a == "--no-baseline") {
       opt.baseline = false;
+    } else if (a == "--compare-register") {
+      opt.compare_register = true;
+    } else if (a == "--gemm-path") {
+      const std::string v = next();
+      if (v == "auto") opt.gemm_path = ops::cuda::GemmPath::kAuto;
+      else if (v == "stream") opt.gemm_path = ops::cuda::GemmPath::kDecode;
+      else if (v == "register") opt.gemm_path = ops::cuda::GemmPath::kDecodeRegister;
+      else if (v == "prefill") opt.gemm_path = ops::cuda::GemmPath::kPrefill;
+      else {
+        std::fprintf(stderr, "bench_moe_layer: --gemm-path must be auto, stream, register or prefill, got '%s'\n", v.c_str());
+        return 2;
+      }
+    } else if (a == "--warmup-ms") {
+      opt.warmup_ms = std::stof(next());
     } else if (a == "--help" || a == "-h") {
       std::printf(
           "bench_moe_layer: time one FP8 MoE layer with multi-LoRA on the GPU.\n"
-          "  --preset NAME|all   qwen3.5-35b-a3b, kimi-k2.5, kimi-k2.5-ep8, qwen3-30b-a3b (default: first three)\n"
+          "  --preset LIST|all   comma-separated from qwen3.5-35b-a3b, kimi-k2.5, kimi-k2.5-ep8, qwen3-30b-a3b\n"
+          "                      (default: the first three)\n"
           "  --decode LIST       decode batch sizes (default 1,2,4,8,16,32,64,128)\n"
-          "  --prefill LIST      prefill token counts (default 2048,4096,8192,16384)\n"
+          "  --prefill LIST      prefill token counts (default 2048,4096,8192,16384; none = no prefill rows)\n"
           "  --reps N            timed repetitions per configuration (default 60)\n"
           "  --no-routed-only    skip the routed-experts-only rows (router logits given, no shared expert)\n"
+          "  --routed-only       run the routed-experts-only rows alone (what the peer measured)\n"
+          "  --lora LIST         LoRA configurations, comma-separated from: none, 1x r16, 1x r64, 8x r16,\n"
+          "                      1x r16 shared-outer; _ for a space (1x_r16). Default: all; prefill runs none and 1x r16\n"
           "  --quick             fewer configurations (smoke run)\n"
           "  --no-baseline       skip the unfused baseline (dequantize + cuBLAS per expert + separate LoRA GEMMs)\n"
-          "  --out DIR           results directory (default bench/results/h200)\n");
+          "  --compare-register  also time the earlier register-fed decode GEMM on the no-LoRA decode rows\n"
+          "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels) or prefill\n"
+          "  --warmup-ms MS      warm-up replays before each timing (default 20; 0 under a profiler)\n"
+          "  --out DIR           results directory (default bench/results/h200); one\n"
+          "                      moe_layer_<preset>.json / .md per preset\n"
+          "Routed-only rows of qwen3.5-35b-a3b and kimi-k2.5-ep8 show the peer's µs (PERF.md) and a P1 target.\n");
       return 0;
     } else {
       std::fprintf(stderr, "bench_moe_layer: unknown option %s (see --help)\n", a.c_str());
@@ -307,11 +382,14 @@ int main(int argc, char** argv) {
 
     cuda::Stream main_stream, side_stream;
     cuda::DeviceBuffer flush(size_t(200) << 20);  // larger than L2
-    std::vector<Row> rows;
+    std::vector<Row> all_rows;
     std::mt19937_64 rng(1234);
 
     // Results are rewritten after every preset, so a long run that is cut short keeps what it measured.
-    auto write_results = [&]() {
+    auto write_results = [&](const std::string& preset) {
+      std::vector<Row> rows;
+      for (const auto& r : all_rows)
+        if (r.preset == preset) rows.push_back(r);
     // ---- targets (PERF.md L1, L2, L3, L4) ----
       struct Target {
         std::string id, config;
@@ -339,6 +417,10 @@ int main(int argc, char** argv) {
           targets.push_back({"L4", r.preset + " 4096 tokens TFLOP/s" + std::string(r.routed_only ? " routed-only" : " full layer"),
                              r.tflops, goal, r.tflops >= goal});
         }
+        if (r.peer_us > 0)
+          targets.push_back({"P1", r.preset + " " + r.mode + " B=" + std::to_string(r.tokens) + " " + r.lora +
+                                       " routed-only: peer µs / moelora µs (> 1 = faster than the peer)",
+                             r.peer_us / r.us_median, 1.0, r.us_median < r.peer_us});
         if (r.mode == "prefill" && r.tokens == 4096 && r.lora == "1x r16") {
           const double ratio = r.lora_ratio > 0 ? 1.0 / r.lora_ratio : 0;
           targets.push_back({"L4", r.preset + " 4096 tokens LoRA/no-LoRA time" + std::string(r.routed_only ? " routed-only" : " full layer"),
@@ -348,7 +430,7 @@ int main(int argc, char** argv) {
   
       // ---- outputs ----
       std::string commit = "unknown";
-      if (FILE* g = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+      if (FILE* g = popen("git describe --always --dirty --abbrev=7 2>/dev/null", "r")) {
         char buf[64] = {0};
         if (fgets(buf, sizeof buf, g)) commit = std::string(buf, strcspn(buf, "\n"));
         pclose(g);
@@ -358,7 +440,8 @@ int main(int argc, char** argv) {
       std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
       std::string cmd = "mkdir -p '" + opt.out + "'";
       if (std::system(cmd.c_str()) != 0) throw std::runtime_error("cannot create " + opt.out);
-      std::ofstream js(opt.out + "/moe_layer.json");
+      const std::string stem = opt.out + "/moe_layer_" + preset;
+      std::ofstream js(stem + ".json");
       js << "{\n  \"benchmark\": \"moe_layer\",\n  \"gpu\": \"" << json_escape(dev.name) << "\",\n  \"sms\": " << dev.num_sms
          << ",\n  \"l2_bytes\": " << dev.l2_bytes << ",\n  \"memory_clock_khz\": " << dev.memory_clock_khz
          << ",\n  \"driver\": " << dev.driver_version << ",\n  \"cuda_runtime\": " << dev.runtime_version
@@ -372,7 +455,8 @@ int main(int argc, char** argv) {
            << ", \"distinct_experts\": " << r.distinct_experts << ", \"ideal_us\": " << r.ideal_us << ", \"tb_per_s\": " << r.tbps
            << ", \"pct_of_copy_roofline\": " << r.pct_copy << ", \"tflops\": " << r.tflops << ", \"lora_ratio\": " << r.lora_ratio
            << ", \"ideal_lora_ratio\": " << r.ideal_ratio << ", \"ratio_of_ideal\": " << r.ratio_of_ideal
-           << ", \"unfused_baseline_us\": " << r.baseline_us << "}"
+           << ", \"unfused_baseline_us\": " << r.baseline_us << ", \"peer_us\": " << r.peer_us
+           << ", \"register_decode_us\": " << r.register_us << ", \"cosine_vs_unfused\": " << r.check_cosine << "}"
            << (i + 1 < rows.size() ? "," : "") << "\n";
       }
       js << "  ],\n  \"targets\": [\n";
@@ -383,22 +467,30 @@ int main(int argc, char** argv) {
            << (i + 1 < targets.size() ? "," : "") << "\n";
       }
       js << "  ]\n}\n";
-      std::ofstream md(opt.out + "/moe_layer.md");
-      md << "# moe_layer on " << dev.name << " (commit " << commit << ", " << date << ")\n\n"
-         << "Copy bandwidth measured in the same run: " << copy_bw / 1e12 << " TB/s (read + write).\n\n"
-         << "| preset | mode | tokens | LoRA | layer | µs (median) | µs (min) | experts | TB/s | % roofline | TFLOP/s | LoRA/no-LoRA | ideal | of ideal | unfused µs | speedup |\n"
-         << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      std::ofstream md(stem + ".md");
+      md << "# moe_layer " << preset << " on " << dev.name << " (commit " << commit << ", " << date << ")\n\n"
+         << "Copy bandwidth measured in the same run: " << copy_bw / 1e12 << " TB/s (read + write). "
+         << "peer µs: SGLang's Triton fused_moe FP8 on an H200 (PERF.md), routed experts only; "
+         << "register µs: the earlier register-fed decode GEMM in the same run.\n\n"
+         << "| preset | mode | tokens | LoRA | layer | µs (median) | µs (min) | experts | TB/s | % roofline | TFLOP/s | LoRA/no-LoRA | ideal | of ideal | peer µs | vs peer | register µs | unfused µs | speedup |\n"
+         << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
       for (const auto& r : rows) {
-        char line[512];
+        char line[768];
         std::string unfused = r.baseline_us > 0 ? std::to_string(static_cast<int>(r.baseline_us)) : "";
         std::string speedup = r.baseline_us > 0 ? std::to_string(r.baseline_us / r.us_median).substr(0, 5) + "x" : "";
-        std::snprintf(line, sizeof line, "| %s | %s | %d | %s | %s | %.1f | %.1f | %d | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s |\n",
+        char peer[32] = "", vs_peer[32] = "", reg[32] = "";
+        if (r.peer_us > 0) {
+          std::snprintf(peer, sizeof peer, "%.1f", r.peer_us);
+          std::snprintf(vs_peer, sizeof vs_peer, "%.2fx", r.peer_us / r.us_median);
+        }
+        if (r.register_us > 0) std::snprintf(reg, sizeof reg, "%.1f", r.register_us);
+        std::snprintf(line, sizeof line, "| %s | %s | %d | %s | %s | %.1f | %.1f | %d | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |\n",
                       r.preset.c_str(), r.mode.c_str(), r.tokens, r.lora.c_str(), r.routed_only ? "routed only" : "full",
                       r.us_median, r.us_min, r.distinct_experts, r.tbps, r.pct_copy, r.tflops,
                       r.lora_ratio > 0 ? std::to_string(r.lora_ratio).substr(0, 5).c_str() : "",
                       r.ideal_ratio > 0 ? std::to_string(r.ideal_ratio).substr(0, 5).c_str() : "",
-                      r.ratio_of_ideal > 0 ? std::to_string(r.ratio_of_ideal).substr(0, 5).c_str() : "", unfused.c_str(),
-                      speedup.c_str());
+                      r.ratio_of_ideal > 0 ? std::to_string(r.ratio_of_ideal).substr(0, 5).c_str() : "", peer, vs_peer, reg,
+                      unfused.c_str(), speedup.c_str());
         md << line;
       }
       md << "\n## Targets\n\n| id | config | value | target | met |\n|---|---|---|---|---|\n";
@@ -434,6 +526,7 @@ int main(int argc, char** argv) {
       c.max_rank = 64;
       ops::cuda::MoeLayerCuda layer(c, ops::cuda::MoeLayerHostWeights{}, main_stream.get(), side_stream.get());
       layer.randomize_weights(42);
+      layer.set_gemm_path(opt.gemm_path);
       const int max_decode = *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
       if (opt.baseline) baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
@@ -465,8 +558,10 @@ int main(int argc, char** argv) {
         std::map<std::string, double> base_us;  // routed_only flag -> no-LoRA median
         for (bool routed_only : {false, true}) {
           if (routed_only && !opt.routed_only_too) continue;
+          if (!routed_only && !opt.full_layer) continue;
           for (const auto& lc : kLoraConfigs) {
             if (opt.quick && lc.name != "none" && lc.name != "1x r16") continue;
+            if (!opt.lora.empty() && std::find(opt.lora.begin(), opt.lora.end(), lc.name) == opt.lora.end()) continue;
             if (mode == "prefill" && lc.name != "none" && lc.name != "1x r16") continue;
             for (int s = 0; s < 8; ++s) layer.clear_adapter(s);
             // One adapter goes to slot 3 (nothing may assume slot 0); several fill slots 0..n-1.
@@ -487,12 +582,16 @@ int main(int argc, char** argv) {
             f.single_slot = lc.adapters == 1 ? slot_of(0) : -1;  // the host knows the batch's slot set
             f.shared = !routed_only;
             f.out = out.as<__nv_bfloat16>();
+            // The layer's forward captured as one graph (what every timed repetition replays).
+            auto capture_forward = [&](cudaGraph_t& g, cudaGraphExec_t& e) {
+              MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_stream.get(), cudaStreamCaptureModeGlobal));
+              layer.forward(f);
+              MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_stream.get(), &g));
+              MOELORA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+            };
             cudaGraph_t graph;
             cudaGraphExec_t exec;
-            MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_stream.get(), cudaStreamCaptureModeGlobal));
-            layer.forward(f);
-            MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_stream.get(), &graph));
-            MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            capture_forward(graph, exec);
 
             auto stage_inputs = [&](int set) {
               MOELORA_CUDA_CHECK(cudaMemcpyAsync(x_cur.get(), xs[set].get(), x_cur.bytes(), cudaMemcpyDeviceToDevice, main_stream.get()));
@@ -528,31 +627,45 @@ int main(int argc, char** argv) {
             const int reps = mode == "prefill" ? std::max(10, opt.reps / 4) : opt.reps;
             std::vector<cuda::Event> e0, e1;
             for (int rep = 0; rep < reps; ++rep) e0.emplace_back(true), e1.emplace_back(true);
-            {
-              cuda::Event w0(true), w1(true);
-              w0.record(main_stream.get());
-              MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_stream.get()));
-              w1.record(main_stream.get());
-              const float one_ms = std::max(0.005f, cuda::Event::elapsed_ms(w0, w1));
-              const int warm = std::min(2000, static_cast<int>(20.0f / one_ms) + 3);
-              for (int i = 0; i < warm; ++i) {
-                stage_inputs(i % kSets);
-                MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_stream.get()));
+            auto time_replays = [&](cudaGraphExec_t graph_exec) {
+              {
+                cuda::Event w0(true), w1(true);
+                w0.record(main_stream.get());
+                MOELORA_CUDA_CHECK(cudaGraphLaunch(graph_exec, main_stream.get()));
+                w1.record(main_stream.get());
+                const float one_ms = std::max(0.005f, cuda::Event::elapsed_ms(w0, w1));
+                const int warm = opt.warmup_ms > 0 ? std::min(2000, static_cast<int>(opt.warmup_ms / one_ms) + 3) : 0;
+                for (int i = 0; i < warm; ++i) {
+                  stage_inputs(i % kSets);
+                  MOELORA_CUDA_CHECK(cudaGraphLaunch(graph_exec, main_stream.get()));
+                }
               }
+              for (int rep = 0; rep < reps; ++rep) {
+                stage_inputs(rep % kSets);
+                MOELORA_CUDA_CHECK(cudaMemsetAsync(flush.get(), rep & 0xff, flush.bytes(), main_stream.get()));
+                e0[rep].record(main_stream.get());
+                MOELORA_CUDA_CHECK(cudaGraphLaunch(graph_exec, main_stream.get()));
+                e1[rep].record(main_stream.get());
+              }
+              main_stream.synchronize();
+              std::vector<float> times;
+              for (int rep = 0; rep < reps; ++rep) times.push_back(cuda::Event::elapsed_ms(e0[rep], e1[rep]));
+              return times;
+            };
+            const std::vector<float> ms = time_replays(exec);
+            // Before / after in one run: the same forward with the register-fed decode GEMM.
+            double register_us = 0;
+            if (opt.compare_register && mode == "decode" && lc.adapters == 0) {
+              layer.set_gemm_path(ops::cuda::GemmPath::kDecodeRegister);
+              cudaGraph_t reg_graph;
+              cudaGraphExec_t reg_exec;
+              capture_forward(reg_graph, reg_exec);
+              register_us = median(time_replays(reg_exec)) * 1e3;
+              MOELORA_CUDA_CHECK(cudaGraphExecDestroy(reg_exec));
+              MOELORA_CUDA_CHECK(cudaGraphDestroy(reg_graph));
+              layer.set_gemm_path(opt.gemm_path);
             }
-            for (int rep = 0; rep < reps; ++rep) {
-              stage_inputs(rep % kSets);
-              MOELORA_CUDA_CHECK(cudaMemsetAsync(flush.get(), rep & 0xff, flush.bytes(), main_stream.get()));
-              e0[rep].record(main_stream.get());
-              MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_stream.get()));
-              e1[rep].record(main_stream.get());
-            }
-            main_stream.synchronize();
-            std::vector<float> ms;
-            for (int rep = 0; rep < reps; ++rep) ms.push_back(cuda::Event::elapsed_ms(e0[rep], e1[rep]));
-            MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
-            MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
-            double baseline_us = 0;
+            double baseline_us = 0, check_cosine = 0;
             if (opt.baseline && baseline && mode == "decode" && lc.adapters <= 1) {
               std::vector<float> bms;
               cuda::DeviceBuffer logit_scratch(static_cast<size_t>(T) * p.E * 4);
@@ -574,9 +687,32 @@ int main(int argc, char** argv) {
                 bms.push_back(cuda::Event::elapsed_ms(e0[rep], e1[rep]));
               }
               baseline_us = median(bms) * 1e3;
+              // Correctness of the timed graph: its output against the unfused baseline's (bf16
+              // weights dequantized from the same FP8 codes, unquantized activations) on the same
+              // input set. FP8 activation noise keeps the cosine near 0.999; a wrong kernel is far off.
+              const int set = (std::min(reps, 20) - 1) % kSets;
+              std::vector<uint16_t> want(static_cast<size_t>(T) * p.H), got(want.size());
+              out.download(want.data(), want.size() * 2);
+              stage_inputs(set);
+              MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_stream.get()));
+              main_stream.synchronize();
+              out.download(got.data(), got.size() * 2);
+              double dot = 0, nw = 0, ng = 0;
+              for (size_t i = 0; i < want.size(); ++i) {
+                const double a = bf16_bits_to_f32(got[i]), b = bf16_bits_to_f32(want[i]);
+                dot += a * b, nw += b * b, ng += a * a;
+              }
+              check_cosine = dot / std::sqrt(nw * ng);
+              if (!(check_cosine >= 0.99))
+                throw std::runtime_error(p.name + " B=" + std::to_string(T) + " " + lc.name +
+                                         ": the layer's output disagrees with the unfused baseline (cosine " +
+                                         std::to_string(check_cosine) + ", expected >= 0.99)");
             }
+            MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
             Row r;
             r.baseline_us = baseline_us;
+            r.check_cosine = check_cosine;
             r.preset = p.name;
             r.mode = mode;
             r.lora = lc.name;
@@ -600,19 +736,20 @@ int main(int argc, char** argv) {
               r.ideal_ratio = base_us[key + "bytes"] / r.bytes;
               r.ratio_of_ideal = r.lora_ratio / r.ideal_ratio;
             }
-            rows.push_back(r);
-            std::printf("%-16s %-7s %6d %-22s %-6s %9.1f us  %6.2f TB/s  %5.1f%% roofline  %7.1f TF  ratio %.3f (ideal %.3f, %.3f)  unfused %.1f us\n",
+            r.peer_us = peer_us_for(p.name, T, lc.name, routed_only);
+            r.register_us = register_us;
+            all_rows.push_back(r);
+            std::printf("%-16s %-7s %6d %-22s %-6s %9.1f us  %6.2f TB/s  %5.1f%% roofline  %7.1f TF  ratio %.3f (ideal %.3f, %.3f)  peer %.1f us  register %.1f us  unfused %.1f us\n",
                         p.name.c_str(), mode.c_str(), T, lc.name.c_str(), routed_only ? "routed" : "full", r.us_median,
-                        r.tbps, r.pct_copy, r.tflops, r.lora_ratio, r.ideal_ratio, r.ratio_of_ideal, r.baseline_us);
+                        r.tbps, r.pct_copy, r.tflops, r.lora_ratio, r.ideal_ratio, r.ratio_of_ideal, r.peer_us,
+                        r.register_us, r.baseline_us);
             std::fflush(stdout);
           }
         }
       }
-      write_results();
+      write_results(p.name);
+      std::printf("wrote %s/moe_layer_%s.json and .md\n", opt.out.c_str(), p.name.c_str());
     }
-
-    write_results();
-    std::printf("wrote %s/moe_layer.json and moe_layer.md\n", opt.out.c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe_layer: error: %s\n", e.what());
     return 1;

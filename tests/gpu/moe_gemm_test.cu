@@ -1,9 +1,14 @@
 // Sm90 grouped FP8 expert GEMMs against the CPU reference (ops/gemm/moe_gemm.h) on random
 // inputs: odd N, idle experts, experts with 1..70 tokens (several passes of the decode kernel),
-// gathered activation rows, every decode instance (token subtiles x CTA shapes).
+// gathered activation rows, every decode instance (token subtiles x CTA shapes); the
+// weight-streaming kernel with every pass width (8 / 16 / 32 / 64 tokens and several passes),
+// NaN rows past the sorted positions (loaded into columns that are never stored), programmatic
+// dependent launch, and graph replays bit-equal to eager launches.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -39,7 +44,10 @@ HostInputs make_inputs(const Problem& pb, std::mt19937_64& rng) {
     std::memcpy(weight.data<uint8_t>() + static_cast<size_t>(e) * pb.N * pb.K, q.q.raw_data(), q.q.nbytes());
     std::memcpy(wscale.data<float>() + static_cast<size_t>(e) * nb * kb, q.scale_inv.raw_data(), q.scale_inv.nbytes());
   }
-  Tensor x = test::random_normal({pb.rows, pb.K}, rng, 1.0f);
+  // Without gather, act row q is sorted position q: as many rows as tokens in all.
+  const int rows = pb.gather ? pb.rows
+                             : std::accumulate(pb.tokens_per_expert.begin(), pb.tokens_per_expert.end(), 0);
+  Tensor x = test::random_normal({rows, pb.K}, rng, 1.0f);
   auto xq = ops::quantize_fp8_per_token_ref(x);
   in.ref.act = xq.q;
   in.ref.act_scale = xq.scale;
@@ -106,6 +114,149 @@ void check_problem(const Problem& pb, uint64_t seed_fallback) {
     EXPECT_TRUE(test::close_bf16(got, expected)) << "E=" << pb.E << " N=" << pb.N << " K=" << pb.K
                                                  << " capacity=" << capacity;
   }
+}
+
+// The stream kernel reads sorted rows and k-major scales: materialize both from the reference
+// inputs (gathered rows copied into sorted order). The act buffer holds `slack_rows` rows past the
+// P sorted positions filled with NaN codes and NaN scales: a pass loads them into columns whose
+// results are never stored, so they must not show up anywhere. With slack_rows = 0 the rows past
+// P lie outside the TMA view and read as zeros.
+struct StreamInputs {
+  cuda::DeviceBuffer act, act_scale, weight, weight_scale, offsets, active, num_active, out;
+  ops::cuda::MoeGemmFp8Args args;
+};
+
+StreamInputs make_stream_inputs(const HostInputs& in, const Problem& pb, int slack_rows) {
+  using test::upload_vector;
+  const int P = in.ref.expert_offsets.back();
+  const int rows = P + slack_rows, kb = pb.K / 128;
+  const int ld = (rows + 3) / 4 * 4 + 4;  // leading dimension > rows: the kernel must use ld, not rows
+  std::vector<uint8_t> act(static_cast<size_t>(rows) * pb.K, 0x7f);  // 0x7f: e4m3 NaN
+  std::vector<float> sx(static_cast<size_t>(kb) * ld, std::numeric_limits<float>::quiet_NaN());
+  const uint8_t* src = in.ref.act.data<uint8_t>();
+  const float* src_scale = in.ref.act_scale.data<float>();
+  for (int q = 0; q < P; ++q) {
+    const int row = in.ref.gather.empty() ? q : in.ref.gather[q];
+    std::memcpy(&act[static_cast<size_t>(q) * pb.K], src + static_cast<size_t>(row) * pb.K, pb.K);
+    for (int b = 0; b < kb; ++b) sx[static_cast<size_t>(b) * ld + q] = src_scale[static_cast<size_t>(row) * kb + b];
+  }
+  StreamInputs s;
+  s.act = upload_vector(act);
+  s.act_scale = upload_vector(sx);
+  s.weight = cuda::to_device(in.ref.weight);
+  s.weight_scale = cuda::to_device(in.ref.weight_scale);
+  s.offsets = upload_vector(in.ref.expert_offsets);
+  std::vector<int32_t> active(pb.E, -1);
+  std::copy(in.active.begin(), in.active.end(), active.begin());
+  s.active = upload_vector(active);
+  s.num_active = upload_vector(std::vector<int32_t>{static_cast<int32_t>(in.active.size())});
+  s.out = cuda::DeviceBuffer(static_cast<size_t>(std::max(P, 1)) * pb.N * 2);
+  ops::cuda::MoeGemmFp8Args& a = s.args;
+  a.act = s.act.as<uint8_t>();
+  a.act_scale = s.act_scale.as<float>();
+  a.act_rows = std::max(rows, 1);
+  a.act_scale_ld = ld;
+  a.weight = s.weight.as<uint8_t>();
+  a.weight_scale = s.weight_scale.as<float>();
+  a.expert_offsets = s.offsets.as<int32_t>();
+  a.active_experts = s.active.as<int32_t>();
+  a.num_active = s.num_active.as<int32_t>();
+  a.out = s.out.as<__nv_bfloat16>();
+  a.num_experts = pb.E;
+  a.n = pb.N;
+  a.k = pb.K;
+  a.max_active_experts = pb.E;
+  a.max_tokens_per_expert = 8;
+  return s;
+}
+
+void check_stream_problem(const Problem& pb, uint64_t seed_fallback) {
+  std::mt19937_64 rng(test::test_seed(seed_fallback));
+  HostInputs in = make_inputs(pb, rng);
+  Tensor expected = ops::moe_gemm_fp8_ref(in.ref);
+  const int P = in.ref.expert_offsets.back();
+  const int sms = cuda::device_info(0).num_sms;
+  for (int slack : {0, 70}) {
+    for (bool pdl : {false, true}) {
+      StreamInputs s = make_stream_inputs(in, pb, slack);
+      cuda::Stream stream;
+      // poison the output: every stored element must be written by the kernel
+      MOELORA_CUDA_CHECK(cudaMemsetAsync(s.out.get(), 0xff, s.out.bytes(), stream.get()));
+      ops::cuda::launch_moe_gemm_fp8_stream(s.args, sms, pdl, stream.get());
+      stream.synchronize();
+      Tensor got = cuda::to_host(s.out, DType::kBF16, {P, pb.N}).to_f32();
+      EXPECT_TRUE(test::close_bf16(got, expected))
+          << "E=" << pb.E << " N=" << pb.N << " K=" << pb.K << " slack rows=" << slack << " pdl=" << pdl;
+    }
+  }
+}
+
+TEST(Sm90_MoeGemmFp8Stream, EveryPassWidthOddN) {
+  MOELORA_REQUIRE_SM90();
+  // 1, 8 -> N 8; 9, 16 -> 16; 17, 32 -> 32; 33, 64 -> 64; 65 -> 64 + 8; 130 -> 64 + 64 + 8
+  check_stream_problem({11, 200, 512, 0, {1, 8, 9, 0, 16, 17, 32, 33, 64, 65, 130}, false}, 21);
+}
+
+TEST(Sm90_MoeGemmFp8Stream, GatheredRowsSingleTokens) {
+  MOELORA_REQUIRE_SM90();
+  check_stream_problem({8, 200, 512, 3, {1, 0, 1, 0, 0, 1, 1, 0}, true}, 22);
+}
+
+TEST(Sm90_MoeGemmFp8Stream, WideKNarrowN) {
+  MOELORA_REQUIRE_SM90();
+  check_stream_problem({3, 48, 2048, 5, {5, 2, 0}, true}, 23);
+}
+
+TEST(Sm90_MoeGemmFp8Stream, DecodeShapesManyExperts) {
+  MOELORA_REQUIRE_SM90();
+  // qwen3.5 GEMM1-like: 2I = 1024 rows, K = 2048, 40 experts with 0..5 tokens (more work items
+  // than the persistent grid has CTAs: each CTA runs several items through one ring)
+  std::mt19937_64 rng(test::test_seed(24));
+  std::vector<int> tokens(40);
+  for (auto& t : tokens) t = static_cast<int>(rng() % 6);
+  check_stream_problem({40, 1024, 2048, 0, tokens, false}, 25);
+}
+
+TEST(Sm90_MoeGemmFp8Stream, GraphReplayBitEqualToEager) {
+  MOELORA_REQUIRE_SM90();
+  const Problem pb{6, 256, 1024, 0, {3, 0, 40, 1, 12, 70}, false};
+  std::mt19937_64 rng(test::test_seed(26));
+  HostInputs in = make_inputs(pb, rng);
+  const int P = in.ref.expert_offsets.back();
+  const int sms = cuda::device_info(0).num_sms;
+  StreamInputs s = make_stream_inputs(in, pb, 16);
+  cuda::Stream stream;
+  ops::cuda::launch_moe_gemm_fp8_stream(s.args, sms, false, stream.get());
+  stream.synchronize();
+  const auto eager = test::download_vector<uint16_t>(s.out, static_cast<size_t>(P) * pb.N);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  MOELORA_CUDA_CHECK(cudaMemsetAsync(s.out.get(), 0xff, s.out.bytes(), stream.get()));
+  ops::cuda::launch_moe_gemm_fp8_stream(s.args, sms, true, stream.get());
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    stream.synchronize();
+    EXPECT_EQ(test::download_vector<uint16_t>(s.out, static_cast<size_t>(P) * pb.N), eager) << "replay " << replay;
+  }
+  MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST(Sm90_MoeGemmFp8Stream, RefusesGatherAndRowMajorScales) {
+  MOELORA_REQUIRE_SM90();
+  const Problem pb{2, 128, 256, 4, {1, 1}, true};
+  std::mt19937_64 rng(27);
+  HostInputs in = make_inputs(pb, rng);
+  StreamInputs s = make_stream_inputs(in, pb, 0);
+  ops::cuda::MoeGemmFp8Args a = s.args;
+  a.gather = s.offsets.as<int32_t>();
+  EXPECT_THROW(ops::cuda::launch_moe_gemm_fp8_stream(a, 132, false, nullptr), Error);
+  a = s.args;
+  a.act_scale_ld = 0;  // row-major scales
+  EXPECT_THROW(ops::cuda::launch_moe_gemm_fp8_stream(a, 132, false, nullptr), Error);
 }
 
 TEST(Sm90_MoeGemmFp8Decode, SingleTokenPerExpertOddN) {

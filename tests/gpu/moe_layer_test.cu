@@ -277,7 +277,8 @@ TEST_F(Sm90_MoeLayer, SingleAdapterPathInSlot2) {
 }
 
 // The prefill path (CUTLASS grouped GEMM on permuted rows) with many tokens per expert and LoRA:
-// matches the reference and the decode path.
+// matches the reference and both decode paths (the stream kernel runs several 64-token passes
+// per expert here, the register kernel several 32-token passes).
 TEST_F(Sm90_MoeLayer, PrefillPathMatchesReferenceAndDecodePath) {
   std::mt19937_64 rng(test::test_seed(506));
   auto lf = make_layer(256, 128, 4, 2, 128, true, RouterKind::kSoftmaxTopK, 300, 2, 16, rng);
@@ -295,6 +296,8 @@ TEST_F(Sm90_MoeLayer, PrefillPathMatchesReferenceAndDecodePath) {
   Tensor prefill = run(layer, x, slots, logits);
   layer.set_gemm_path(ops::cuda::GemmPath::kDecode);
   Tensor decode = run(layer, x, slots, logits);
+  layer.set_gemm_path(ops::cuda::GemmPath::kDecodeRegister);
+  Tensor decode_register = run(layer, x, slots, logits);
   Tensor want = ops::moe_forward_ref(x, slots, lf.ref, refs, lf.params, nullptr, logits);
   // Both paths carry FP8 noise of their own (different GEMM accumulation orders re-round h, which
   // can flip FP8 codes of the activations). Over 300 tokens a few rows reach ~4 % relative error
@@ -303,10 +306,12 @@ TEST_F(Sm90_MoeLayer, PrefillPathMatchesReferenceAndDecodePath) {
   for (int t = 0; t < T; ++t) {
     EXPECT_LT(row_rel_error(prefill, want, t), 0.06) << "prefill token " << t;
     EXPECT_LT(row_rel_error(decode, want, t), 0.06) << "decode token " << t;
+    EXPECT_LT(row_rel_error(decode_register, want, t), 0.06) << "register decode token " << t;
     EXPECT_LT(row_rel_error(prefill, decode, t), 0.04) << "token " << t;
   }
   EXPECT_GE(test::cosine_similarity(prefill, want), 0.999);
   EXPECT_GE(test::cosine_similarity(decode, want), 0.999);
+  EXPECT_GE(test::cosine_similarity(decode_register, want), 0.999);
   EXPECT_GE(test::cosine_similarity(prefill, decode), 0.999);
 }
 

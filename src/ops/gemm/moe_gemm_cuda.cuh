@@ -18,7 +18,7 @@ namespace moelora::ops::cuda {
 
 struct MoeGemmFp8Args {
   const uint8_t* act = nullptr;      // e4m3 [rows, K]
-  const float* act_scale = nullptr;  // [rows, K/128]
+  const float* act_scale = nullptr;  // [rows, K/128], or k-major [K/128, act_scale_ld] (stream kernel)
   const int32_t* gather =
       nullptr;  // [P] activation row of each sorted position; nullptr = identity
   const uint8_t* weight = nullptr;          // e4m3 [E, N, K] row-major
@@ -33,7 +33,20 @@ struct MoeGemmFp8Args {
   // Capacity used to size the grid and pick the instance (host-side values, fixed per graph):
   int max_active_experts = 0;     // upper bound on *num_active (min(E, max pairs))
   int max_tokens_per_expert = 0;  // upper bound on the tokens of one expert (the batch's tokens)
+  // Stream kernel only: rows of the act buffer (the TMA view's extent; rows past it read as 0)
+  // and the leading dimension of its k-major scales (>= act_rows, a multiple of 4).
+  int act_rows = 0;
+  int act_scale_ld = 0;
 };
+
+// Weight-streaming kernel for decode (moe_gemm_stream_cuda.cu): TMA ring of 64-row weight tiles
+// feeding wgmma (swap-AB, tokens on N = 8..64 per pass), persistent grid of two CTAs per SM, each
+// touched weight read once per pass of 64 tokens. Requirements beyond check_moe_gemm_fp8_args:
+// gather == nullptr (act rows in sorted order, one per sorted position), act_scale k-major
+// ([K/128, act_scale_ld], 16-byte aligned), a sm_90a device. pdl: launch with programmatic stream
+// serialization (the weights of the first ring fill are fetched while the previous kernel in the
+// stream finishes; the activations only after it completes).
+void launch_moe_gemm_fp8_stream(const MoeGemmFp8Args& args, int num_sms, bool pdl, cudaStream_t stream);
 
 // Swap-AB mma.sync kernel for few tokens per expert (decode). Works for any number of tokens per
 // expert (it loops over passes of 8 * token_subtiles tokens) but is fastest at <= 32.

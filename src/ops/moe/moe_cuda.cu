@@ -1,4 +1,6 @@
+#include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
+#include "core/sm90_ptx.cuh"
 #include "ops/moe/moe_cuda.cuh"
 #include "ops/quant/fp8_device.cuh"
 
@@ -12,6 +14,11 @@ __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 // Warp per (row, 128-column group): lane owns columns 4*lane .. 4*lane+3 of the group.
 __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const MoeActivationArgs p) {
+  // The dependent (GEMM2) may be scheduled at once: before its own wait it only fetches weights.
+  // Every CTA waits (also those with no row): the grid's completion then implies the previous
+  // kernel's, which the kernels after this one rely on.
+  ::moelora::cuda::sm90::launch_dependents();
+  ::moelora::cuda::sm90::grid_dependency_wait();
   const int row = blockIdx.x;
   const int valid = p.num_rows ? *p.num_rows : p.max_rows;
   if (row >= valid) return;
@@ -58,7 +65,8 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
     uint32_t codes;
     const float s = quantize_group_128(a, codes);
     *reinterpret_cast<uint32_t*>(p.aq + static_cast<size_t>(row) * p.inter_padded + c0) = codes;
-    if (lane == 0) p.sa[static_cast<size_t>(row) * groups + group] = s;
+    if (lane == 0)
+      p.sa[p.scale_ld > 0 ? static_cast<size_t>(group) * p.scale_ld + row : static_cast<size_t>(row) * groups + group] = s;
   }
 }
 
@@ -79,10 +87,23 @@ __device__ __forceinline__ void add_scaled8(float (&acc)[8], const uint4& v, flo
 // issued before use (restrict pointers let the compiler hoist them past the store).
 __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const MoeFinalizeArgs p) {
   __shared__ float reduce[kFinalizeThreads / 32];
+  // Launched programmatically after GEMM2, the routing (written by the route and align kernels,
+  // complete before GEMM1 started) is read before the wait; y and the deltas only after it.
+  constexpr int kMaxTopK = 16;
   const int t = blockIdx.x;
+  const int k = p.top_k;
+  int pos_of[kMaxTopK];
+  float w_of[kMaxTopK];
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    const bool pair = j < k && p.topk_ids[t * k + j] >= 0;
+    pos_of[j] = pair ? p.pair_pos[t * k + j] : -1;
+    w_of[j] = pair ? p.topk_weights[t * k + j] : 0.f;
+  }
+  ::moelora::cuda::sm90::grid_dependency_wait();
   const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
   if (t >= valid) return;
-  const int H = p.hidden, k = p.top_k;
+  const int H = p.hidden;
   const __nv_bfloat16* __restrict__ y = p.y;
   const __nv_bfloat16* __restrict__ delta = p.delta;
   const bool lora = p.slot && p.slot[t] >= 0;
@@ -114,12 +135,12 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   const int c = blockIdx.y * kFinalizeCols + threadIdx.x * 8;
   if (c >= H) return;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < k; ++j) {
-    if (p.topk_ids[t * k + j] < 0) continue;
-    const size_t pos = static_cast<size_t>(p.pair_pos[t * k + j]);
-    const float w = p.topk_weights[t * k + j];
-    add_scaled8(acc, *reinterpret_cast<const uint4*>(y + pos * H + c), w);
-    if (lora && delta) add_scaled8(acc, *reinterpret_cast<const uint4*>(delta + pos * H + c), w);
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (pos_of[j] < 0) continue;
+    const size_t pos = static_cast<size_t>(pos_of[j]);
+    add_scaled8(acc, *reinterpret_cast<const uint4*>(y + pos * H + c), w_of[j]);
+    if (lora && delta) add_scaled8(acc, *reinterpret_cast<const uint4*>(delta + pos * H + c), w_of[j]);
   }
   if (p.shared) {
     add_scaled8(acc, *reinterpret_cast<const uint4*>(p.shared + static_cast<size_t>(t) * H + c), gate);
@@ -144,9 +165,11 @@ void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
                 ErrorCode::kInvalidArgument, "moe activation: inter_padded = ", p.inter_padded,
                 " must be I = ", p.inter, " rounded up to a multiple of 128");
   if (p.max_rows == 0) return;
-  dim3 grid(p.max_rows, (p.inter_padded / 128 + kActWarps - 1) / kActWarps);
-  moe_activation_kernel<<<grid, dim3(32 * kActWarps), 0, stream>>>(p);
-  MOELORA_CUDA_CHECK_LAUNCH();
+  MOELORA_CHECK(p.scale_ld == 0 || p.scale_ld >= p.max_rows, ErrorCode::kInvalidArgument,
+                "moe activation: scale_ld = ", p.scale_ld, " must be 0 (row-major) or >= max_rows = ", p.max_rows);
+  ::moelora::cuda::launch_kernel(moe_activation_kernel,
+                                 dim3(p.max_rows, (p.inter_padded / 128 + kActWarps - 1) / kActWarps),
+                                 dim3(32 * kActWarps), 0, stream, p.pdl, p);
 }
 
 void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
@@ -157,10 +180,12 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
                 "moe finalize: shared_delta needs shared_delta_row and slot");
   MOELORA_CHECK(p.hidden % 8 == 0, ErrorCode::kInvalidArgument, "moe finalize: H = ", p.hidden,
                 " must be a multiple of 8 (16-byte rows)");
+  MOELORA_CHECK(p.top_k >= 1 && p.top_k <= 16, ErrorCode::kUnsupported, "moe finalize: top_k = ", p.top_k,
+                " outside [1, 16]");
   if (p.max_tokens == 0) return;
-  dim3 grid(p.max_tokens, (p.hidden + kFinalizeCols - 1) / kFinalizeCols);
-  moe_finalize_kernel<<<grid, dim3(kFinalizeThreads), 0, stream>>>(p);
-  MOELORA_CUDA_CHECK_LAUNCH();
+  ::moelora::cuda::launch_kernel(moe_finalize_kernel,
+                                 dim3(p.max_tokens, (p.hidden + kFinalizeCols - 1) / kFinalizeCols),
+                                 dim3(kFinalizeThreads), 0, stream, p.pdl, p);
 }
 
 }  // namespace moelora::ops::cuda

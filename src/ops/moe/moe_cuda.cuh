@@ -25,7 +25,11 @@ struct MoeActivationArgs {
   int inter_padded = 0;   // I rounded up to 128 (the GEMM2 K)
   __nv_bfloat16* a16 = nullptr;  // [rows, I]
   uint8_t* aq = nullptr;         // [rows, inter_padded] e4m3, or nullptr (bf16 output only)
-  float* sa = nullptr;           // [rows, inter_padded / 128]
+  float* sa = nullptr;           // [rows, inter_padded / 128], or k-major (scale_ld)
+  int scale_ld = 0;              // 0: sa row-major; > 0: k-major [inter_padded / 128, scale_ld]
+  // Launch with programmatic stream serialization: the kernel waits for the previous kernel in
+  // the stream (griddepcontrol.wait) before reading, and lets its own dependents start at once.
+  bool pdl = false;
 };
 void launch_moe_activation(const MoeActivationArgs& args, cudaStream_t stream);
 
@@ -44,6 +48,7 @@ struct MoeFinalizeArgs {
   const int32_t* num_tokens = nullptr;     // [1] or nullptr
   int max_tokens = 0, top_k = 0, hidden = 0;
   __nv_bfloat16* out = nullptr;            // [T, H]
+  bool pdl = false;  // programmatic stream serialization (griddepcontrol.wait before any read)
 };
 void launch_moe_finalize(const MoeFinalizeArgs& args, cudaStream_t stream);
 

@@ -115,6 +115,7 @@ struct MoeLayerCuda::Impl {
   MoeLayerConfig c;
   cudaStream_t main = nullptr, side = nullptr;
   int Hp = 0, Ip = 0, P = 0, num_sms = 0;
+  int scale_ld = 0;  // leading dimension of the k-major activation scales (P rounded up to 4)
   ::moelora::cuda::CublasHandle cublas, cublas_side;  // one per stream: each owns its workspace
   std::vector<uint8_t> slot_shared_a;  // host copy: gate_up A of the slot is shared by all experts
   ::moelora::cuda::Event ev_route, ev_act, ev_shared_act, ev_lora1, ev_shared_lora1, ev_lora2;
@@ -266,6 +267,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   m.Hp = bf16 ? H : round_up(H, 128);  // FP8: whole scale blocks; bf16 needs no padding
   m.Ip = I;
   m.P = c.max_tokens * k;
+  m.scale_ld = round_up(m.P, 4);
   m.num_sms = ::moelora::cuda::device_info().num_sms;
 
   // ---- weights ----
@@ -395,9 +397,10 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   m.num_token_segments = m.ws.reserve(4);
   if (!bf16) {  // FP8 activations and the CUTLASS workspace; bf16 experts quantize nothing
     m.xq = m.ws.reserve(P * m.Hp);  // prefill permutes into P rows; decode uses the first T
-    m.sx = m.ws.reserve(P * (m.Hp / 128) * 4);
+    // scales: row-major [P, K/128] (prefill, register decode) or k-major [K/128, scale_ld] (stream)
+    m.sx = m.ws.reserve(static_cast<size_t>(m.scale_ld) * (m.Hp / 128) * 4);
     m.aq = m.ws.reserve(P * m.Ip);
-    m.sa = m.ws.reserve(P * (m.Ip / 128) * 4);
+    m.sa = m.ws.reserve(static_cast<size_t>(m.scale_ld) * (m.Ip / 128) * 4);
     m.prefill_ws_bytes = moe_gemm_prefill_workspace_bytes(E, m.num_sms);
     m.prefill_ws = m.ws.reserve(m.prefill_ws_bytes);
   }
@@ -621,6 +624,14 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   aa.token_pos = lora ? m.x<int32_t>(m.token_pos) : nullptr;
   aa.token_segments = lora ? m.x<int4>(m.token_segments) : nullptr;
   aa.num_token_segments = lora ? m.x<int32_t>(m.num_token_segments) : nullptr;
+  // Decode on FP8 experts chains route -> align -> quant -> GEMM1 -> activation -> GEMM2 ->
+  // finalize with programmatic dependent launches (each kernel's launch and prologue overlap its
+  // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait).
+  const bool decode = gemm_path_ == GemmPath::kDecode || gemm_path_ == GemmPath::kDecodeRegister ||
+                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
+  const bool register_decode = decode && gemm_path_ == GemmPath::kDecodeRegister;
+  const bool stream = decode && !register_decode && !c.bf16_experts;
+  aa.pdl = stream;
   launch_moe_align(aa, m.main);
   if (lora) m.ev_route.record(m.main);
 
@@ -726,21 +737,22 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     b1.k = H;
     b1.max_active_experts = max_active;
     b1.max_tokens_per_expert = max_tokens_per_expert;
-    b1.tile = gemm_path_ == GemmPath::kDecode    ? MoeGemmBf16Tile::kDecode
-              : gemm_path_ == GemmPath::kPrefill ? MoeGemmBf16Tile::kPrefill
-                                                 : MoeGemmBf16Tile::kAuto;
+    b1.tile = gemm_path_ == GemmPath::kPrefill ? MoeGemmBf16Tile::kPrefill
+              : gemm_path_ == GemmPath::kAuto  ? MoeGemmBf16Tile::kAuto
+                                               : MoeGemmBf16Tile::kDecode;
     launch_moe_gemm_bf16(b1, m.main);
   }
 
-  // 3. quant + GEMM1 (FP8 experts). Decode: few tokens per expert, the swap-AB kernel gathers
-  // per-token FP8 rows. Prefill: the CUTLASS grouped GEMM needs each expert's rows contiguous, so
-  // the quant kernel permutes into sorted order.
-  const bool decode = gemm_path_ == GemmPath::kDecode ||
-                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
+  // 3. quant + GEMM1 (FP8 experts). Decode (stream kernel) and prefill (CUTLASS) read each
+  // expert's rows contiguously, so the quant kernel permutes x into sorted order; the stream
+  // kernel takes its scales k-major. The register decode kernel gathers per-token FP8 rows.
+  const int scale_ld = stream ? m.scale_ld : 0;
   MoeGemmFp8Args g1;
   MoeGemmPrefillWorkspace pws{m.x<void>(m.prefill_ws), m.prefill_ws_bytes, m.num_sms};
   auto run_gemm = [&](const MoeGemmFp8Args& g) {
-    if (decode) {
+    if (stream) {
+      launch_moe_gemm_fp8_stream(g, m.num_sms, /*pdl=*/true, m.main);
+    } else if (register_decode) {
       launch_moe_gemm_fp8_decode(g, m.num_sms, m.main);
     } else {
       launch_moe_gemm_fp8_prefill(g, pws, m.main);
@@ -749,18 +761,22 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (!c.bf16_experts) {
     QuantFp8DeviceArgs qa;
     qa.x = f.x;
-    qa.gather = decode ? nullptr : m.x<int32_t>(m.sorted_token);
-    qa.num_rows = decode ? f.num_tokens : num_pairs;
-    qa.max_rows = decode ? T : P;
+    qa.gather = register_decode ? nullptr : m.x<int32_t>(m.sorted_token);
+    qa.num_rows = register_decode ? f.num_tokens : num_pairs;
+    qa.max_rows = register_decode ? T : P;
     qa.cols = H;
     qa.cols_padded = m.Hp;
     qa.q = m.x<uint8_t>(m.xq);
     qa.scale = m.x<float>(m.sx);
+    qa.scale_ld = scale_ld;
+    qa.pdl = stream;
     launch_quantize_fp8_rows(qa, m.main);
 
     g1.act = m.x<uint8_t>(m.xq);
     g1.act_scale = m.x<float>(m.sx);
-    g1.gather = decode ? m.x<int32_t>(m.sorted_token) : nullptr;
+    g1.act_rows = m.P;
+    g1.act_scale_ld = scale_ld;
+    g1.gather = register_decode ? m.x<int32_t>(m.sorted_token) : nullptr;
     g1.weight = m.w<uint8_t>(m.w13);
     g1.weight_scale = m.w<float>(m.w13s);
     g1.expert_offsets = offsets;
@@ -789,6 +805,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   act.a16 = m.x<__nv_bfloat16>(m.a16);
   act.aq = c.bf16_experts ? nullptr : m.x<uint8_t>(m.aq);
   act.sa = c.bf16_experts ? nullptr : m.x<float>(m.sa);
+  act.scale_ld = scale_ld;
+  // After GEMM1 with no event to join, the activation is a programmatic dependent of the stream
+  // kernel: it is scheduled while GEMM1 drains and GEMM2 after it prefetches its weights.
+  act.pdl = stream && !lora;
   launch_moe_activation(act, m.main);
   if (lora) {
     m.ev_act.record(m.main);
@@ -811,6 +831,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     MoeGemmFp8Args g2 = g1;
     g2.act = m.x<uint8_t>(m.aq);
     g2.act_scale = m.x<float>(m.sa);
+    g2.act_scale_ld = scale_ld;
     g2.gather = nullptr;
     g2.weight = m.w<uint8_t>(m.w2);
     g2.weight_scale = m.w<float>(m.w2s);
@@ -873,6 +894,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.top_k = k;
   fa.hidden = H;
   fa.out = f.out;
+  fa.pdl = stream && !lora && !shared;  // directly after GEMM2 on this stream
   launch_moe_finalize(fa, m.main);
 }
 

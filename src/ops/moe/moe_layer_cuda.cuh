@@ -84,9 +84,13 @@ struct MoeForwardArgs {
   __nv_bfloat16* out = nullptr;  // [T, H]
 };
 
-// Which expert GEMM kernels the layer uses. FP8 experts: the swap-AB decode kernel or the
-// CUTLASS grouped GEMM. bf16 experts: the decode or the prefill tile of the bf16 grouped GEMM.
-enum class GemmPath { kAuto, kDecode, kPrefill };
+// Which expert GEMM kernels the layer uses. FP8 experts: kDecode = the weight-streaming kernel
+// (TMA ring + wgmma, activations permuted into sorted order by the quant kernel, programmatic
+// dependent launch along GEMM1 -> activation -> GEMM2 -> finalize), kDecodeRegister = the earlier
+// register-fed swap-AB kernel (kept for A/B runs), kPrefill = the CUTLASS grouped GEMM; kAuto
+// takes kDecode up to should_use_decode_gemm's bound. bf16 experts: both decode values take the
+// decode tile of the bf16 grouped GEMM, kPrefill its prefill tile.
+enum class GemmPath { kAuto, kDecode, kDecodeRegister, kPrefill };
 
 // Which LoRA shrink / expand kernels the layer uses: kAuto takes the tensor-core (mma) ones for
 // forwards of at least kLoraMmaMinTokens tokens (lora_mma_cuda.cuh says why) and the decode-tuned

@@ -1,4 +1,6 @@
+#include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
+#include "core/sm90_ptx.cuh"
 #include "ops/moe_align/moe_align_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -56,6 +58,9 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
   int* flags = smem + 2 * bins; // [bins + 2 (S + 1)] scratch for compaction scans
   const int P = a.max_tokens * a.top_k;
   const int tid = threadIdx.x;
+  // The quant kernel after this one waits for our completion before it reads or triggers.
+  ::moelora::cuda::sm90::launch_dependents();
+  ::moelora::cuda::sm90::grid_dependency_wait();
 
   for (int b = tid; b < bins; b += kThreads) counts[b] = 0;
   __syncthreads();
@@ -198,8 +203,7 @@ void launch_moe_align(const MoeAlignDeviceArgs& a, cudaStream_t stream) {
       configured_bytes = 200 * 1024;
     }
   }
-  moe_align_kernel<<<dim3(1), dim3(kThreads), smem, stream>>>(a);
-  MOELORA_CUDA_CHECK_LAUNCH();
+  ::moelora::cuda::launch_kernel(moe_align_kernel, dim3(1), dim3(kThreads), smem, stream, a.pdl, a);
 }
 
 }  // namespace moelora::ops::cuda

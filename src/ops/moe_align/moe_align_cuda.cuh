@@ -33,6 +33,9 @@ struct MoeAlignDeviceArgs {
   int32_t* token_pos = nullptr;         // [T]
   int4* token_segments = nullptr;       // [S] {slot, 0, begin, end}
   int32_t* num_token_segments = nullptr;  // [1]
+  // Launch with programmatic stream serialization after the router kernel: the launch overlaps the
+  // router's tail; the kernel waits for it (griddepcontrol.wait) before reading topk_ids.
+  bool pdl = false;
 };
 
 // Shared memory the launch needs (3 int32 per bin, bins = E * (S + 1), plus 2 per slot); at most

@@ -1,5 +1,7 @@
 // One warp per (row, 128-column group); 8 warps per CTA cover 8 groups of a row.
+#include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
+#include "core/sm90_ptx.cuh"
 #include "ops/quant/fp8_device.cuh"
 #include "ops/quant/quant_cuda.cuh"
 
@@ -10,6 +12,8 @@ namespace {
 constexpr int kWarps = 8;
 
 __global__ void __launch_bounds__(32 * kWarps) quantize_fp8_rows_kernel(const QuantFp8DeviceArgs a) {
+  ::moelora::cuda::sm90::grid_dependency_wait();
+  ::moelora::cuda::sm90::launch_dependents();
   const int row = blockIdx.x;  // rows on x: prefill has more than 65535 of them
   const int valid_rows = a.num_rows ? *a.num_rows : a.max_rows;
   if (row >= valid_rows) return;
@@ -26,7 +30,8 @@ __global__ void __launch_bounds__(32 * kWarps) quantize_fp8_rows_kernel(const Qu
   uint32_t codes;
   const float s = quantize_group_128(v, codes);
   *reinterpret_cast<uint32_t*>(a.q + static_cast<size_t>(row) * a.cols_padded + c0) = codes;
-  if (lane == 0) a.scale[static_cast<size_t>(row) * groups + group] = s;
+  if (lane == 0)
+    a.scale[a.scale_ld > 0 ? static_cast<size_t>(group) * a.scale_ld + row : static_cast<size_t>(row) * groups + group] = s;
 }
 
 }  // namespace
@@ -36,10 +41,11 @@ void launch_quantize_fp8_rows(const QuantFp8DeviceArgs& a, cudaStream_t stream) 
   MOELORA_CHECK(a.cols_padded % 128 == 0 && a.cols_padded >= a.cols && a.cols_padded - a.cols < 128,
                 ErrorCode::kInvalidArgument, "quantize_fp8_rows: cols_padded = ", a.cols_padded,
                 " must be cols = ", a.cols, " rounded up to a multiple of 128");
+  MOELORA_CHECK(a.scale_ld == 0 || a.scale_ld >= a.max_rows, ErrorCode::kInvalidArgument,
+                "quantize_fp8_rows: scale_ld = ", a.scale_ld, " must be 0 (row-major) or >= max_rows = ", a.max_rows);
   if (a.max_rows == 0) return;
   dim3 grid(a.max_rows, (a.cols_padded / 128 + kWarps - 1) / kWarps);
-  quantize_fp8_rows_kernel<<<grid, dim3(32 * kWarps), 0, stream>>>(a);
-  MOELORA_CUDA_CHECK_LAUNCH();
+  ::moelora::cuda::launch_kernel(quantize_fp8_rows_kernel, grid, dim3(32 * kWarps), 0, stream, a.pdl, a);
 }
 
 }  // namespace moelora::ops::cuda

@@ -17,9 +17,18 @@ struct QuantFp8DeviceArgs {
   int cols = 0;                      // valid columns
   int cols_padded = 0;               // multiple of 128; columns past `cols` are written as 0
   uint8_t* q = nullptr;              // e4m3 [max_rows, cols_padded]
-  float* scale = nullptr;            // [max_rows, cols_padded / 128]
+  float* scale = nullptr;            // [max_rows, cols_padded / 128], or k-major (scale_ld)
+  // 0: scales row-major as above; > 0: k-major [cols_padded / 128, scale_ld] (scale_ld >=
+  // max_rows), the layout the stream GEMM loads one K block of many rows from.
+  int scale_ld = 0;
+  bool pdl = false;  // see launch_quantize_fp8_rows
 };
 
+// args.pdl: launch with programmatic stream serialization (after the align kernel). The kernel
+// waits for its predecessor (griddepcontrol.wait) and only then lets its own dependent (the
+// stream GEMM) be scheduled: the GEMM reads the align kernel's schedule before its own wait, so
+// that schedule must be complete by then. It writes only q and scale, which the GEMM reads after
+// its wait.
 void launch_quantize_fp8_rows(const QuantFp8DeviceArgs& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda

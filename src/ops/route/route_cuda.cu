@@ -5,6 +5,7 @@
 #include <cfloat>
 
 #include "core/cuda_utils.h"
+#include "core/sm90_ptx.cuh"
 #include "ops/route/route_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -60,6 +61,8 @@ template <int kMaxPerLane>
 __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelParams p) {
   __shared__ float biased[kWarpsPerCta][kMaxExperts];
   __shared__ unsigned char group_kept[kWarpsPerCta][32];
+  // The align kernel may be scheduled at once (it waits for this grid before reading).
+  ::moelora::cuda::sm90::launch_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int token = blockIdx.x * kWarpsPerCta + warp;
   if (token >= p.a.max_tokens) return;

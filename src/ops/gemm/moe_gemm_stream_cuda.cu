@@ -1,0 +1,422 @@
+// Weight-streaming grouped FP8 expert GEMM for decode (few tokens per expert): the cost is reading
+// each touched expert's weights from HBM once, so the kernel is built to keep HBM busy.
+//
+//   out[q, n] = sum_k act[q, k] sx[k/128, q] * W[e(q), n, k] sw[e(q), n/128, k/128]
+//
+// Swap-AB: 64 weight rows are the wgmma M side, the expert's tokens (1..64 per pass) the N side
+// (wgmma m64nNk32, N = 8 / 16 / 32 / 64 picked per pass from the expert's token count).
+//
+// Pipeline (one CTA = one producer warp + one consumer warpgroup, two CTAs per SM):
+// - The producer thread walks the CTA's work items (expert, 64-row tile) and, per 128-wide K
+//   block, fills one stage of a 6-deep shared-memory ring with three TMA copies: the weight tile
+//   [64 rows x 128 B] (128-byte swizzle, L2 evict-first), the activation rows of the pass
+//   [N x 128 B] (8-row boxes, sorted positions q0 .. q0+N-1, so each expert's rows are contiguous;
+//   rows past the buffer read as zeros) and their fp32 scales of that K block (scales stored
+//   k-major, [K/128, ld], so they are one contiguous box; it starts at q0 rounded down to 16 bytes,
+//   which TMA requires of the innermost coordinate). Completion is counted on the stage's mbarrier
+//   in bytes.
+// - The consumer warpgroup multiplies the stage with four wgmma k32 steps into a block
+//   accumulator, promotes it into the main accumulator with sw * sx (DeepGEMM-style per-block
+//   promotion; a 64-row tile always lies inside one 128-row scale block) and frees the stage.
+// - Work items are spread over a persistent grid (<= 2 CTAs per SM) round-robin; the ring runs
+//   on across items, so the producer is already streaming the next tile while the consumer
+//   finishes this one. 12 stages x 8 KB of weights in flight per SM.
+// - Programmatic dependent launch: the weights do not depend on the previous kernel, so the
+//   producer issues the weight copies of the first ring fill before griddepcontrol.wait and the
+//   activation / scale copies after it; the kernel lets its own dependents launch at once.
+//
+// Rows of a pass past the expert's tokens and weight rows past N are computed but not stored
+// (each output column depends only on its own activation row, so stale shared memory there
+// cannot leak into stored values). Results are deterministic: one CTA owns each output element
+// and accumulates its K blocks in order.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "core/cuda_launch.cuh"
+#include "core/cuda_utils.h"
+#include "core/mma_ptx.cuh"
+#include "core/sm90_ptx.cuh"
+#include "ops/gemm/moe_gemm_cuda.cuh"
+
+namespace moelora::ops::cuda {
+
+namespace {
+
+namespace sm90 = ::moelora::cuda::sm90;
+
+constexpr int kBlockM = 64;     // weight rows per work item (the wgmma M of one warpgroup)
+constexpr int kBlockK = 128;    // K per stage: one scale block
+constexpr int kMaxTokens = 64;  // tokens per pass (the widest wgmma N instantiated)
+constexpr int kTokenBox = 8;    // activation rows per TMA box
+constexpr int kStages = 6;
+constexpr int kConsumerThreads = 128;
+constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp
+constexpr int kWeightTileBytes = kBlockM * kBlockK;
+constexpr int kActTileBytes = kMaxTokens * kBlockK;
+// A TMA box must start at a 16-byte aligned global address in its innermost dimension, and the
+// scales of a pass start at any sorted position q0: the scale box starts at q0 rounded down to 4
+// floats and is 4 floats wider than a pass (the consumer skips the q0 % 4 leading ones).
+constexpr int kScaleBoxFloats = kMaxTokens + 4;
+constexpr int kScaleTileBytes =
+    512;  // >= kScaleBoxFloats * 4, keeps every stage's box 128-byte aligned
+static_assert(kScaleBoxFloats * 4 <= kScaleTileBytes);
+// The routing schedule (active experts, expert offsets, the active count) is copied into shared
+// memory once per CTA: item switches then cost no dependent global loads (two of them per switch,
+// ~1.5 us, were as long as a whole GEMM2 item of 4 stages).
+constexpr int kMaxExperts = 512;
+constexpr int kRingBytes =
+    kStages * (kWeightTileBytes + kActTileBytes + kScaleTileBytes) + 2 * kStages * 8;
+constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
+constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
+
+struct StreamParams {
+  const int32_t* expert_offsets;  // [E + 1]
+  const int32_t* active_experts;  // [E]
+  const int32_t* num_active;      // [1]
+  const float* weight_scale;      // [E, ceil(N/128), K/128]
+  __nv_bfloat16* out;             // [P, N]
+  int n, k_blocks, n_scale_blocks, m_tiles, num_experts;
+};
+
+// The schedule in shared memory: active[E], offsets[E + 1], count.
+struct Schedule {
+  const int* active;
+  const int* offsets;
+  int num_active;
+};
+
+// Shared-memory carve-up (addresses in the shared window; tiles 1024-byte aligned for the swizzle).
+struct Ring {
+  uint32_t base;
+  __device__ uint32_t weight(int s) const { return base + s * kWeightTileBytes; }
+  __device__ uint32_t act(int s) const {
+    return base + kStages * kWeightTileBytes + s * kActTileBytes;
+  }
+  __device__ uint32_t scale(int s) const {
+    return base + kStages * (kWeightTileBytes + kActTileBytes) + s * kScaleTileBytes;
+  }
+  __device__ uint32_t full(int s) const {
+    return base + kStages * (kWeightTileBytes + kActTileBytes + kScaleTileBytes) + s * 8;
+  }
+  __device__ uint32_t empty(int s) const { return full(kStages) + s * 8; }
+  __device__ uint32_t schedule() const { return base + kRingBytes; }
+};
+
+// wgmma N for a pass of n_valid tokens.
+__device__ __forceinline__ int pass_width(int n_valid) {
+  return n_valid <= 8 ? 8 : n_valid <= 16 ? 16 : n_valid <= 32 ? 32 : 64;
+}
+
+// Walks the CTA's stages in the order both roles use: items (expert, 64-row tile) round-robin
+// over the grid, passes of <= 64 tokens, K blocks.
+struct StageWalk {
+  Schedule sched;
+  int k_blocks, m_tiles;
+  int total_items, item, kb, q0, q_end, expert, m0;
+  __device__ StageWalk(const Schedule& schedule, const StreamParams& p)
+      : sched(schedule), k_blocks(p.k_blocks), m_tiles(p.m_tiles) {
+    total_items = sched.num_active * m_tiles;
+    item = blockIdx.x;
+    kb = 0;
+    start_item();
+  }
+  __device__ void start_item() {
+    while (item < total_items) {
+      expert = sched.active[item / m_tiles];
+      m0 = (item % m_tiles) * kBlockM;
+      q0 = sched.offsets[expert];
+      q_end = sched.offsets[expert + 1];
+      if (q0 < q_end) return;
+      item += gridDim.x;  // an active expert always has tokens; guard against a stale list
+    }
+  }
+  __device__ bool done() const { return item >= total_items; }
+  __device__ int width() const {
+    return pass_width(q_end - q0 < kMaxTokens ? q_end - q0 : kMaxTokens);
+  }
+  __device__ void next() {
+    if (++kb < k_blocks) return;
+    kb = 0;
+    q0 += kMaxTokens;
+    if (q0 < q_end) return;
+    item += gridDim.x;
+    start_item();
+  }
+};
+
+__device__ __forceinline__ void producer(const Ring& ring, const Schedule& sched,
+                                         const CUtensorMap* tma_w, const CUtensorMap* tma_x,
+                                         const CUtensorMap* tma_sx, const StreamParams& p) {
+  sm90::prefetch_tensor_map(tma_w);
+  sm90::prefetch_tensor_map(tma_x);
+  sm90::prefetch_tensor_map(tma_sx);
+  const uint64_t evict_first = sm90::l2_evict_first_policy();
+  auto issue_activations = [&](int s, int q0, int width, int kb) {
+    for (int j = 0; j < width / kTokenBox; ++j)
+      sm90::tma_load_2d(ring.act(s) + j * kTokenBox * kBlockK, tma_x, ring.full(s), kb * kBlockK,
+                        q0 + j * kTokenBox);
+    sm90::tma_load_2d(ring.scale(s), tma_sx, ring.full(s), q0 & ~3, kb);
+  };
+  // Activation copies of the first ring fill, held back until the previous kernel is done.
+  int pending_q0[kStages], pending_width[kStages], pending_kb[kStages];
+  int pending = 0;
+  bool waited = false;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (StageWalk walk(sched, p); !walk.done(); walk.next()) {
+    const int width = walk.width();
+    sm90::mbar_wait(ring.empty(stage), phase ^ 1);
+    sm90::mbar_arrive_expect_tx(ring.full(stage),
+                                kWeightTileBytes + width * kBlockK + kScaleBoxFloats * 4);
+    sm90::tma_load_2d_hint(ring.weight(stage), tma_w, ring.full(stage), walk.kb * kBlockK,
+                           walk.expert * p.n + walk.m0, evict_first);
+    if (waited) {
+      issue_activations(stage, walk.q0, width, walk.kb);
+    } else {
+      pending_q0[pending] = walk.q0, pending_width[pending] = width, pending_kb[pending] = walk.kb;
+      if (++pending == kStages) {
+        sm90::grid_dependency_wait();
+        waited = true;
+        for (int s = 0; s < kStages; ++s)
+          issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
+      }
+    }
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+  if (!waited) {
+    sm90::grid_dependency_wait();
+    for (int s = 0; s < pending; ++s)
+      issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
+  }
+}
+
+// Weight scale of the stage `walk` stands at (its 64 rows lie in one 128-row scale block).
+__device__ __forceinline__ float stage_weight_scale(const StreamParams& p, const StageWalk& walk) {
+  if (walk.done()) return 0.f;
+  return __ldg(p.weight_scale +
+               (static_cast<size_t>(walk.expert) * p.n_scale_blocks + walk.m0 / 128) * p.k_blocks +
+               walk.kb);
+}
+
+// One pass of <= kWidth tokens over all K blocks of the current item, then its bf16 stores.
+// `ahead` walks one stage ahead of the consumer, so the weight scale of the next stage (also
+// across item boundaries) is always in flight while this one is multiplied.
+template <int kWidth>
+__device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* smem_generic,
+                                             uint32_t smem_window, int& stage, uint32_t& phase,
+                                             const StreamParams& p, const StageWalk& walk,
+                                             StageWalk& ahead, float& sw_next) {
+  constexpr int kAcc = kWidth / 2;
+  const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
+  float acc[kAcc], blk[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    const float sw = sw_next;
+    ahead.next();
+    sw_next = stage_weight_scale(p, ahead);
+    sm90::mbar_wait(ring.full(stage), phase);
+    const uint64_t desc_w = sm90::wgmma_desc_k_major_sw128(ring.weight(stage));
+    const uint64_t desc_x = sm90::wgmma_desc_k_major_sw128(ring.act(stage));
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) sm90::fence_operand(blk[i]);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kBlockK / 32;
+         ++step)  // 32 bytes of K per step: +2 in the 16-byte address field
+      sm90::WgmmaE4m3<kWidth>::mma(blk, desc_w + 2 * step, desc_x + 2 * step, step > 0);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) sm90::fence_operand(blk[i]);
+    const float* sx =
+        reinterpret_cast<const float*>(smem_generic + (ring.scale(stage) - smem_window)) +
+        (walk.q0 & 3);
+#pragma unroll
+    for (int c = 0; c < kWidth / 8; ++c) {
+      const float s0 = sw * sx[8 * c + 2 * (lane % 4)], s1 = sw * sx[8 * c + 2 * (lane % 4) + 1];
+      acc[4 * c + 0] = fmaf(blk[4 * c + 0], s0, acc[4 * c + 0]);  // row r,     token 2t
+      acc[4 * c + 1] = fmaf(blk[4 * c + 1], s1, acc[4 * c + 1]);  // row r,     token 2t + 1
+      acc[4 * c + 2] = fmaf(blk[4 * c + 2], s0, acc[4 * c + 2]);  // row r + 8, token 2t
+      acc[4 * c + 3] = fmaf(blk[4 * c + 3], s1, acc[4 * c + 3]);  // row r + 8, token 2t + 1
+    }
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(ring.empty(stage));
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+  const int n_valid = walk.q_end - walk.q0 < kMaxTokens ? walk.q_end - walk.q0 : kMaxTokens;
+  const int row = walk.m0 + 16 * warp + lane / 4;
+#pragma unroll
+  for (int c = 0; c < kWidth / 8; ++c)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 8 * c + 2 * (lane % 4) + j;
+      if (col >= n_valid) continue;
+      __nv_bfloat16* out_row = p.out + static_cast<size_t>(walk.q0 + col) * p.n;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        if (row + 8 * i < p.n) out_row[row + 8 * i] = __float2bfloat16(acc[4 * c + 2 * i + j]);
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    moe_gemm_fp8_stream_kernel(const __grid_constant__ CUtensorMap tma_w,
+                               const __grid_constant__ CUtensorMap tma_x,
+                               const __grid_constant__ CUtensorMap tma_sx, const StreamParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem[];
+  const uint32_t window = ::moelora::cuda::ptx::smem_addr(smem);
+  const Ring ring{(window + 1023u) & ~1023u};
+  sm90::launch_dependents();
+  // Routing schedule -> shared memory. It was written by the align kernel, which finished before
+  // the kernel this one may overlap (the quant / activation kernel) started.
+  int* sched_smem = reinterpret_cast<int*>(smem + (ring.schedule() - window));
+  int* s_active = sched_smem;
+  int* s_offsets = sched_smem + kMaxExperts;
+  {
+    const int n_active = *p.num_active;
+    for (int i = threadIdx.x; i < n_active; i += kThreads) s_active[i] = p.active_experts[i];
+    for (int i = threadIdx.x; i <= p.num_experts; i += kThreads) s_offsets[i] = p.expert_offsets[i];
+    if (threadIdx.x == 0) sched_smem[2 * kMaxExperts + 1] = n_active;
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(ring.full(s), 1);                       // the producer's arrive.expect_tx
+      sm90::mbar_init(ring.empty(s), kConsumerThreads / 32);  // one arrival per consumer warp
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  const Schedule sched{s_active, s_offsets, sched_smem[2 * kMaxExperts + 1]};
+  if (threadIdx.x >= kConsumerThreads) {
+    if (threadIdx.x == kConsumerThreads) producer(ring, sched, &tma_w, &tma_x, &tma_sx, p);
+    return;
+  }
+  int stage = 0;
+  uint32_t phase = 0;
+  StageWalk ahead(sched, p);
+  float sw_next = stage_weight_scale(p, ahead);
+  for (StageWalk walk(sched, p); !walk.done();) {
+    switch (walk.width()) {
+      case 8: consume_pass<8>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
+      case 16: consume_pass<16>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
+      case 32: consume_pass<32>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
+      default: consume_pass<64>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
+    }
+    // skip the K blocks the pass consumed (the walk's own kb stays 0 at pass boundaries)
+    walk.kb = p.k_blocks - 1;
+    walk.next();
+  }
+#else
+  __trap();  // wgmma and TMA need sm_90a; the launcher refuses other devices
+#endif
+}
+
+// ---- host: tensor maps ----
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &status) == cudaSuccess &&
+        status == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  });
+  MOELORA_CHECK(fn != nullptr, ErrorCode::kCuda,
+                "stream GEMM: the driver has no cuTensorMapEncodeTiled (needs a CUDA 12+ driver)");
+  return fn;
+}
+
+// Row-major 2-D tensor [outer, inner] of `dtype` elements, `row_bytes` apart, tiled in boxes of
+// [box_outer, box_inner]; out-of-range elements read as zeros.
+CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType dtype, uint64_t inner,
+                               uint64_t outer, uint64_t row_bytes, uint32_t box_inner,
+                               uint32_t box_outer, CUtensorMapSwizzle swizzle, const char* what) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r =
+      tensor_map_encoder()(&map, dtype, 2, const_cast<void*>(base), dims, strides, box,
+                           element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOELORA_CHECK(r == CUDA_SUCCESS, ErrorCode::kCuda,
+                "stream GEMM: cuTensorMapEncodeTiled failed for ", what, " (error ",
+                static_cast<int>(r), ", ", outer, " x ", inner, " elements, row stride ", row_bytes,
+                " bytes)");
+  return map;
+}
+
+// Persistent grid: two CTAs per SM, fewer when there are fewer work items.
+int stream_grid(const MoeGemmFp8Args& a, int num_sms) {
+  const int m_tiles = (a.n + kBlockM - 1) / kBlockM;
+  const int64_t items = static_cast<int64_t>(a.max_active_experts) * m_tiles;
+  return static_cast<int>(std::min<int64_t>(items, 2LL * num_sms));
+}
+
+}  // namespace
+
+void launch_moe_gemm_fp8_stream(const MoeGemmFp8Args& a, int num_sms, bool pdl,
+                                cudaStream_t stream) {
+  check_moe_gemm_fp8_args(a);
+  MOELORA_CHECK(a.active_experts && a.num_active, ErrorCode::kInvalidArgument,
+                "stream GEMM: active_experts and num_active are required");
+  MOELORA_CHECK(a.gather == nullptr, ErrorCode::kInvalidArgument,
+                "stream GEMM: activation rows must be in sorted order (gather = nullptr); the "
+                "quant kernel permutes them");
+  MOELORA_CHECK(a.act_rows > 0, ErrorCode::kInvalidArgument,
+                "stream GEMM: act_rows (rows of the act buffer) = ", a.act_rows,
+                " must be positive");
+  MOELORA_CHECK(
+      a.act_scale_ld >= a.act_rows && a.act_scale_ld % 4 == 0, ErrorCode::kInvalidArgument,
+      "stream GEMM: act_scale must be k-major [K/128, ld] with ld >= act_rows = ", a.act_rows,
+      " and a multiple of 4, got ld = ", a.act_scale_ld);
+  MOELORA_CHECK(reinterpret_cast<uintptr_t>(a.act_scale) % 16 == 0, ErrorCode::kInvalidArgument,
+                "stream GEMM: act_scale must be 16-byte aligned");
+  MOELORA_CHECK(static_cast<int64_t>(a.num_experts) * a.n < (1LL << 31),
+                ErrorCode::kInvalidArgument,
+                "stream GEMM: E * N = ", static_cast<int64_t>(a.num_experts) * a.n,
+                " weight rows exceed 2^31");
+  const int k_blocks = a.k / kBlockK;
+  const CUtensorMap tma_w = make_tensor_map_2d(
+      a.weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, a.k, static_cast<uint64_t>(a.num_experts) * a.n, a.k,
+      kBlockK, kBlockM, CU_TENSOR_MAP_SWIZZLE_128B, "the expert weights");
+  const CUtensorMap tma_x =
+      make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_UINT8, a.k, a.act_rows, a.k, kBlockK,
+                         kTokenBox, CU_TENSOR_MAP_SWIZZLE_128B, "the activations");
+  const CUtensorMap tma_sx =
+      make_tensor_map_2d(a.act_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, a.act_scale_ld, k_blocks,
+                         static_cast<uint64_t>(a.act_scale_ld) * 4, kScaleBoxFloats, 1,
+                         CU_TENSOR_MAP_SWIZZLE_NONE, "the activation scales");
+  MOELORA_CHECK(a.num_experts <= kMaxExperts, ErrorCode::kUnsupported,
+                "stream GEMM: E = ", a.num_experts,
+                " experts; the kernel's shared-memory schedule holds at most ", kMaxExperts);
+  StreamParams p{a.expert_offsets,
+                 a.active_experts,
+                 a.num_active,
+                 a.weight_scale,
+                 a.out,
+                 a.n,
+                 k_blocks,
+                 (a.n + 127) / 128,
+                 (a.n + kBlockM - 1) / kBlockM,
+                 a.num_experts};
+
+  static std::once_flag attr_once;
+  std::call_once(attr_once, [] {
+    MOELORA_CUDA_CHECK(cudaFuncSetAttribute(
+        moe_gemm_fp8_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  });
+  ::moelora::cuda::launch_kernel(moe_gemm_fp8_stream_kernel, dim3(stream_grid(a, num_sms)),
+                                 dim3(kThreads), kSmemBytes, stream, pdl, tma_w, tma_x, tma_sx, p);
+}
+
+}  // namespace moelora::ops::cuda
