@@ -1,0 +1,352 @@
+// MoeLayerCuda::forward: the two-stream pipeline of docs/gpu_moe.md §1 (router GEMM, route,
+// align, quant, GEMM1, activation, GEMM2, shared expert, finalize on the main stream; the LoRA
+// shrink / expand of both seams and of the shared expert on the side stream, joined by events
+// right before their consumers). Enqueues only: no allocation, no synchronization.
+#include <algorithm>
+
+#include "ops/gemm/moe_gemm.h"
+#include "ops/gemm/moe_gemm_cuda.cuh"
+#include "ops/lora/lora_cuda.cuh"
+#include "ops/lora/lora_mma_cuda.cuh"
+#include "ops/moe/moe_cuda.cuh"
+#include "ops/moe/moe_layer_cuda.cuh"
+#include "ops/moe/moe_layer_impl_cuda.cuh"
+#include "ops/moe_align/moe_align_cuda.cuh"
+#include "ops/quant/quant_cuda.cuh"
+#include "ops/route/route_cuda.cuh"
+
+namespace moelora::ops::cuda {
+
+using moe_layer_internal::gemm_bf16_nt;
+using moe_layer_internal::PoolTarget;
+using moe_layer_internal::round_up;
+
+void MoeLayerCuda::forward(const MoeForwardArgs& f) {
+  Impl& m = *impl_;
+  const MoeLayerConfig& c = config_;
+  const int T = f.tokens, E = c.num_experts, H = c.hidden, I = c.inter, k = c.top_k;
+  MOELORA_CHECK(T > 0 && T <= c.max_tokens, ErrorCode::kInvalidArgument,
+                "MoeLayerCuda::forward: tokens = ", T, " outside [1, max_tokens = ", c.max_tokens,
+                "]");
+  MOELORA_CHECK(f.x && f.out, ErrorCode::kInvalidArgument,
+                "MoeLayerCuda::forward: x and out are required");
+  const bool lora = f.lora && c.num_slots > 0 && f.slot;
+  const bool shared = f.shared && m.has_shared;
+  const int P = T * k;
+  auto* cublas = static_cast<cublasHandle_t>(m.cublas.get());
+  int32_t* offsets = m.x<int32_t>(m.offsets);
+  const int32_t* num_pairs = offsets + E;  // device value: number of routed pairs
+
+  // 1. router GEMM + route
+  const float* logits = f.router_logits;
+  if (!logits) {
+    gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.router), m.x<float>(m.logits),
+                 CUDA_R_32F, T, E, H);
+    logits = m.x<float>(m.logits);
+  }
+  RouteDeviceArgs ra;
+  ra.logits = logits;
+  ra.correction_bias = m.has_bias ? m.w<float>(m.bias) : nullptr;
+  ra.num_tokens = f.num_tokens;
+  ra.topk_ids = m.x<int32_t>(m.ids);
+  ra.topk_weights = m.x<float>(m.tw);
+  ra.max_tokens = T;
+  launch_route(c.route, ra, m.main);
+
+  // 2. align
+  MoeAlignDeviceArgs aa;
+  aa.topk_ids = m.x<int32_t>(m.ids);
+  aa.slot = lora ? f.slot : nullptr;
+  aa.max_tokens = T;
+  aa.top_k = k;
+  aa.num_experts = E;
+  aa.num_slots = lora ? c.num_slots : 0;
+  aa.expert_offsets = offsets;
+  aa.sorted_pair = m.x<int32_t>(m.sorted_pair);
+  aa.sorted_token = m.x<int32_t>(m.sorted_token);
+  aa.pair_pos = m.x<int32_t>(m.pair_pos);
+  aa.active_experts = m.x<int32_t>(m.active);
+  aa.num_active = m.x<int32_t>(m.num_active);
+  aa.lora_segments = lora ? m.x<int4>(m.segments) : nullptr;
+  aa.num_lora_segments = m.x<int32_t>(m.num_segments);
+  aa.max_lora_segments = lora ? std::min(P, c.num_slots * E) : 0;
+  aa.num_tokens = f.num_tokens;
+  aa.token_sorted = lora ? m.x<int32_t>(m.token_sorted) : nullptr;
+  aa.token_pos = lora ? m.x<int32_t>(m.token_pos) : nullptr;
+  aa.token_segments = lora ? m.x<int4>(m.token_segments) : nullptr;
+  aa.num_token_segments = lora ? m.x<int32_t>(m.num_token_segments) : nullptr;
+  // Decode on FP8 experts chains route -> align -> quant -> GEMM1 -> activation -> GEMM2 ->
+  // finalize with programmatic dependent launches (each kernel's launch and prologue overlap its
+  // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait).
+  const bool decode = gemm_path_ == GemmPath::kDecode || gemm_path_ == GemmPath::kDecodeRegister ||
+                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
+  const bool register_decode = decode && gemm_path_ == GemmPath::kDecodeRegister;
+  const bool stream = decode && !register_decode && !c.bf16_experts;
+  aa.pdl = stream;
+  launch_moe_align(aa, m.main);
+  if (lora) m.ev_route.record(m.main);
+
+  // side stream, seam 1 (and the shared expert's gate/up LoRA)
+  // Row chunks per segment: a (slot, expert) segment holds about the busiest expert's tokens; a
+  // token segment may hold every token (one adapter over a whole prefill).
+  const int expected_expert_rows = std::min(T, 2 * ((T * k + E - 1) / E) + 6);
+  LoraSegmentsView pair_segments{m.x<int4>(m.segments), m.x<int32_t>(m.num_segments),
+                                 aa.max_lora_segments, (expected_expert_rows + 31) / 32};
+  LoraSegmentsView token_segments{m.x<int4>(m.token_segments), m.x<int32_t>(m.num_token_segments),
+                                  std::min(T, c.num_slots), (T + 31) / 32};
+  auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side.get());
+  // Prefill-sized forwards take the tensor-core shrink / expand (64-row tiles of a segment through
+  // mma.sync): from kLoraMmaMinTokens tokens on, a segment holds enough rows that the CUDA-core
+  // kernels' per-row FMA work dominates (lora_mma_cuda.cuh). Decode sizes keep the CUDA-core
+  // kernels, whose split-K shrink spreads a few rows over many CTAs. Both write the same partial
+  // and delta layouts; the mma shrink fills split 0 only, so its expand runs with splits = 1.
+  const bool lora_mma = lora_path_ == LoraPath::kTensorCore ||
+                        (lora_path_ == LoraPath::kAuto && should_use_lora_mma(T));
+  // The LoRA of one target, on the side stream: shrink x rows (gathered) into fp32 partials (the
+  // segmented kernel, or one dense cuBLAS GEMM over all T rows of x when `dense_a` is given), then
+  // expand into `delta` (rows in the segments' order). max_rows bounds the rows of all segments
+  // together (the mma kernels' grid capacity): T * k for expert pairs, T for tokens.
+  auto run_lora = [&](const PoolTarget& t, const LoraSegmentsView& seg, int max_rows,
+                      const __nv_bfloat16* x, const int32_t* gather, float* partial,
+                      int row_capacity, __nv_bfloat16* delta, const __nv_bfloat16* dense_a) {
+    LoraExpandArgs e;
+    e.pool = m.view(t);
+    e.seg = seg;
+    e.partial = partial;
+    e.delta = delta;
+    if (dense_a) {
+      gemm_bf16_nt(cublas_side, m.side, x, dense_a, partial, CUDA_R_32F, T, t.max_rank, t.in);
+      e.row_capacity = c.max_tokens;
+      e.splits = 1;
+      e.u_row = gather;  // u rows are x rows
+    } else {
+      LoraShrinkArgs sh;
+      sh.pool = e.pool;
+      sh.seg = seg;
+      sh.x = x;
+      sh.gather = gather;
+      sh.partial = partial;
+      sh.row_capacity = row_capacity;
+      if (lora_mma) {
+        launch_lora_shrink_mma(sh, max_rows, m.side);
+        e.splits = 1;
+      } else {
+        launch_lora_shrink(sh, m.side);
+      }
+      e.row_capacity = row_capacity;
+    }
+    if (lora_mma) {
+      launch_lora_expand_mma(e, max_rows, m.side);
+    } else {
+      launch_lora_expand(e, m.side);
+    }
+  };
+  // A slot's A factor of target t (expert 0), for the dense single-adapter shrink.
+  auto slot_a = [&](const PoolTarget& t, int slot) {
+    return m.pool.at<__nv_bfloat16>(t.a) + static_cast<size_t>(slot) * t.ea * t.max_rank * t.in;
+  };
+
+  if (lora) {
+    MOELORA_CHECK(f.single_slot >= -1 && f.single_slot < c.num_slots, ErrorCode::kOutOfRange,
+                  "MoeLayerCuda::forward: single_slot ", f.single_slot, " outside [-1, ",
+                  c.num_slots, ")");
+    MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_route.get(), 0));
+    const int single = f.single_slot;
+    // One adapter whose gate_up A is shared by the experts: u = x A^T depends on the token only,
+    // so one dense GEMM over the T tokens replaces the per-pair shrink (k times fewer rows); base
+    // tokens' rows are computed but never expanded.
+    run_lora(m.gate_up, pair_segments, P, f.x, m.x<int32_t>(m.sorted_token), m.x<float>(m.part1),
+             m.P, m.x<__nv_bfloat16>(m.d1),
+             single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr);
+    m.ev_lora1.record(m.side);
+    if (shared) {  // the shared expert's A is a plain [R, H] matrix: dense for a single adapter
+      run_lora(m.shared_gate_up, token_segments, T, f.x, m.x<int32_t>(m.token_sorted),
+               m.x<float>(m.spart1), c.max_tokens, m.x<__nv_bfloat16>(m.sd1),
+               single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr);
+      m.ev_shared_lora1.record(m.side);
+    }
+  }
+
+  // Expected busiest expert under near-uniform routing; the GEMM kernels loop over more tokens
+  // when an expert gets more, so this only picks the fastest instance / grid.
+  const int max_active = std::min(E, P);
+  const int max_tokens_per_expert = std::min(T, 2 * ((T * k + E - 1) / E) + 6);
+
+  // 3-5, bf16 experts: GEMM1 gathers bf16 x rows through sorted_token, the activation writes
+  // only the bf16 copy, GEMM2 reads it. No FP8 anywhere.
+  MoeGemmBf16Args b1;
+  if (c.bf16_experts) {
+    b1.act = f.x;
+    b1.gather = m.x<int32_t>(m.sorted_token);
+    b1.weight = m.w<__nv_bfloat16>(m.w13);
+    b1.expert_offsets = offsets;
+    b1.active_experts = m.x<int32_t>(m.active);
+    b1.num_active = m.x<int32_t>(m.num_active);
+    b1.out = m.x<__nv_bfloat16>(m.h);
+    b1.num_experts = E;
+    b1.n = 2 * I;
+    b1.k = H;
+    b1.max_active_experts = max_active;
+    b1.max_tokens_per_expert = max_tokens_per_expert;
+    b1.tile = gemm_path_ == GemmPath::kPrefill ? MoeGemmBf16Tile::kPrefill
+              : gemm_path_ == GemmPath::kAuto  ? MoeGemmBf16Tile::kAuto
+                                               : MoeGemmBf16Tile::kDecode;
+    launch_moe_gemm_bf16(b1, m.main);
+  }
+
+  // 3. quant + GEMM1 (FP8 experts). Decode (stream kernel) and prefill (CUTLASS) read each
+  // expert's rows contiguously, so the quant kernel permutes x into sorted order; the stream
+  // kernel takes its scales k-major. The register decode kernel gathers per-token FP8 rows.
+  const int scale_ld = stream ? m.scale_ld : 0;
+  MoeGemmFp8Args g1;
+  MoeGemmPrefillWorkspace pws{m.x<void>(m.prefill_ws), m.prefill_ws_bytes, m.num_sms};
+  auto run_gemm = [&](const MoeGemmFp8Args& g) {
+    if (stream) {
+      launch_moe_gemm_fp8_stream(g, m.num_sms, /*pdl=*/true, m.main);
+    } else if (register_decode) {
+      launch_moe_gemm_fp8_decode(g, m.num_sms, m.main);
+    } else {
+      launch_moe_gemm_fp8_prefill(g, pws, m.main);
+    }
+  };
+  if (!c.bf16_experts) {
+    QuantFp8DeviceArgs qa;
+    qa.x = f.x;
+    qa.gather = register_decode ? nullptr : m.x<int32_t>(m.sorted_token);
+    qa.num_rows = register_decode ? f.num_tokens : num_pairs;
+    qa.max_rows = register_decode ? T : P;
+    qa.cols = H;
+    qa.cols_padded = m.Hp;
+    qa.q = m.x<uint8_t>(m.xq);
+    qa.scale = m.x<float>(m.sx);
+    qa.scale_ld = scale_ld;
+    qa.pdl = stream;
+    launch_quantize_fp8_rows(qa, m.main);
+
+    g1.act = m.x<uint8_t>(m.xq);
+    g1.act_scale = m.x<float>(m.sx);
+    g1.act_rows = m.P;
+    g1.act_scale_ld = scale_ld;
+    g1.gather = register_decode ? m.x<int32_t>(m.sorted_token) : nullptr;
+    g1.weight = m.w<uint8_t>(m.w13);
+    g1.weight_scale = m.w<float>(m.w13s);
+    g1.expert_offsets = offsets;
+    g1.active_experts = m.x<int32_t>(m.active);
+    g1.num_active = m.x<int32_t>(m.num_active);
+    g1.out = m.x<__nv_bfloat16>(m.h);
+    g1.num_experts = E;
+    g1.n = 2 * I;
+    g1.k = m.Hp;
+    g1.max_active_experts = max_active;
+    g1.max_tokens_per_expert = max_tokens_per_expert;
+    run_gemm(g1);
+  }
+
+  // 4. activation (+ seam-1 delta)
+  if (lora) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora1.get(), 0));
+  MoeActivationArgs act;
+  act.h = m.x<__nv_bfloat16>(m.h);
+  act.delta = lora ? m.x<__nv_bfloat16>(m.d1) : nullptr;
+  act.row_token = m.x<int32_t>(m.sorted_token);
+  act.slot = lora ? f.slot : nullptr;
+  act.num_rows = num_pairs;
+  act.max_rows = P;
+  act.inter = I;
+  act.inter_padded = round_up(I, 128);  // = Ip for FP8 experts (I % 128 == 0)
+  act.a16 = m.x<__nv_bfloat16>(m.a16);
+  act.aq = c.bf16_experts ? nullptr : m.x<uint8_t>(m.aq);
+  act.sa = c.bf16_experts ? nullptr : m.x<float>(m.sa);
+  act.scale_ld = scale_ld;
+  // After GEMM1 with no event to join, the activation is a programmatic dependent of the stream
+  // kernel: it is scheduled while GEMM1 drains and GEMM2 after it prefetches its weights.
+  act.pdl = stream && !lora;
+  launch_moe_activation(act, m.main);
+  if (lora) {
+    m.ev_act.record(m.main);
+    MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
+    run_lora(m.down, pair_segments, P, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2), m.P,
+             m.x<__nv_bfloat16>(m.d2), nullptr);
+  }
+
+  // 5. GEMM2
+  if (c.bf16_experts) {
+    MoeGemmBf16Args b2 = b1;
+    b2.act = m.x<__nv_bfloat16>(m.a16);
+    b2.gather = nullptr;
+    b2.weight = m.w<__nv_bfloat16>(m.w2);
+    b2.out = m.x<__nv_bfloat16>(m.y);
+    b2.n = H;
+    b2.k = I;
+    launch_moe_gemm_bf16(b2, m.main);
+  } else {
+    MoeGemmFp8Args g2 = g1;
+    g2.act = m.x<uint8_t>(m.aq);
+    g2.act_scale = m.x<float>(m.sa);
+    g2.act_scale_ld = scale_ld;
+    g2.gather = nullptr;
+    g2.weight = m.w<uint8_t>(m.w2);
+    g2.weight_scale = m.w<float>(m.w2s);
+    g2.out = m.x<__nv_bfloat16>(m.y);
+    g2.n = H;
+    g2.k = m.Ip;
+    run_gemm(g2);
+  }
+
+  // 6. shared expert (bf16), its LoRA deltas from the side stream
+  if (shared) {
+    const int Is = c.shared_inter;
+    gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.sw13), m.x<__nv_bfloat16>(m.sh),
+                 CUDA_R_16BF, T, 2 * Is, H);
+    if (lora) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_shared_lora1.get(), 0));
+    MoeActivationArgs sact;
+    sact.h = m.x<__nv_bfloat16>(m.sh);
+    sact.delta = lora ? m.x<__nv_bfloat16>(m.sd1) : nullptr;
+    sact.delta_row = lora ? m.x<int32_t>(m.token_pos) : nullptr;
+    sact.row_token = nullptr;
+    sact.slot = lora ? f.slot : nullptr;
+    sact.num_rows = f.num_tokens;
+    sact.max_rows = T;
+    sact.inter = Is;
+    sact.inter_padded = round_up(Is, 128);
+    sact.a16 = m.x<__nv_bfloat16>(m.sa16);
+    sact.aq = nullptr;
+    sact.sa = nullptr;
+    launch_moe_activation(sact, m.main);
+    gemm_bf16_nt(cublas, m.main, m.x<__nv_bfloat16>(m.sa16), m.w<__nv_bfloat16>(m.sw2),
+                 m.x<__nv_bfloat16>(m.sout), CUDA_R_16BF, T, H, Is);
+    if (lora) {
+      m.ev_shared_act.record(m.main);
+      MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_shared_act.get(), 0));
+      run_lora(m.shared_down, token_segments, T, m.x<__nv_bfloat16>(m.sa16),
+               m.x<int32_t>(m.token_sorted), m.x<float>(m.spart2), c.max_tokens,
+               m.x<__nv_bfloat16>(m.sd2), nullptr);
+    }
+  }
+  if (lora) {
+    m.ev_lora2.record(m.side);
+    MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora2.get(), 0));
+  }
+
+  // 7. finalize
+  MoeFinalizeArgs fa;
+  fa.y = m.x<__nv_bfloat16>(m.y);
+  fa.delta = lora ? m.x<__nv_bfloat16>(m.d2) : nullptr;
+  fa.topk_ids = m.x<int32_t>(m.ids);
+  fa.topk_weights = m.x<float>(m.tw);
+  fa.pair_pos = m.x<int32_t>(m.pair_pos);
+  fa.slot = lora ? f.slot : nullptr;
+  fa.shared = shared ? m.x<__nv_bfloat16>(m.sout) : nullptr;
+  fa.shared_delta = (shared && lora) ? m.x<__nv_bfloat16>(m.sd2) : nullptr;
+  fa.shared_delta_row = (shared && lora) ? m.x<int32_t>(m.token_pos) : nullptr;
+  fa.shared_gate = (shared && m.has_shared_gate) ? m.w<__nv_bfloat16>(m.sgate) : nullptr;
+  fa.x = f.x;
+  fa.num_tokens = f.num_tokens;
+  fa.max_tokens = T;
+  fa.top_k = k;
+  fa.hidden = H;
+  fa.out = f.out;
+  fa.pdl = stream && !lora && !shared;  // directly after GEMM2 on this stream
+  launch_moe_finalize(fa, m.main);
+}
+
+}  // namespace moelora::ops::cuda
