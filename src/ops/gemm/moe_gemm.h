@@ -43,8 +43,9 @@ struct DecodeGemmConfig {
 DecodeGemmConfig choose_decode_gemm_config(int n, int k, int max_active_experts, int max_tokens_per_expert,
                                            int num_sms);
 
-// The decode kernel streams weights once per pass of up to 32 tokens; beyond that many tokens
-// per expert the tensor-core-bound grouped GEMM wins. `avg_tokens_per_expert` = T * k / E.
+// Decode kernels (up to 24 tokens per expert on average, T * k / E) against the tensor-core-bound
+// grouped GEMM. The stream decode kernel reads each weight once per pass of up to 64 tokens (the
+// register kernel once per 32), so the busiest experts of such a batch still take one pass.
 bool should_use_decode_gemm(int64_t tokens, int64_t top_k, int64_t num_experts);
 
 }  // namespace moelora::ops

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <vector>
 
 #include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
@@ -362,6 +363,27 @@ int stream_grid(const MoeGemmFp8Args& a, int num_sms) {
   return static_cast<int>(std::min<int64_t>(items, 2LL * num_sms));
 }
 
+// Refuses devices without wgmma / TMA (the kernel body is built for sm_90a only) and raises the
+// kernel's dynamic shared-memory limit, once per device (the attribute is per device). Neither is
+// a stream operation, so a launch under graph capture may come here first.
+void prepare_device_for_stream_kernel() {
+  int device = 0;
+  MOELORA_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<bool> prepared;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device < static_cast<int>(prepared.size()) && prepared[device]) return;
+  int major = 0, minor = 0;
+  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "stream GEMM: device ", device,
+                " is sm_", major, minor, "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(
+      moe_gemm_fp8_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  if (device >= static_cast<int>(prepared.size())) prepared.resize(device + 1, false);
+  prepared[device] = true;
+}
+
 }  // namespace
 
 void launch_moe_gemm_fp8_stream(const MoeGemmFp8Args& a, int num_sms, bool pdl,
@@ -410,11 +432,7 @@ void launch_moe_gemm_fp8_stream(const MoeGemmFp8Args& a, int num_sms, bool pdl,
                  (a.n + kBlockM - 1) / kBlockM,
                  a.num_experts};
 
-  static std::once_flag attr_once;
-  std::call_once(attr_once, [] {
-    MOELORA_CUDA_CHECK(cudaFuncSetAttribute(
-        moe_gemm_fp8_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  });
+  prepare_device_for_stream_kernel();
   ::moelora::cuda::launch_kernel(moe_gemm_fp8_stream_kernel, dim3(stream_grid(a, num_sms)),
                                  dim3(kThreads), kSmemBytes, stream, pdl, tma_w, tma_x, tma_sx, p);
 }
