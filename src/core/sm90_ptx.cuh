@@ -145,6 +145,20 @@ struct WgmmaE4m3<64> {
 };
 #undef MOELORA_WGMMA_E4M3_ASM
 
+// ---- L2 prefetch ----
+// Issues L2 fills of bytes [0, bytes) of `ptr`, one 128-byte line per request, spread over
+// `workers` callers (worker = this caller's index): no registers wait for the data, so a kernel can
+// start the fills of inputs it (or a kernel after it) reads later, and their DRAM latency overlaps
+// its own. No-op for a null pointer.
+__device__ __forceinline__ void prefetch_l2_range(const void* ptr, size_t bytes, int worker,
+                                                  int workers) {
+  if (!ptr) return;
+  const char* base = static_cast<const char*>(ptr);
+  for (size_t off = static_cast<size_t>(worker) * 128; off < bytes;
+       off += static_cast<size_t>(workers) * 128)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(base + off));
+}
+
 // ---- programmatic dependent launch ----
 // Blocks until the grid this one depends on (launched with programmatic stream serialization) has
 // completed and its memory is visible; a no-op for a normally launched grid.

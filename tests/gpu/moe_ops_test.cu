@@ -2,7 +2,7 @@
 // (softmax top-k with/without renormalization, noaux_tc with groups), pair alignment (expert and
 // (slot, expert) grouping, tokens by slot, padding tokens), FP8 activation quantization (bit
 // exact, permuted), and segmented multi-LoRA shrink/expand (mixed ranks incl. non powers of two,
-// shared-outer slots, rank-0 slots; dense targets on the token rows: one adapter over a decode
+// shared-outer slots, rank-0 slots, the expand as a programmatic dependent of the shrink; dense targets on the token rows: one adapter over a decode
 // batch, mixed ranks around base rows, every grid; multi-target launches shaped like Qwen3's qkv
 // and Kimi's q_a/kv_a in write and add mode).
 #include <gtest/gtest.h>
@@ -70,6 +70,10 @@ void check_route(const ops::RouteParams& params, int T, uint64_t seed, bool with
   a.topk_ids = ids_d.as<int32_t>();
   a.topk_weights = w_d.as<float>();
   a.max_tokens = T;
+  // L2 prefetches of other kernels' inputs (here: the logits themselves and the weight buffer)
+  // change nothing in the routing.
+  a.prefetch[0] = {logits_d.get(), logits_d.bytes()};
+  a.prefetch[1] = {w_d.get(), w_d.bytes()};
   ops::cuda::launch_route(params, a, nullptr);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
   auto ids = download_vector<int32_t>(ids_d, T * k);
@@ -367,6 +371,35 @@ TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
     }
   }
   EXPECT_TRUE(test::close_bf16(got, want));
+
+  // The expand as a programmatic dependent of the shrink (B rows loaded before its wait), on a
+  // stream and in a captured graph, partials and delta poisoned first: bitwise the same delta.
+  cuda::Stream stream;
+  ea.pdl = true;
+  auto poison = [&] {
+    MOELORA_CUDA_CHECK(cudaMemsetAsync(part.get(), 0xff, part.bytes(), stream.get()));
+    MOELORA_CUDA_CHECK(cudaMemsetAsync(delta.get(), 0xff, delta.bytes(), stream.get()));
+  };
+  poison();
+  ops::cuda::launch_lora_shrink(sa, stream.get());
+  ops::cuda::launch_lora_expand(ea, stream.get());
+  stream.synchronize();
+  EXPECT_EQ(test::max_abs_diff(cuda::to_host(delta, DType::kBF16, {rows, out}).to_f32(), got), 0.0)
+      << "programmatic launch";
+  poison();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  ops::cuda::launch_lora_shrink(sa, stream.get());
+  ops::cuda::launch_lora_expand(ea, stream.get());
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+  stream.synchronize();
+  EXPECT_EQ(test::max_abs_diff(cuda::to_host(delta, DType::kBF16, {rows, out}).to_f32(), got), 0.0)
+      << "graph replay";
+  MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 // ---------------------------------------------------------------- dense LoRA targets

@@ -23,7 +23,9 @@
 #include <algorithm>
 #include <climits>
 
+#include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
+#include "core/sm90_ptx.cuh"
 #include "ops/lora/lora_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -348,6 +350,8 @@ constexpr int kSegRowsInFlight = 4;  // shrink rows a warp reduces at once
 
 template <int kVec>
 __global__ void __launch_bounds__(32 * kSegShrinkWarps) lora_shrink_segment_kernel(const LoraShrinkArgs p) {
+  // The expand after this kernel may start at once: it loads its B rows before its wait.
+  ::moelora::cuda::sm90::launch_dependents();
   const int seg_index = blockIdx.x;
   if (seg_index >= *p.seg.num_segments) return;
   const int4 seg = p.seg.segments[seg_index];  // {slot, expert, begin, end}
@@ -421,7 +425,11 @@ __global__ void __launch_bounds__(kSegExpandThreads)
     lora_expand_segment_kernel(const LoraExpandArgs p, int splits) {
   __shared__ float u[kSegExpandRows][8 * kRankChunks];
   const int seg_index = blockIdx.x;
-  if (seg_index >= *p.seg.num_segments) return;
+  if (seg_index >= *p.seg.num_segments) {
+    // CTAs without work wait too, so that this grid's completion implies the shrink's.
+    ::moelora::cuda::sm90::grid_dependency_wait();
+    return;
+  }
   const int4 seg = p.seg.segments[seg_index];
   const int slot = seg.x, expert = seg.y;
   const LoraPoolTarget& pool = p.pool;
@@ -432,6 +440,9 @@ __global__ void __launch_bounds__(kSegExpandThreads)
   const float scaling = pool.scaling[slot];
   uint4 b_reg[kRankChunks];
   load_b_row<kRankChunks>(pool, slot, expert, n, rank, b_reg);
+  // Launched programmatically after the shrink: the B rows (weights) above overlap its run; the
+  // partials are read only after it completed.
+  ::moelora::cuda::sm90::grid_dependency_wait();
 
   for (int q0 = seg.z + blockIdx.z * kSegExpandRows; q0 < seg.w; q0 += gridDim.z * kSegExpandRows) {
     const int rows = min(kSegExpandRows, seg.w - q0);
@@ -670,15 +681,20 @@ void launch_lora_expand(const LoraExpandArgs& args, cudaStream_t stream) {
                   grid.x, ", ", grid.y, ", ", grid.z, ") exceeds the CUDA limits");
     const int chunks = args.pool.max_rank / 8;
     if (chunks <= 2) {
-      lora_expand_segment_kernel<2><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<2>, grid, dim3(kSegExpandThreads), 0,
+                                     stream, args.pdl, args, splits);
     } else if (chunks <= 4) {
-      lora_expand_segment_kernel<4><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<4>, grid, dim3(kSegExpandThreads), 0,
+                                     stream, args.pdl, args, splits);
     } else if (chunks <= 8) {
-      lora_expand_segment_kernel<8><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<8>, grid, dim3(kSegExpandThreads), 0,
+                                     stream, args.pdl, args, splits);
     } else if (chunks <= 16) {
-      lora_expand_segment_kernel<16><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<16>, grid, dim3(kSegExpandThreads), 0,
+                                     stream, args.pdl, args, splits);
     } else {
-      lora_expand_segment_kernel<32><<<grid, kSegExpandThreads, 0, stream>>>(args, splits);
+      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<32>, grid, dim3(kSegExpandThreads), 0,
+                                     stream, args.pdl, args, splits);
     }
     MOELORA_CUDA_CHECK_LAUNCH();
     return;

@@ -83,6 +83,11 @@ struct LoraExpandArgs {
   int splits = 0;                  // 0 = lora_shrink_splits(in_features); 1 for a dense GEMM's u
   const int32_t* u_row = nullptr;  // row of `partial` holding sorted row q's u; nullptr = q
   __nv_bfloat16* delta = nullptr;  // [sorted rows, out]
+  // Segment-major expand only: launched as a programmatic dependent of the kernel before it on the
+  // stream (the shrink, which lets it start at once): it loads its B rows, then waits
+  // (griddepcontrol.wait) before reading the partials. The segments, ranks and scalings must be
+  // complete before that kernel started.
+  bool pdl = false;
 };
 
 // ---- multi-target launches ----

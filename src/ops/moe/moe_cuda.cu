@@ -88,7 +88,10 @@ __device__ __forceinline__ void add_scaled8(float (&acc)[8], const uint4& v, flo
 __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const MoeFinalizeArgs p) {
   __shared__ float reduce[kFinalizeThreads / 32];
   // Launched programmatically after GEMM2, the routing (written by the route and align kernels,
-  // complete before GEMM1 started) is read before the wait; y and the deltas only after it.
+  // complete before GEMM1 started) and the layer's inputs (token count, slot map) are read before
+  // the wait, all in one round of independent loads (pair_pos is -1 for a pair without an expert,
+  // so the ids are not needed); y and the deltas only after it, so the wait is followed by one
+  // round trip and the store.
   constexpr int kMaxTopK = 16;
   const int t = blockIdx.x;
   const int k = p.top_k;
@@ -96,17 +99,16 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   float w_of[kMaxTopK];
 #pragma unroll
   for (int j = 0; j < kMaxTopK; ++j) {
-    const bool pair = j < k && p.topk_ids[t * k + j] >= 0;
-    pos_of[j] = pair ? p.pair_pos[t * k + j] : -1;
-    w_of[j] = pair ? p.topk_weights[t * k + j] : 0.f;
+    pos_of[j] = j < k ? p.pair_pos[t * k + j] : -1;
+    w_of[j] = j < k ? p.topk_weights[t * k + j] : 0.f;
   }
-  ::moelora::cuda::sm90::grid_dependency_wait();
   const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
+  const bool lora = p.slot && p.slot[t] >= 0;
+  ::moelora::cuda::sm90::grid_dependency_wait();
   if (t >= valid) return;
   const int H = p.hidden;
   const __nv_bfloat16* __restrict__ y = p.y;
   const __nv_bfloat16* __restrict__ delta = p.delta;
-  const bool lora = p.slot && p.slot[t] >= 0;
 
   float gate = 1.f;
   if (p.shared && p.shared_gate) {  // Qwen: sigmoid(x[t] . wsg), recomputed per column chunk (H MACs)
@@ -173,7 +175,7 @@ void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
 }
 
 void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
-  MOELORA_CHECK(p.y && p.topk_ids && p.topk_weights && p.pair_pos && p.out, ErrorCode::kInvalidArgument,
+  MOELORA_CHECK(p.y && p.topk_weights && p.pair_pos && p.out, ErrorCode::kInvalidArgument,
                 "moe finalize: null pointer");
   MOELORA_CHECK(!p.shared_gate || p.x, ErrorCode::kInvalidArgument, "moe finalize: the shared gate needs x");
   MOELORA_CHECK(!p.shared_delta || (p.shared_delta_row && p.slot), ErrorCode::kInvalidArgument,

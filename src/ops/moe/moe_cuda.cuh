@@ -36,9 +36,8 @@ void launch_moe_activation(const MoeActivationArgs& args, cudaStream_t stream);
 struct MoeFinalizeArgs {
   const __nv_bfloat16* y = nullptr;        // [P, H] expert outputs in sorted order
   const __nv_bfloat16* delta = nullptr;    // [P, H] seam-2 deltas or nullptr
-  const int32_t* topk_ids = nullptr;       // [T, k]
   const float* topk_weights = nullptr;     // [T, k]
-  const int32_t* pair_pos = nullptr;       // [T * k]
+  const int32_t* pair_pos = nullptr;       // [T * k], -1 for a pair without an expert (moe_align)
   const int32_t* slot = nullptr;           // [T] or nullptr
   const __nv_bfloat16* shared = nullptr;   // [T, H] shared expert output or nullptr
   const __nv_bfloat16* shared_delta = nullptr;  // [T', H] shared down LoRA delta rows or nullptr

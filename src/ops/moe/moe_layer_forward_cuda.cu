@@ -51,6 +51,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   ra.topk_ids = m.x<int32_t>(m.ids);
   ra.topk_weights = m.x<float>(m.tw);
   ra.max_tokens = T;
+  // x feeds the quant kernel (and the LoRA shrink) after the routing; the slot map the alignment.
+  ra.prefetch[0] = {f.x, static_cast<size_t>(T) * H * sizeof(__nv_bfloat16)};
+  if (lora) ra.prefetch[1] = {f.slot, static_cast<size_t>(T) * sizeof(int32_t)};
   launch_route(c.route, ra, m.main);
 
   // 2. align
@@ -138,6 +141,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     if (lora_mma) {
       launch_lora_expand_mma(e, max_rows, m.side);
     } else {
+      e.pdl = true;  // directly after its shrink (or GEMM) on the side stream: B loads overlap it
       launch_lora_expand(e, m.side);
     }
   };
@@ -257,8 +261,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   act.aq = c.bf16_experts ? nullptr : m.x<uint8_t>(m.aq);
   act.sa = c.bf16_experts ? nullptr : m.x<float>(m.sa);
   act.scale_ld = scale_ld;
-  // After GEMM1 with no event to join, the activation is a programmatic dependent of the stream
-  // kernel: it is scheduled while GEMM1 drains and GEMM2 after it prefetches its weights.
+  // The activation is a programmatic dependent of the stream kernel: it is scheduled while GEMM1
+  // drains and GEMM2 after it prefetches its weights. Not with LoRA: a launch with programmatic
+  // serialization right after a cross-stream event wait is not ordered after that event in eager
+  // (uncaptured) execution, so the seam-1 delta could be read before its expand finished.
   act.pdl = stream && !lora;
   launch_moe_activation(act, m.main);
   if (lora) {
@@ -331,7 +337,6 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   MoeFinalizeArgs fa;
   fa.y = m.x<__nv_bfloat16>(m.y);
   fa.delta = lora ? m.x<__nv_bfloat16>(m.d2) : nullptr;
-  fa.topk_ids = m.x<int32_t>(m.ids);
   fa.topk_weights = m.x<float>(m.tw);
   fa.pair_pos = m.x<int32_t>(m.pair_pos);
   fa.slot = lora ? f.slot : nullptr;
@@ -345,7 +350,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.top_k = k;
   fa.hidden = H;
   fa.out = f.out;
-  fa.pdl = stream && !lora && !shared;  // directly after GEMM2 on this stream
+  // Directly after GEMM2 on this stream: not after the shared expert's cuBLAS kernels, and not
+  // after the event wait for the seam-2 expand (as for the activation).
+  fa.pdl = stream && !lora && !shared;
   launch_moe_finalize(fa, m.main);
 }
 

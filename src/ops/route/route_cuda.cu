@@ -1,7 +1,10 @@
 // One warp per token. Each lane holds experts lane, lane + 32, ... in registers (E <= 1024).
-// Selection is an iterative warp argmax (k rounds, ties to the lower expert index), so the
-// result is deterministic and equal to the CPU reference's descending order. For noaux_tc the
-// biased scores are staged in shared memory so that one lane per group can sum its group's top-2.
+// Selection is k rounds of a warp max over 64-bit keys (value, then the lower expert index), so
+// the result is deterministic and in the CPU reference's descending order. Softmax routers compare
+// exp(l - max) before the division by the sum: the same order as the probabilities except where
+// that division rounds two different values to one probability (a near-tie within one rounding:
+// the reference then takes the lower index, this kernel the larger exp). For noaux_tc with groups the biased scores are staged in shared memory so
+// that one lane per group can sum its group's top-2. Instances per router kind and per E bound.
 #include <cfloat>
 
 #include "core/cuda_utils.h"
@@ -49,20 +52,50 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Selection key of (value, expert): a larger value gives a larger key, equal values the lower
+// expert the larger key, and 0 is below every entry (no expert). One 64-bit max then does what a
+// (value, index) argmax with tie-breaking does, in a quarter of the instructions.
+using Key = unsigned long long;
+__device__ __forceinline__ Key selection_key(float value, int expert) {
+  uint32_t bits = __float_as_uint(value);
+  bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // order-preserving for non-NaN
+  return (static_cast<Key>(bits) << 32) | (0xffffffffu - static_cast<uint32_t>(expert));
+}
+__device__ __forceinline__ int key_expert(Key key) {
+  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+}
+__device__ __forceinline__ Key warp_max_key(Key v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const Key o = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
 struct KernelParams {
   RouteDeviceArgs a;
   int E, k, n_group, topk_group;
-  bool renormalize, noaux_tc;
+  bool renormalize;
   float routed_scaling_factor;
 };
 
-// kMaxPerLane experts per lane (E <= 32 * kMaxPerLane): the unrolled loops only cover what E needs.
-template <int kMaxPerLane>
+// One warp per token. kMaxPerLane experts per lane (E <= 32 * kMaxPerLane): the unrolled loops
+// only cover what E needs. The top-k is k rounds of a warp-wide max over each lane's best key;
+// only the lane that owned the winner rescans its own experts. The kernel is a single dependent
+// chain per token (about a thousand instructions), so every instruction counts: a decode MoE
+// layer waits for it before anything else.
+template <int kMaxPerLane, bool kNoauxTc>
 __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelParams p) {
-  __shared__ float biased[kWarpsPerCta][kMaxExperts];
+  __shared__ float biased[kNoauxTc ? kWarpsPerCta : 1][kNoauxTc ? kMaxExperts : 1];
   __shared__ unsigned char group_kept[kWarpsPerCta][32];
   // The align kernel may be scheduled at once (it waits for this grid before reading).
   ::moelora::cuda::sm90::launch_dependents();
+  // The L2 fills of the next kernels' cold inputs go out first, beside this kernel's own loads.
+  for (const auto& range : p.a.prefetch)
+    ::moelora::cuda::sm90::prefetch_l2_range(range.ptr, range.bytes,
+                                             blockIdx.x * blockDim.x + threadIdx.x,
+                                             gridDim.x * blockDim.x);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int token = blockIdx.x * kWarpsPerCta + warp;
   if (token >= p.a.max_tokens) return;
@@ -79,9 +112,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelPa
   }
   const float* logits = p.a.logits + static_cast<size_t>(token) * E;
 
-  // score: the weight reported for an expert; select: what top-k compares.
-  float score[kMaxPerLane], select[kMaxPerLane];
-  if (!p.noaux_tc) {
+  // score: what the router reports for an expert before normalization (softmax: exp(l - max),
+  // noaux_tc: the unbiased sigmoid); key: what the top-k compares (softmax: the same exp, whose
+  // order is the probabilities' order; noaux_tc: the biased score, -FLT_MAX in dropped groups).
+  float score[kMaxPerLane];
+  Key key[kMaxPerLane];
+  float softmax_sum = 1.f;
+  if constexpr (!kNoauxTc) {
     float m = -FLT_MAX;
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
@@ -95,22 +132,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelPa
     for (int i = 0; i < kMaxPerLane; ++i) {
       const int e = lane + 32 * i;
       score[i] = e < E ? expf(score[i] - m) : 0.f;
+      key[i] = e < E ? selection_key(score[i], e) : 0;
       sum += score[i];
     }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      score[i] = score[i] / sum;
-      select[i] = score[i];
-    }
+    softmax_sum = warp_sum(sum);
   } else {
+    float select[kMaxPerLane];
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
       const int e = lane + 32 * i;
       if (e < E) {
         score[i] = 1.f / (1.f + expf(-logits[e]));
         select[i] = score[i] + (p.a.correction_bias ? p.a.correction_bias[e] : 0.f);
-        biased[warp][e] = select[i];
+        if (p.n_group > 1) biased[warp][e] = select[i];
       } else {
         score[i] = select[i] = 0.f;
       }
@@ -134,7 +168,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelPa
         group_score = best + second;
       }
       // Keep the topk_group best groups (ties to the lower group index).
-      if (lane < 32) group_kept[warp][lane] = 0;
+      group_kept[warp][lane] = 0;
       __syncwarp();
       ArgMax mine{group_score, lane < p.n_group ? lane : -1};
       for (int r = 0; r < p.topk_group; ++r) {
@@ -148,49 +182,70 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelPa
 #pragma unroll
       for (int i = 0; i < kMaxPerLane; ++i) {
         const int e = lane + 32 * i;
+        // Masked experts (-FLT_MAX) stay eligible only after every kept expert is taken, which
+        // cannot happen because topk_group * E / n_group >= k is validated.
         if (e < E && !group_kept[warp][e / per_group]) select[i] = -FLT_MAX;
       }
     }
-  }
-
-  // k rounds of warp argmax over (select, expert index); taken experts drop out.
-  bool taken[kMaxPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) taken[i] = false;
-  float chosen_weight = 0.f;  // lane j < k keeps the weight of pick j
-  int chosen_id = -1;
-  float weight_sum = 0.f;
-  for (int j = 0; j < k; ++j) {
-    ArgMax mine{-FLT_MAX, -1};
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
       const int e = lane + 32 * i;
-      // Masked experts (-FLT_MAX) stay eligible only after every kept expert is taken, which
-      // cannot happen because topk_group * E / n_group >= k is validated.
-      if (e < E && !taken[i]) mine = better(mine, ArgMax{select[i], e});
-    }
-    const ArgMax best = warp_argmax(mine);
-    float w = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      if (lane + 32 * i == best.index) {
-        taken[i] = true;
-        w = score[i];
-      }
-    }
-    w = __shfl_sync(0xffffffffu, w, best.index % 32);
-    weight_sum += w;
-    if (lane == j) {
-      chosen_weight = w;
-      chosen_id = best.index;
+      key[i] = e < E ? selection_key(select[i], e) : 0;
     }
   }
+
+  Key head = 0;  // this lane's best remaining key
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) head = key[i] > head ? key[i] : head;
+  float chosen_weight = 0.f;  // lane j < k keeps the weight of pick j
+  int chosen_id = -1;
+  for (int j = 0; j < k; ++j) {
+    const Key best = warp_max_key(head);
+    const int expert = key_expert(best), owner = expert % 32;
+    float w = 0.f;
+    if (lane == owner) {  // take the winner out and find this lane's next best
+      head = 0;
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        if (key[i] == best) {
+          w = score[i];
+          key[i] = 0;
+        }
+        head = key[i] > head ? key[i] : head;
+      }
+    }
+    w = __shfl_sync(0xffffffffu, w, owner);
+    if (lane == j) {
+      chosen_weight = w;
+      chosen_id = expert;
+    }
+  }
+  // Weights in pick order, summed in pick order (the reference's order).
+  float w = chosen_weight;
+  if constexpr (!kNoauxTc) w = w / softmax_sum;
+  float weight_sum = 0.f;
+  for (int j = 0; j < k; ++j) weight_sum += __shfl_sync(0xffffffffu, w, j);
   if (lane < k) {
-    float w = chosen_weight;
-    if (p.renormalize) w = p.noaux_tc ? w / (weight_sum + 1e-20f) : w / weight_sum;
-    if (p.noaux_tc) w *= p.routed_scaling_factor;
+    if (p.renormalize) w = kNoauxTc ? w / (weight_sum + 1e-20f) : w / weight_sum;
+    if (kNoauxTc) w *= p.routed_scaling_factor;
     ids_out[lane] = chosen_id;
     w_out[lane] = w;
+  }
+}
+
+template <bool kNoauxTc>
+void launch_instance(const KernelParams& p, cudaStream_t stream) {
+  const dim3 grid((p.a.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta), block(32 * kWarpsPerCta);
+  if (p.E <= 64) {
+    route_kernel<2, kNoauxTc><<<grid, block, 0, stream>>>(p);
+  } else if (p.E <= 128) {
+    route_kernel<4, kNoauxTc><<<grid, block, 0, stream>>>(p);
+  } else if (p.E <= 256) {
+    route_kernel<8, kNoauxTc><<<grid, block, 0, stream>>>(p);
+  } else if (p.E <= 512) {
+    route_kernel<16, kNoauxTc><<<grid, block, 0, stream>>>(p);
+  } else {
+    route_kernel<32, kNoauxTc><<<grid, block, 0, stream>>>(p);
   }
 }
 
@@ -214,19 +269,11 @@ void launch_route(const RouteParams& params, const RouteDeviceArgs& args, cudaSt
   p.n_group = static_cast<int>(params.n_group);
   p.topk_group = static_cast<int>(params.topk_group);
   p.renormalize = params.renormalize;
-  p.noaux_tc = params.kind == RouterKind::kSigmoidNoauxTc;
   p.routed_scaling_factor = params.routed_scaling_factor;
-  const int blocks = (args.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta;
-  if (p.E <= 64) {
-    route_kernel<2><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
-  } else if (p.E <= 128) {
-    route_kernel<4><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
-  } else if (p.E <= 256) {
-    route_kernel<8><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
-  } else if (p.E <= 512) {
-    route_kernel<16><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
+  if (params.kind == RouterKind::kSigmoidNoauxTc) {
+    launch_instance<true>(p, stream);
   } else {
-    route_kernel<32><<<dim3(blocks), dim3(32 * kWarpsPerCta), 0, stream>>>(p);
+    launch_instance<false>(p, stream);
   }
   MOELORA_CUDA_CHECK_LAUNCH();
 }

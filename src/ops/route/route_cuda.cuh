@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "ops/route/route.h"
@@ -19,6 +20,14 @@ struct RouteDeviceArgs {
   int32_t* topk_ids = nullptr;             // [T, k]; rows of tokens >= *num_tokens are set to -1
   float* topk_weights = nullptr;           // [T, k]; 0 for those rows
   int max_tokens = 0;                      // T (grid capacity)
+  // Inputs of the kernels after the router that are likely cold in L2 (the layer's x, the slot
+  // map): their fills are issued at the router's start so that their DRAM latency overlaps the
+  // router's own loads instead of following it. Optional.
+  struct Prefetch {
+    const void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  Prefetch prefetch[2];
 };
 
 // E <= 1024 and k <= 32 (Error otherwise).
