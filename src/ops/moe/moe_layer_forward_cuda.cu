@@ -262,9 +262,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   act.sa = c.bf16_experts ? nullptr : m.x<float>(m.sa);
   act.scale_ld = scale_ld;
   // The activation is a programmatic dependent of the stream kernel: it is scheduled while GEMM1
-  // drains and GEMM2 after it prefetches its weights. Not with LoRA: a launch with programmatic
-  // serialization right after a cross-stream event wait is not ordered after that event in eager
-  // (uncaptured) execution, so the seam-1 delta could be read before its expand finished.
+  // drains and GEMM2 after it prefetches its weights. Not with LoRA: whether a launch with
+  // programmatic serialization right after a cross-stream event wait stays ordered after that
+  // event in an uncaptured stream is not documented, and the seam-1 delta must be complete.
   act.pdl = stream && !lora;
   launch_moe_activation(act, m.main);
   if (lora) {
