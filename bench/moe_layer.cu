@@ -221,6 +221,7 @@ struct Baseline {
   void gemm(const void* x, const void* w, void* y, int rows, int n, int k, float beta, cudaStream_t s, int ldw = 0) {
     const float alpha = 1.f;
     cublasSetStream(h, s);
+    cublasSetWorkspace(h, ws.get(), ws.bytes());  // cublasSetStream fell back to the default pool
     cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &alpha, w, CUDA_R_16BF, ldw ? ldw : k, x, CUDA_R_16BF, k,
                  &beta, y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   }

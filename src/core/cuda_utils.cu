@@ -121,21 +121,63 @@ float Event::elapsed_ms(const Event& start, const Event& end) {
 
 #include <cublas_v2.h>
 
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
 namespace moelora::cuda {
 
-CublasHandle::CublasHandle(size_t workspace_bytes) : workspace_(workspace_bytes) {
-  cublasHandle_t h = nullptr;
-  cublasStatus_t status = cublasCreate(&h);
-  MOELORA_CHECK(status == CUBLAS_STATUS_SUCCESS, ErrorCode::kCuda, "cublasCreate failed with status ",
-                static_cast<int>(status));
-  handle_ = h;
-  status = cublasSetWorkspace(h, workspace_.get(), workspace_bytes);
-  MOELORA_CHECK(status == CUBLAS_STATUS_SUCCESS, ErrorCode::kCuda, "cublasSetWorkspace failed with status ",
+namespace {
+
+// Workspace of every live CublasHandle, by cuBLAS handle.
+struct CublasWorkspaces {
+  std::mutex mutex;
+  std::unordered_map<void*, std::pair<void*, size_t>> by_handle;
+};
+CublasWorkspaces& cublas_workspaces() {
+  static CublasWorkspaces* registry = new CublasWorkspaces;  // outlives every static handle
+  return *registry;
+}
+
+void check_cublas_status(cublasStatus_t status, const char* what) {
+  MOELORA_CHECK(status == CUBLAS_STATUS_SUCCESS, ErrorCode::kCuda, what, " failed with status ",
                 static_cast<int>(status));
 }
 
+}  // namespace
+
+CublasHandle::CublasHandle(size_t workspace_bytes) : workspace_(workspace_bytes) {
+  cublasHandle_t h = nullptr;
+  check_cublas_status(cublasCreate(&h), "cublasCreate");
+  handle_ = h;
+  check_cublas_status(cublasSetWorkspace(h, workspace_.get(), workspace_bytes), "cublasSetWorkspace");
+  CublasWorkspaces& r = cublas_workspaces();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.by_handle[handle_] = {workspace_.get(), workspace_bytes};
+}
+
 CublasHandle::~CublasHandle() {
-  if (handle_) cublasDestroy(static_cast<cublasHandle_t>(handle_));
+  if (!handle_) return;
+  {
+    CublasWorkspaces& r = cublas_workspaces();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.by_handle.erase(handle_);
+  }
+  cublasDestroy(static_cast<cublasHandle_t>(handle_));
+}
+
+void set_cublas_stream(void* handle, cudaStream_t stream) {
+  auto h = static_cast<cublasHandle_t>(handle);
+  check_cublas_status(cublasSetStream(h, stream), "cublasSetStream");
+  std::pair<void*, size_t> workspace{nullptr, 0};
+  {
+    CublasWorkspaces& r = cublas_workspaces();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.by_handle.find(handle);
+    if (it == r.by_handle.end()) return;  // a handle made elsewhere keeps cuBLAS's default
+    workspace = it->second;
+  }
+  check_cublas_status(cublasSetWorkspace(h, workspace.first, workspace.second), "cublasSetWorkspace");
 }
 
 }  // namespace moelora::cuda

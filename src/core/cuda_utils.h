@@ -145,7 +145,9 @@ class DeviceArena {
   DeviceBuffer buffer_;
 };
 
-// cuBLAS handle bound to a preallocated workspace (required for graph capture).
+// cuBLAS handle bound to a preallocated workspace (required for graph capture). cublasSetStream
+// resets a handle's workspace to cuBLAS's default pool, so a handle must change streams only
+// through set_cublas_stream below, which binds this workspace again.
 class CublasHandle {
  public:
   explicit CublasHandle(size_t workspace_bytes = 32u << 20);
@@ -158,5 +160,11 @@ class CublasHandle {
   void* handle_ = nullptr;
   DeviceBuffer workspace_;
 };
+
+// Points `handle` (a cublasHandle_t) at `stream` and, for a handle made by CublasHandle, binds its
+// own workspace again (cublasSetStream alone falls back to cuBLAS's default workspace pool, which
+// handles running on different streams, and eager runs and graph captures, then share: split-K
+// GEMMs on two streams could overwrite each other's partial sums). Capture-safe (no stream work).
+void set_cublas_stream(void* handle, cudaStream_t stream);
 
 }  // namespace moelora::cuda

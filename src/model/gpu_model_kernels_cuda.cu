@@ -116,7 +116,7 @@ void gemm_bf16(cublasHandle_t handle, cudaStream_t stream, const __nv_bfloat16* 
                const __nv_bfloat16* w, void* y, cudaDataType_t y_type, int64_t ldy, int rows, int n,
                int k) {
   if (rows <= 0 || n <= 0) return;
-  check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
+  ::moelora::cuda::set_cublas_stream(handle, stream);
   const float alpha = 1.0f, beta = 0.0f;
   // Column-major view: Y^T [n, rows] = W [k, n]^T . X^T [k, rows].
   check_cublas(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &alpha, w, CUDA_R_16BF, k,

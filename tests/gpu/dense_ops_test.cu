@@ -12,7 +12,10 @@
 //   - silu_mul vs silu_mul_fused_ref, add_rows (bit-exact, base-only rows untouched);
 //   - sample vs sample_row_ref: greedy bit-exact (ties, masked rows), sampled rows with random u
 //     equal to the reference except where the reference's own margin is below 1e-5 (counted,
-//     required rare).
+//     required rare);
+//   - cuBLAS handles made by CublasHandle on two streams at once (set_cublas_stream keeps each
+//     handle's own workspace): bitwise the result of one handle alone, close to the CPU.
+#include <cublas_v2.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -57,6 +60,59 @@ std::vector<float> to_f32(const std::vector<uint16_t>& bits) {
 }
 Tensor f32_tensor(const std::vector<float>& v, Shape shape) {
   return Tensor::from_f32(v, std::move(shape));
+}
+
+// ---------------------------------------------------------------- cuBLAS handles
+
+// cublasSetStream drops a handle's workspace for cuBLAS's default pool; set_cublas_stream binds
+// the CublasHandle's own again, so handles on concurrent streams never share one (cuBLAS's
+// condition for bitwise reproducible results with several streams). The shape is Kimi-K2.5's
+// q_a projection at decode (4 rows, K = 7168), where cuBLAS splits K through its workspace.
+TEST(Sm90_DenseOps, CublasHandlesOnTwoStreamsKeepTheirWorkspaces) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(701));
+  const int rows = 4, n = 1536, k = 7168;
+  const std::vector<uint16_t> x = random_bf16(rng, static_cast<size_t>(rows) * k, 1.f);
+  const std::vector<uint16_t> w = random_bf16(rng, static_cast<size_t>(n) * k, 0.02f);
+  auto x_d = upload_vector(x);
+  auto w_d = upload_vector(w);
+  const size_t out_bytes = static_cast<size_t>(rows) * n * 2;
+  cuda::DeviceBuffer y_one(out_bytes), y_a(out_bytes), y_b(out_bytes);
+  cuda::CublasHandle one, a, b;
+  cuda::Stream s1, s2;
+  auto gemm = [&](const cuda::CublasHandle& h, const cuda::Stream& s, cuda::DeviceBuffer& y) {
+    cuda::set_cublas_stream(h.get(), s.get());
+    const float alpha = 1.f, beta = 0.f;
+    ASSERT_EQ(cublasGemmEx(static_cast<cublasHandle_t>(h.get()), CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k,
+                           &alpha, w_d.get(), CUDA_R_16BF, k, x_d.get(), CUDA_R_16BF, k, &beta,
+                           y.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              CUBLAS_STATUS_SUCCESS);
+  };
+  gemm(one, s1, y_one);
+  s1.synchronize();
+  const std::vector<uint16_t> want = download_vector<uint16_t>(y_one, static_cast<size_t>(rows) * n);
+  // The fp32 dot of a few outputs: the GEMM itself is right.
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < n; c += 97) {
+      double dot = 0;
+      for (int i = 0; i < k; ++i)
+        dot += static_cast<double>(bf16_bits_to_f32(x[static_cast<size_t>(r) * k + i])) *
+               bf16_bits_to_f32(w[static_cast<size_t>(c) * k + i]);
+      EXPECT_NEAR(bf16_bits_to_f32(want[static_cast<size_t>(r) * n + c]), dot, 0.01 + 0.01 * std::fabs(dot))
+          << "row " << r << " column " << c;
+    }
+  for (int rep = 0; rep < 16; ++rep) {
+    MOELORA_CUDA_CHECK(cudaMemsetAsync(y_a.get(), 0xff, out_bytes, s1.get()));
+    MOELORA_CUDA_CHECK(cudaMemsetAsync(y_b.get(), 0xff, out_bytes, s2.get()));
+    for (int i = 0; i < 4; ++i) {  // both streams busy at once
+      gemm(a, s1, y_a);
+      gemm(b, s2, y_b);
+    }
+    s1.synchronize();
+    s2.synchronize();
+    ASSERT_EQ(download_vector<uint16_t>(y_a, want.size()), want) << "stream 1, repetition " << rep;
+    ASSERT_EQ(download_vector<uint16_t>(y_b, want.size()), want) << "stream 2, repetition " << rep;
+  }
 }
 
 // ---------------------------------------------------------------- embedding

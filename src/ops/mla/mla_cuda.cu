@@ -229,7 +229,7 @@ void launch_mla_absorb_query(cublasHandle_t handle, const MlaAbsorbArgs& args,
       args.q_stride, " (must be >= num_heads * (nope + rope) = ", s.num_heads * (s.nope + s.rope),
       ")");
   if (args.tokens == 0) return;
-  check_cublas(cublasSetStream(handle, stream), "launch_mla_absorb_query: cublasSetStream");
+  ::moelora::cuda::set_cublas_stream(handle, stream);
   // Per head h, row-major: q_lat [T, r] (rows of q_full, stride n (r + rope)) =
   //   q_nope [T, nope] (stride q_stride) . W_UK[h] [nope, r].
   // Column-major: q_lat^T [r, T] = W_UK[h]^T-as-stored [r, nope] (ld r) . q_nope^T [nope, T] (ld
@@ -261,7 +261,7 @@ void launch_mla_project_output(cublasHandle_t handle, const MlaProjectArgs& args
   MOELORA_CHECK(args.tokens >= 0, ErrorCode::kInvalidArgument, "launch_mla_project_output: tokens ",
                 args.tokens);
   if (args.tokens == 0) return;
-  check_cublas(cublasSetStream(handle, stream), "launch_mla_project_output: cublasSetStream");
+  ::moelora::cuda::set_cublas_stream(handle, stream);
   // Per head h, row-major: out [T, dv] (stride n dv) = o_lat [T, r] (stride n r) . W_UV[h]^T.
   // Column-major: out^T [dv, T] = op_T(W_UV[h] stored as [r, dv], ld r) . o_lat^T [r, T] (ld n r).
   const float alpha = 1.f, beta = 0.f;

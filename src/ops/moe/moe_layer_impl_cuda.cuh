@@ -30,7 +30,7 @@ inline void check_cublas(cublasStatus_t s, const char* what) {
 // y [rows, n] (bf16 or f32) = x [rows, k] bf16 . w [n, k]^T bf16, fp32 accumulation.
 inline void gemm_bf16_nt(cublasHandle_t h, cudaStream_t stream, const __nv_bfloat16* x,
                   const __nv_bfloat16* w, void* y, cudaDataType_t y_type, int rows, int n, int k) {
-  check_cublas(cublasSetStream(h, stream), "cublasSetStream");
+  ::moelora::cuda::set_cublas_stream(h, stream);
   const float alpha = 1.f, beta = 0.f;
   // Column-major view: Y^T [n, rows] = W [k, n]^T . X^T [k, rows]
   check_cublas(
