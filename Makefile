@@ -1,12 +1,13 @@
 # The two commands of README.md:
 #   make run    install dependencies, build, run the main job on its built-in default
-#   make test   install dependencies, build, run the test suites (and the sanitizer build's cpu tests)
+#   make test   install dependencies, build, run the test suites (and the sanitizer build's cpu tests,
+#               and a bounded fuzz run of every parser)
 BUILD_DIR ?= build
 SANITIZE_DIR ?= build-sanitize
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: run test setup build build-sanitize test-sanitize format clean
+.PHONY: run test setup build build-sanitize test-sanitize test-fuzz format clean
 
 setup:
 	scripts/setup
@@ -21,6 +22,7 @@ run: build
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
 	$(MAKE) test-sanitize
+	$(MAKE) test-fuzz
 
 # ASan + UBSan, CPU backend only, cpu-labelled tests.
 build-sanitize: setup
@@ -31,8 +33,14 @@ build-sanitize: setup
 test-sanitize: build-sanitize
 	ctest --test-dir $(SANITIZE_DIR) --output-on-failure -j $(JOBS) -L cpu -LE slow
 
+# Every libFuzzer target for FUZZ_SECONDS from its committed seeds, a fixed libFuzzer seed (the same
+# mutations from run to run); any crash, sanitizer report, timeout or out-of-memory fails.
+FUZZ_SECONDS ?= 45
+test-fuzz: setup
+	for t in $$(scripts/fuzz --list); do scripts/fuzz $$t $(FUZZ_SECONDS) -seed=1 || exit 1; done
+
 format:
 	find src tools tests bench -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format -i
 
 clean:
-	rm -rf $(BUILD_DIR) $(SANITIZE_DIR)
+	rm -rf $(BUILD_DIR) $(SANITIZE_DIR) build-fuzz

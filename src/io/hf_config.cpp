@@ -405,9 +405,11 @@ std::string read_text(const fs::path& path, const char* what) {
 
 json parse_json_file(const fs::path& path, const char* what) {
   const std::string text = read_text(path, what);
+  // Every JSON exception, not only parse_error: a number too large for a double is out_of_range
+  // (406), found by fuzz/fuzz_hf_config; it must end as kInvalidFile like any other bad JSON.
   try {
     return json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     MOELORA_THROW(ErrorCode::kInvalidFile, path.string(), ": ", what, " is not valid JSON: ", e.what());
   }
 }

@@ -392,10 +392,12 @@ AdapterConfig parse_adapter_config(const fs::path& file) {
   std::stringstream text;
   text << in.rdbuf();
 
+  // Every JSON exception, not only parse_error: a number too large for a double is out_of_range
+  // (406) and would otherwise escape as a crash.
   ojson json;
   try {
     json = ojson::parse(text.str());
-  } catch (const ojson::parse_error& e) {
+  } catch (const ojson::exception& e) {
     MOELORA_THROW(ErrorCode::kInvalidFile, source, ": malformed JSON: ", e.what());
   }
   MOELORA_CHECK(json.is_object(), ErrorCode::kInvalidFile, source, ": expected a JSON object, got ",
@@ -1408,7 +1410,10 @@ LoraAdapter AdapterLoader::load() {
   for (size_t t = 0; t < kNumPlain + 2; ++t) {
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       const auto named = adapter.layers[static_cast<size_t>(layer)].named();
-      const auto& [target, w] = named[t];
+      // Plain references, not a structured binding: the lambda below captures the name, which
+      // clang before 16 does not allow for bindings.
+      const auto& target = named[t].first;
+      const auto& w = named[t].second;
       if (!w->defined()) continue;
       adapter.max_rank = std::max(adapter.max_rank, w->rank());
       std::string detail = "rank " + std::to_string(w->rank()) + ", scaling " + format_number(w->scaling);

@@ -790,6 +790,26 @@ TEST(HfConfigQuant, OtherMethodsAreUnsupported) {
   expect_config_error(j, ErrorCode::kInvalidFile, {"missing field 'quantization_config.quant_method'"});
 }
 
+// fuzz/fuzz_hf_config's first finding, verbatim: a number too large for a double made nlohmann
+// throw out_of_range (406), which is not a parse_error and escaped load_model_config. Any JSON
+// exception is kInvalidFile naming the file.
+TEST(HfConfigFile, NumberOverflowIsInvalidJson) {
+  test::TempDir dir;
+  test::write_text_file(dir / "config.json", R"FUZZ({
+  "architectures": [ 
+   "Qwen3MoeForCausalLM"
+  ],
+  "attention_bias": false,
+  "att#ntio`_dropout": 333333333333333333333333333333333333333E36666666666666660.0,
+  "bos_token_id": 0,
+  "de+cid_experts": 8
+}
+)FUZZ");
+  EXPECT_THAT(error_message([&] { load_model_config(dir.path()); }, ErrorCode::kInvalidFile),
+              AllOf(StartsWith((dir / "config.json").string()), HasSubstr("not valid JSON"),
+                    HasSubstr("number overflow")));
+}
+
 TEST(HfConfigQuant, ModeloptLegacyHfQuantConfigFile) {
   test::TempDir dir;
   test::write_text_file(dir / "config.json", kQwen3_30B_A3B);

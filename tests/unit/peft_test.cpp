@@ -851,6 +851,11 @@ TEST(PeftConfig, Rejections) {
   EXPECT_THAT(message(R"({"r": 8, "lora_alpha": 16,)", ErrorCode::kInvalidFile),
               AllOf(HasSubstr(file), HasSubstr("malformed JSON")));
   EXPECT_THAT(message(R"([1, 2])", ErrorCode::kInvalidFile), HasSubstr("expected a JSON object"));
+  // A number too large for a double (nlohmann's out_of_range 406, not a parse_error; the shape of
+  // a fuzz finding in config.json) is malformed JSON too, not an escaping exception.
+  EXPECT_THAT(message(R"({"r": 8, "lora_alpha": 3333333333333333333333333E366666666666660.0})",
+                      ErrorCode::kInvalidFile),
+              AllOf(HasSubstr(file), HasSubstr("malformed JSON"), HasSubstr("number overflow")));
   EXPECT_THAT(error_message([&] { parse_adapter_config(dir / "missing.json"); }, ErrorCode::kNotFound),
               HasSubstr("missing.json"));
 }

@@ -732,6 +732,10 @@ TEST(TokenizerErrors, MalformedFilesNameTheFieldAndValue) {
   test::write_text_file(dir / "tokenizer.json", "{\"model\": ");
   EXPECT_TRUE(
       throws_error([&] { Tokenizer::load(dir.path()); }, ErrorCode::kInvalidFile, {"not valid JSON"}));
+  // A number too large for a double is nlohmann's out_of_range (406), not a parse_error: refused
+  // the same way (the shape of a fuzz finding in config.json).
+  EXPECT_TRUE(throws_error([&] { Tokenizer::from_json(R"({"model": {"dropout": 1E999999999}})"); },
+                           ErrorCode::kInvalidFile, {"not valid JSON", "number overflow"}));
   TempDir empty;
   EXPECT_TRUE(
       throws_error([&] { Tokenizer::load(empty.path()); }, ErrorCode::kNotFound, {"no tokenizer.json"}));
