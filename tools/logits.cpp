@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "logits_batch.h"
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "model/model_setup.h"
@@ -23,6 +24,8 @@
 namespace {
 
 using moelora::ErrorCode;
+using moelora::tools::BatchEntry;
+using moelora::tools::read_batch;
 namespace mm = moelora::model;
 
 struct LogitsArgs {
@@ -35,48 +38,6 @@ struct LogitsArgs {
   int64_t max_layers = 0;
 };
 
-struct BatchEntry {
-  std::vector<int32_t> tokens;
-  std::string adapter;  // "" = base
-};
-
-std::vector<BatchEntry> read_batch(const std::string& path) {
-  std::ifstream in(path);
-  MOELORA_CHECK(in.good(), ErrorCode::kNotFound, path, ": cannot open the batch file");
-  nlohmann::json doc;
-  try {
-    in >> doc;
-  } catch (const nlohmann::json::exception& e) {
-    MOELORA_THROW(ErrorCode::kInvalidArgument, path, ": not valid JSON (", e.what(), ")");
-  }
-  MOELORA_CHECK(doc.is_array() && !doc.empty(), ErrorCode::kInvalidArgument, path,
-                ": expected a non-empty JSON list of {\"tokens\": [...], \"adapter\": NAME or null}");
-  std::vector<BatchEntry> out;
-  for (size_t i = 0; i < doc.size(); ++i) {
-    const nlohmann::json& e = doc[i];
-    const std::string where = path + ": entry " + std::to_string(i);
-    MOELORA_CHECK(e.is_object(), ErrorCode::kInvalidArgument, where, " is not an object");
-    for (const auto& [key, value] : e.items()) {
-      MOELORA_CHECK(key == "tokens" || key == "adapter", ErrorCode::kInvalidArgument, where,
-                    ": unknown key '", key, "' (expected \"tokens\" and \"adapter\")");
-    }
-    MOELORA_CHECK(e.contains("tokens") && e["tokens"].is_array() && !e["tokens"].empty(),
-                  ErrorCode::kInvalidArgument, where, ": \"tokens\" must be a non-empty list of token ids");
-    BatchEntry entry;
-    for (const nlohmann::json& t : e["tokens"]) {
-      MOELORA_CHECK(t.is_number_integer() && t.get<int64_t>() >= INT32_MIN && t.get<int64_t>() <= INT32_MAX,
-                    ErrorCode::kInvalidArgument, where, ": token ", t.dump(), " is not an integer");
-      entry.tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
-    }
-    if (e.contains("adapter") && !e["adapter"].is_null()) {
-      MOELORA_CHECK(e["adapter"].is_string(), ErrorCode::kInvalidArgument, where,
-                    ": \"adapter\" must be a name or null, got ", e["adapter"].dump());
-      entry.adapter = e["adapter"].get<std::string>();
-    }
-    out.push_back(std::move(entry));
-  }
-  return out;
-}
 
 int run_logits(const LogitsArgs& args) {
   MOELORA_CHECK(args.tokens.empty() != args.batch_file.empty(), ErrorCode::kInvalidArgument,
