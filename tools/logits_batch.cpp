@@ -2,19 +2,23 @@
 #include "logits_batch.h"
 
 #include <climits>
-#include <fstream>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/input_limits.h"
 
 namespace moelora::tools {
 
 std::vector<BatchEntry> read_batch(const std::string& path) {
-  std::ifstream in(path);
-  MOELORA_CHECK(in.good(), ErrorCode::kNotFound, path, ": cannot open the batch file");
+  std::error_code ec;
+  MOELORA_CHECK(std::filesystem::exists(path, ec), ErrorCode::kNotFound, path,
+                ": cannot open the batch file");
+  const std::string text = io::read_limited_text(path, io::kMaxJsonFileBytes, "the batch file");
+  io::check_json_depth(text, path);
   nlohmann::json doc;
   try {
-    in >> doc;
+    doc = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     MOELORA_THROW(ErrorCode::kInvalidArgument, path, ": not valid JSON (", e.what(), ")");
   }

@@ -8,6 +8,7 @@
 // quantization scheme) the parser refuses with kUnsupported instead of loading a model that
 // computes something else.
 #include "io/hf_config.h"
+#include "io/input_limits.h"
 
 #include <algorithm>
 #include <cctype>
@@ -396,15 +397,15 @@ json quant_to_json(const QuantConfig& q) {
 }
 
 std::string read_text(const fs::path& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  MOELORA_CHECK(in.good(), ErrorCode::kNotFound, path.string(), ": cannot read ", what, " (no such file)");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  std::error_code ec;
+  MOELORA_CHECK(fs::exists(path, ec), ErrorCode::kNotFound, path.string(), ": cannot read ", what,
+                " (no such file)");
+  return read_limited_text(path, kMaxJsonFileBytes, what);
 }
 
 json parse_json_file(const fs::path& path, const char* what) {
   const std::string text = read_text(path, what);
+  check_json_depth(text, path.string());
   // Every JSON exception, not only parse_error: a number too large for a double is out_of_range
   // (406), found by fuzz/fuzz_hf_config; it must end as kInvalidFile like any other bad JSON.
   try {

@@ -11,6 +11,7 @@
 //   3. each target's factors are validated (shapes, ranks vs adapter_config.json) and written
 //      once, straight from the mmap'ed file, into freshly allocated fp32 canonical tensors.
 #include "io/peft.h"
+#include "io/input_limits.h"
 
 #include <algorithm>
 #include <array>
@@ -387,16 +388,14 @@ AdapterConfig parse_adapter_config(const fs::path& file) {
   MOELORA_CHECK(fs::is_regular_file(file, ec), ErrorCode::kNotFound, source,
                 ": not found (a PEFT LoRA adapter directory holds adapter_config.json and "
                 "adapter_model.safetensors)");
-  std::ifstream in(file, std::ios::binary);
-  MOELORA_CHECK(in.good(), ErrorCode::kInvalidFile, source, ": cannot be opened for reading");
-  std::stringstream text;
-  text << in.rdbuf();
+  const std::string text = read_limited_text(file, kMaxJsonFileBytes, "adapter_config.json");
+  check_json_depth(text, source);
 
   // Every JSON exception, not only parse_error: a number too large for a double is out_of_range
   // (406) and would otherwise escape as a crash.
   ojson json;
   try {
-    json = ojson::parse(text.str());
+    json = ojson::parse(text);
   } catch (const ojson::exception& e) {
     MOELORA_THROW(ErrorCode::kInvalidFile, source, ": malformed JSON: ", e.what());
   }

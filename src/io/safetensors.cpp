@@ -9,6 +9,7 @@
 // lets checkpoints and adapters written by moelora be read by any other tool, and what the
 // byte-for-byte test against the Python package checks.
 #include "io/safetensors.h"
+#include "io/input_limits.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -84,6 +85,7 @@ struct DuplicateKeyFinder : nlohmann::json_sax<json> {
 };
 
 json parse_json_strict(std::string_view text, const std::string& file, const std::string& what) {
+  check_json_depth(text, file);
   json root;
   try {
     root = json::parse(text.begin(), text.end());
@@ -95,15 +97,6 @@ json parse_json_strict(std::string_view text, const std::string& file, const std
   MOELORA_CHECK(finder.duplicate.empty(), ErrorCode::kInvalidFile, file, ": ", what, " has the key \"",
                 finder.duplicate, "\" twice");
   return root;
-}
-
-std::string read_text_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  MOELORA_CHECK(in.good(), ErrorCode::kNotFound, path.string(), ": cannot open: ", errno_text(errno));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  MOELORA_CHECK(!in.bad(), ErrorCode::kInvalidFile, path.string(), ": read error");
-  return buffer.str();
 }
 
 // Bytes of `numel` elements, or false on uint64 overflow. 4-bit types round up to whole bytes.
@@ -301,6 +294,10 @@ SafetensorsFile SafetensorsFile::open(const fs::path& path) {
   const json header = parse_json_strict(header_text, file, "the header");
   MOELORA_CHECK(header.is_object(), ErrorCode::kInvalidFile, file,
                 ": the header must be a JSON object of tensor entries, got ", describe(header));
+  const uint64_t entries = header.size() - (header.contains("__metadata__") ? 1 : 0);
+  MOELORA_CHECK(entries <= kMaxSafetensorsTensors, ErrorCode::kInvalidFile, file, ": the header lists ",
+                entries, " tensors, more than the ", kMaxSafetensorsTensors,
+                " accepted in one file (io/input_limits.h)");
 
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
@@ -377,7 +374,8 @@ SafetensorsStore SafetensorsStore::open_dir(const fs::path& dir, const std::stri
   }
 
   const std::string index_file = index_path.string();
-  const json index = parse_json_strict(read_text_file(index_path), index_file, "the index");
+  const json index = parse_json_strict(read_limited_text(index_path, kMaxJsonFileBytes, "the index"),
+                                       index_file, "the index");
   MOELORA_CHECK(index.is_object(), ErrorCode::kInvalidFile, index_file, ": expected a JSON object, got ",
                 describe(index));
   MOELORA_CHECK(index.contains("weight_map"), ErrorCode::kInvalidFile, index_file,

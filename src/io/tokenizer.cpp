@@ -3,6 +3,7 @@
 // edge cases (empty pieces, whitespace swallowed by lstrip/rstrip, unknown ids) follow the
 // `tokenizers` library, whose ids are the ground truth for every model we serve.
 #include "io/tokenizer.h"
+#include "io/input_limits.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -29,16 +30,16 @@ namespace {
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  MOELORA_CHECK(in.good(), ErrorCode::kNotFound, "cannot open '", path.string(), "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  MOELORA_CHECK(!in.bad(), ErrorCode::kInvalidFile, "error reading '", path.string(), "'");
-  return text.str();
+// tokenizer.json may be large (kMaxTokenizerFileBytes); its config and templates are small files.
+std::string read_file(const std::filesystem::path& path, uint64_t max_bytes = kMaxJsonFileBytes) {
+  std::error_code ec;
+  MOELORA_CHECK(std::filesystem::exists(path, ec), ErrorCode::kNotFound, "cannot open '",
+                path.string(), "'");
+  return read_limited_text(path, max_bytes, "the file");
 }
 
 json parse_json(std::string_view text, const std::string& source) {
+  check_json_depth(text, source);
   // Every JSON exception, not only parse_error: a number too large for a double is out_of_range
   // (406) and would otherwise escape as a crash (found by fuzz/fuzz_tokenizer's family).
   try {
@@ -730,7 +731,7 @@ Tokenizer Tokenizer::load(const std::filesystem::path& dir_or_file) {
                     "is needed");
       MOELORA_THROW(ErrorCode::kNotFound, "no tokenizer.json in '", dir_or_file.string(), "'");
     }
-    auto impl = build_impl(read_file(file), file.string());
+    auto impl = build_impl(read_file(file, kMaxTokenizerFileBytes), file.string());
     const auto config = dir_or_file / "tokenizer_config.json";
     if (std::filesystem::is_regular_file(config, ec)) apply_config(*impl, read_file(config), config.string());
     // transformers 5 writes the template beside the config; it takes precedence (FORMATS §5.3).
@@ -748,7 +749,7 @@ Tokenizer Tokenizer::load(const std::filesystem::path& dir_or_file) {
   }
   MOELORA_CHECK(std::filesystem::is_regular_file(dir_or_file, ec), ErrorCode::kNotFound, "tokenizer '",
                 dir_or_file.string(), "' does not exist");
-  return Tokenizer(build_impl(read_file(dir_or_file), dir_or_file.string()));
+  return Tokenizer(build_impl(read_file(dir_or_file, kMaxTokenizerFileBytes), dir_or_file.string()));
 }
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,

@@ -530,6 +530,7 @@ TEST(ModelCli, BadArgumentsGiveOneClearLine) {
   test::TempDir tmp;
   test::write_text_file(tmp / "bad.json", R"([{"tokens": []}])");
   test::write_text_file(tmp / "typo.json", R"([{"tokens": [1], "adaptr": "a"}])");
+  test::write_text_file(tmp / "deep.json", std::string(65, '[') + std::string(65, ']'));
   const std::vector<BadCase> cases = {
       {"logits" + model + " --tokens 1,2,600 --out " + quote(tmp / "x"),
        "token id 600 at position 2 is outside the vocabulary [0, 512)"},
@@ -542,6 +543,8 @@ TEST(ModelCli, BadArgumentsGiveOneClearLine) {
        "entry 0: \"tokens\" must be a non-empty list of token ids"},
       {"logits" + model + " --batch " + quote(tmp / "typo.json") + " --out " + quote(tmp / "x"),
        "unknown key 'adaptr'"},
+      {"logits" + model + " --batch " + quote(tmp / "deep.json") + " --out " + quote(tmp / "x"),
+       "nest deeper than the 64 levels accepted"},
       {"logits --model " + quote(tmp / "missing") + " --tokens 1 --out " + quote(tmp / "x"), "missing"},
       {"logits" + model + " --adapter broken --tokens 1 --out " + quote(tmp / "x"),
        "must be given as NAME=DIR"},
