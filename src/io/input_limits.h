@@ -19,6 +19,10 @@ inline constexpr uint64_t kMaxJsonFileBytes = uint64_t{64} << 20;
 inline constexpr uint64_t kMaxTokenizerFileBytes = uint64_t{512} << 20;
 // Nesting of arrays and objects in any JSON input (real ones nest at most ~6 deep).
 inline constexpr int kMaxJsonDepth = 64;
+// Token ids (vocabulary, added tokens, post-processor ids): tokenizer tables are indexed by id, so
+// this bounds what a tokenizer.json can make the reader allocate. The largest real vocabularies
+// hold ~256 k tokens.
+inline constexpr int64_t kMaxTokenId = int64_t{1} << 21;
 // Tensors in one safetensors header (an unsharded DeepSeek-V3 has ~95 k); the header itself is
 // bounded by kSafetensorsMaxHeaderBytes (safetensors.h).
 inline constexpr uint64_t kMaxSafetensorsTensors = uint64_t{1} << 18;

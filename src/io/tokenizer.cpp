@@ -109,9 +109,12 @@ class Fields {
   static int32_t to_id(const json& value, const std::string& path, const std::string& source) {
     MOELORA_CHECK(value.is_number_integer(), ErrorCode::kInvalidFile, source, ": field '", path,
                   "' must be an integer token id, got ", show(value));
+    // Tables are indexed by id, so an id bounds what the tokenizer allocates: ids past
+    // kMaxTokenId (io/input_limits.h) are refused (a lying file once asked for 64 GB).
     const int64_t id = value.get<int64_t>();
-    MOELORA_CHECK(id >= 0 && id <= std::numeric_limits<int32_t>::max(), ErrorCode::kInvalidFile, source,
-                  ": field '", path, "' holds token id ", id, ", outside [0, 2^31)");
+    MOELORA_CHECK(id >= 0 && id < kMaxTokenId, ErrorCode::kInvalidFile, source, ": field '", path,
+                  "' holds token id ", id, ", outside the [0, ", kMaxTokenId,
+                  ") accepted (io/input_limits.h)");
     return static_cast<int32_t>(id);
   }
 

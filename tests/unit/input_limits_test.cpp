@@ -81,6 +81,25 @@ TEST(InputLimits, ConfigAndAdapterConfigApplyThem) {
               HasSubstr("larger than"));
 }
 
+// A token id sizes the tokenizer's tables: 2,000,000,000 once asked for 64 GB (found by hand
+// against fuzz/fuzz_tokenizer, which then ran out of memory).
+TEST(InputLimits, TokenIdsAreBounded) {
+  const auto with_vocab_id = [](int64_t id) {
+    return R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": )" + std::to_string(id) +
+           R"(}, "merges": []}})";
+  };
+  EXPECT_THAT(error_message([&] { Tokenizer::from_json(with_vocab_id(kMaxTokenId)); }, ErrorCode::kInvalidFile),
+              AllOf(HasSubstr("model.vocab[\"b\"]"), HasSubstr("holds token id 2097152"),
+                    HasSubstr("outside the [0, 2097152) accepted")));
+  EXPECT_THAT(error_message([&] { Tokenizer::from_json(with_vocab_id(2000000000)); }, ErrorCode::kInvalidFile),
+              HasSubstr("holds token id 2000000000"));
+  const std::string added =
+      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": [{"id": 2100000000, )"
+      R"("content": "<big>", "special": true}]})";
+  EXPECT_THAT(error_message([&] { Tokenizer::from_json(added); }, ErrorCode::kInvalidFile),
+              AllOf(HasSubstr("added_tokens[0].id"), HasSubstr("2100000000")));
+}
+
 TEST(InputLimits, TokenizerAppliesThem) {
   EXPECT_THAT(error_message([] { Tokenizer::from_json("{\"model\": " + nested(kMaxJsonDepth) + "}"); },
                             ErrorCode::kInvalidFile),
