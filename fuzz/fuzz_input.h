@@ -16,7 +16,8 @@
 
 namespace moelora::fuzz {
 
-// A directory of its own for this process (libFuzzer's -jobs / -workers run several).
+// A directory of its own for this process (libFuzzer's -jobs / -workers run several), under
+// $TMPDIR (scripts/fuzz points it into the build directory).
 inline const std::filesystem::path& scratch_dir() {
   static const std::filesystem::path dir = [] {
     const char* base = std::getenv("TMPDIR");
