@@ -34,6 +34,7 @@
 
 #include "bench_util.h"
 #include "core/cuda_utils.h"
+#include "kernel_timeline.h"
 #include "ops/moe/moe_layer_cuda.cuh"
 
 using namespace moelora;
@@ -129,6 +130,9 @@ struct Options {
   bool baseline = true;
   bool compare_register = false;
   ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
+  std::vector<int> timeline;  // decode batch sizes whose kernel timeline is recorded (--timeline)
+  ops::cuda::SideStreamScheduling side;  // the layer's default unless --lora-side-ctas
+  ops::cuda::DecodeLoraPath decode_lora = ops::cuda::DecodeLoraPath::kSideStream;
   float warmup_ms = 20.f;  // warm-up replays before timing (0 under a profiler)
 };
 
@@ -343,6 +347,22 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bench_moe_layer: --gemm-path must be auto, stream, register or prefill, got '%s'\n", v.c_str());
         return 2;
       }
+    } else if (a == "--timeline") {
+      opt.timeline = parse_list(next());
+    } else if (a == "--decode-lora") {
+      const std::string v = next();
+      if (v != "side" && v != "fused") {
+        std::fprintf(stderr, "bench_moe_layer: --decode-lora must be side or fused, got '%s'\n", v.c_str());
+        return 2;
+      }
+      opt.decode_lora = v == "fused" ? ops::cuda::DecodeLoraPath::kFused : ops::cuda::DecodeLoraPath::kSideStream;
+    } else if (a == "--lora-side-ctas") {
+      const std::string v = next();
+      opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
+      if (opt.side.lora_max_ctas < -1) {
+        std::fprintf(stderr, "bench_moe_layer: --lora-side-ctas must be sms, 0 or a CTA count, got '%s'\n", v.c_str());
+        return 2;
+      }
     } else if (a == "--warmup-ms") {
       opt.warmup_ms = std::stof(next());
     } else if (a == "--help" || a == "-h") {
@@ -361,6 +381,13 @@ int main(int argc, char** argv) {
           "  --no-baseline       skip the unfused baseline (dequantize + cuBLAS per expert + separate LoRA GEMMs)\n"
           "  --compare-register  also time the earlier register-fed decode GEMM on the no-LoRA decode rows\n"
           "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels) or prefill\n"
+          "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, start,\n"
+          "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"
+          "  --decode-lora P     routed-expert LoRA at decode: side (default; shrink + expand kernels on the\n"
+          "                      side stream) or fused (shrinks and the seam-1 expand inside the quant and\n"
+          "                      activation kernels)\n"
+          "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 (default, one\n"
+          "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"
           "  --warmup-ms MS      warm-up replays before each timing (default 20; 0 under a profiler)\n"
           "  --out DIR           results directory (default bench/results/h200); one\n"
           "                      moe_layer_<preset>.json / .md per preset\n"
@@ -382,6 +409,9 @@ int main(int argc, char** argv) {
                 dev.num_sms, dev.l2_bytes / 1e6, dev.driver_version, dev.runtime_version, copy_bw / 1e12);
 
     cuda::Stream main_stream, side_stream;
+    std::unique_ptr<bench::KernelTimeline> timeline;
+    if (!opt.timeline.empty()) timeline = std::make_unique<bench::KernelTimeline>();
+    std::map<std::string, std::string> timelines;  // preset -> Markdown sections
     cuda::DeviceBuffer flush(size_t(200) << 20);  // larger than L2
     std::vector<Row> all_rows;
     std::mt19937_64 rng(1234);
@@ -497,6 +527,13 @@ int main(int argc, char** argv) {
       md << "\n## Targets\n\n| id | config | value | target | met |\n|---|---|---|---|---|\n";
       for (const auto& t : targets)
         md << "| " << t.id << " | " << t.config << " | " << t.value << " | " << t.target << " | " << (t.met ? "yes" : "no") << " |\n";
+      if (timelines.count(preset)) {
+        std::ofstream tl(opt.out + "/timeline_" + preset + ".md");
+        tl << "# Kernel timelines, " << preset << " (" << dev.name << ", commit " << commit << ", " << date
+           << ")\n\nOne graph replay each (the median span of 5, L2 flushed before each, CUPTI timestamps): start / end in "
+              "µs from the first kernel's start; queue = the stream the kernel ran on, named by first appearance (a graph replay picks its own streams for its branches); idle = time the queue sat between its previous kernel's end and this start.\n\n"
+           << timelines[preset];
+      }
       };
 
     for (const auto& pname : opt.presets) {
@@ -528,6 +565,8 @@ int main(int argc, char** argv) {
       ops::cuda::MoeLayerCuda layer(c, ops::cuda::MoeLayerHostWeights{}, main_stream.get(), side_stream.get());
       layer.randomize_weights(42);
       layer.set_gemm_path(opt.gemm_path);
+      layer.set_side_stream_scheduling(opt.side);
+      layer.set_decode_lora_path(opt.decode_lora);
       const int max_decode = *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
       if (opt.baseline) baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
@@ -654,6 +693,24 @@ int main(int argc, char** argv) {
               return times;
             };
             const std::vector<float> ms = time_replays(exec);
+            if (timeline && mode == "decode" && std::count(opt.timeline.begin(), opt.timeline.end(), T)) {
+              std::vector<std::vector<bench::KernelRecord>> traced;
+              auto span = [](const std::vector<bench::KernelRecord>& r) {
+                uint64_t end = 0;
+                for (const auto& k : r) end = std::max(end, k.end_ns);
+                return r.empty() ? 0 : end - r.front().start_ns;
+              };
+              for (int i = 0; i < 5; ++i) {
+                stage_inputs(i % kSets);
+                MOELORA_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), main_stream.get()));
+                timeline->start();
+                MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_stream.get()));
+                traced.push_back(timeline->stop());
+              }
+              std::sort(traced.begin(), traced.end(), [&](const auto& a, const auto& b) { return span(a) < span(b); });
+              timelines[p.name] += "## decode B=" + std::to_string(T) + ", LoRA " + lc.name + (routed_only ? ", routed experts only" : ", full layer") +
+                                   "\n\n" + bench::format_timeline(traced[2]) + "\n";
+            }
             // Before / after in one run: the same forward with the register-fed decode GEMM.
             double register_us = 0;
             if (opt.compare_register && mode == "decode" && lc.adapters == 0) {

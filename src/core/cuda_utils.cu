@@ -122,6 +122,7 @@ float Event::elapsed_ms(const Event& start, const Event& end) {
 #include <cublas_v2.h>
 
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <utility>
 
@@ -178,6 +179,17 @@ void set_cublas_stream(void* handle, cudaStream_t stream) {
     workspace = it->second;
   }
   check_cublas_status(cublasSetWorkspace(h, workspace.first, workspace.second), "cublasSetWorkspace");
+}
+
+void prefer_max_shared_carveout(const void* kernel) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;
+  int device = 0;
+  MOELORA_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!done.insert({kernel, device}).second) return;
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
 }
 
 }  // namespace moelora::cuda

@@ -53,6 +53,14 @@ DeviceInfo device_info(int ordinal = 0);
 // call this at the end of every synchronous upload API before device work may read the data.
 void wait_for_host_copies();
 
+// Sets `kernel`'s preferred shared-memory carveout (the split of an SM's unified L1 / shared
+// memory) to the shared-memory maximum, once per kernel and device. Kernels that run beside the
+// persistent stream GEMM (two CTAs with ~213 KB of shared memory per SM) need it: an SM that runs
+// a CTA of a kernel with a smaller carveout takes no GEMM CTA until that CTA drains, which the
+// decode timeline showed as the GEMM starting only after a side-stream grid of ~1000 CTAs
+// finished. Not a stream operation (safe during graph capture).
+void prefer_max_shared_carveout(const void* kernel);
+
 // Owned device allocation (cudaMalloc). Move-only. Allocation happens at construction only
 // (Workspace sizing), never inside a forward pass.
 class DeviceBuffer {

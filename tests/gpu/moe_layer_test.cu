@@ -224,8 +224,12 @@ TEST_F(Sm90_MoeLayer, MixedAdaptersMatchReferencePerToken) {
   Tensor logits = test::random_normal({T, 8}, rng, 3.0f);
   std::vector<int32_t> slots(T);
   for (int t = 0; t < T; ++t) slots[t] = (t % 5) - 1;  // -1, 0, 1, 2, 3
-  Tensor got = run(layer, x, slots, logits);
-  check_rows(got, x, slots, lf, refs, logits);
+  for (const auto path : {ops::cuda::DecodeLoraPath::kSideStream, ops::cuda::DecodeLoraPath::kFused}) {
+    SCOPED_TRACE(path == ops::cuda::DecodeLoraPath::kFused ? "fused decode LoRA" : "side-stream decode LoRA");
+    layer.set_decode_lora_path(path);
+    Tensor got = run(layer, x, slots, logits);
+    check_rows(got, x, slots, lf, refs, logits);
+  }
 }
 
 // The GPU router GEMM and noaux_tc routing (DeepSeek-style, no shared gate), 1 adapter.
@@ -335,6 +339,22 @@ TEST_F(Sm90_MoeLayer, DeterministicAndBaseTokensUntouched) {
   EXPECT_EQ(test::max_abs_diff(m1, m2), 0.0);
   for (int t = 1; t < T; t += 2)  // base tokens of the mixed batch equal the no-LoRA run bitwise
     for (int c = 0; c < 256; ++c) ASSERT_EQ(m1.item_f32(t * 256 + c), no_lora.item_f32(t * 256 + c));
+  // The fused decode LoRA: deterministic too, base tokens untouched, LoRA tokens matching the
+  // reference (it adds the seam-1 delta in fp32 instead of bf16, so FP8 activation codes may
+  // differ from the side-stream path's in places: compared with the reference, not bitwise).
+  layer.set_decode_lora_path(ops::cuda::DecodeLoraPath::kFused);
+  Tensor f1 = run(layer, x, mixed, logits), f2 = run(layer, x, mixed, logits);
+  EXPECT_EQ(test::max_abs_diff(f1, f2), 0.0);
+  EXPECT_EQ(test::max_abs_diff(run(layer, x, base, logits, /*lora=*/true), no_lora), 0.0);
+  for (int t = 1; t < T; t += 2)
+    for (int c = 0; c < 256; ++c) ASSERT_EQ(f1.item_f32(t * 256 + c), no_lora.item_f32(t * 256 + c));
+  check_rows(f1, x, mixed, lf, {adapter.ref()}, logits);
+  layer.set_decode_lora_path(ops::cuda::DecodeLoraPath::kSideStream);
+  // The side stream's grid caps (down to one CTA) change timing only: bitwise the same output.
+  for (const int cap : {1, 5, -1, 0}) {
+    layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{cap});
+    EXPECT_EQ(test::max_abs_diff(run(layer, x, mixed, logits), m1), 0.0) << "lora_max_ctas " << cap;
+  }
 }
 
 // CUDA graphs: capture per batch bucket once; replay with new inputs, new slot maps and new
@@ -348,7 +368,10 @@ TEST_F(Sm90_MoeLayer, GraphReplaysMatchEagerWith1To8Adapters) {
   std::vector<HostAdapter> adapters;
   for (int s = 0; s < 8; ++s) adapters.push_back(make_adapter(lf, ranks[s], s == 3 || s == 6, rng));
 
+  for (const auto path : {ops::cuda::DecodeLoraPath::kSideStream, ops::cuda::DecodeLoraPath::kFused})
   for (int bucket : {8, 32}) {
+    SCOPED_TRACE(path == ops::cuda::DecodeLoraPath::kFused ? "fused decode LoRA" : "side-stream decode LoRA");
+    layer.set_decode_lora_path(path);
     cuda::DeviceBuffer x_d(static_cast<size_t>(bucket) * H * 2), s_d(bucket * 4), l_d(static_cast<size_t>(bucket) * E * 4),
         out_d(static_cast<size_t>(bucket) * H * 2), n_d(4);
     ops::cuda::MoeForwardArgs f;

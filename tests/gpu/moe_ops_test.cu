@@ -4,10 +4,12 @@
 // exact, permuted), and segmented multi-LoRA shrink/expand (mixed ranks incl. non powers of two,
 // shared-outer slots, rank-0 slots, the expand as a programmatic dependent of the shrink; dense targets on the token rows: one adapter over a decode
 // batch, mixed ranks around base rows, every grid; multi-target launches shaped like Qwen3's qkv
-// and Kimi's q_a/kv_a in write and add mode).
+// and Kimi's q_a/kv_a in write and add mode), and the LoRA shrink fused into the quant and
+// activation kernels (per-expert, shared-outer and rank-0 slots, base rows, padded columns).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <numeric>
 #include <random>
@@ -19,6 +21,7 @@
 #include "gpu/gpu_test_util.cuh"
 #include "ops/lora/lora.h"
 #include "ops/lora/lora_cuda.cuh"
+#include "ops/moe/moe_cuda.cuh"
 #include "ops/moe_align/moe_align.h"
 #include "ops/moe_align/moe_align_cuda.cuh"
 #include "ops/quant/quant.h"
@@ -155,7 +158,7 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed) {
   auto slot_d = upload_vector(slot);
   auto num_d = upload_vector(std::vector<int32_t>{valid});
   cuda::DeviceBuffer off(4 * (E + 1)), sp(4 * P), st(4 * P), pp(4 * P), act(4 * E), nact(4), seg(16 * max_seg),
-      nseg(4), ts(4 * T), tp(4 * T), tseg(16 * std::max(S, 1)), ntseg(4);
+      nseg(4), ts(4 * T), tp(4 * T), tseg(16 * std::max(S, 1)), ntseg(4), sse(8 * P);
   ops::cuda::MoeAlignDeviceArgs a;
   a.topk_ids = ids_d.as<int32_t>();
   a.slot = slot_d.as<int32_t>();
@@ -167,6 +170,7 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed) {
   a.sorted_pair = sp.as<int32_t>();
   a.sorted_token = st.as<int32_t>();
   a.pair_pos = pp.as<int32_t>();
+  a.sorted_slot_expert = sse.as<int2>();
   a.active_experts = act.as<int32_t>();
   a.num_active = nact.as<int32_t>();
   a.lora_segments = seg.as<int4>();
@@ -191,10 +195,13 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed) {
     std::multiset<int> want(ref.sorted_pair.begin() + s.begin, ref.sorted_pair.begin() + s.end);
     EXPECT_EQ(got, want) << "segment slot " << s.slot << " expert " << s.expert;
   }
+  auto slot_expert = download_vector<int2>(sse, n_pairs);
   for (int q = 0; q < n_pairs; ++q) {
     ASSERT_EQ(pair_pos[sorted_pair[q]], q);
     ASSERT_EQ(sorted_token[q], sorted_pair[q] / k);
     const int e = ids[sorted_pair[q]];
+    ASSERT_EQ(slot_expert[q].x, slot[sorted_pair[q] / k]) << "sorted_slot_expert slot, row " << q;
+    ASSERT_EQ(slot_expert[q].y, e) << "sorted_slot_expert expert, row " << q;
     ASSERT_TRUE(q >= ref.expert_offsets[e] && q < ref.expert_offsets[e + 1]);
   }
   for (int p = valid * k; p < P; ++p) EXPECT_EQ(pair_pos[p], -1);
@@ -278,6 +285,176 @@ TEST(Sm90_QuantFp8, BitExactPerTokenAndPermuted) {
       }
     }
   }
+}
+
+// LoRA fused into the decode MoE layer's quant and activation kernels (lora_row_fused.cuh): the
+// quant kernel's seam-1 shrink partials (x rows gathered into sorted order), the activation
+// kernel's seam-1 expand added to its gate / up values, and its seam-2 shrink partials of the bf16
+// activation rows, each against double-precision sums; rows of base tokens and ranks past a
+// slot's rank never written.
+TEST(Sm90_LoraRowFused, QuantShrinkActivationExpandAndShrinkMatchReference) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(431));
+  const int S = 3, E = 4, R = 16, K = 1160, Kp = 1280, T = 6, k = 2, P = T * k, chunks = 2;
+  const int ranks[S] = {16, 5, 0};
+  const uint8_t a_shared[S] = {0, 1, 0}, b_shared[S] = {1, 0, 0};
+  const std::vector<int32_t> slot = {0, -1, 1, 2, 0, 1};
+  std::vector<int32_t> topk_ids(P);
+  for (int p = 0; p < P; ++p) topk_ids[p] = static_cast<int32_t>(rng() % E);
+  // sorted rows: a permutation of the pairs
+  std::vector<int32_t> row_pair(P), row_token(P);
+  std::iota(row_pair.begin(), row_pair.end(), 0);
+  std::shuffle(row_pair.begin(), row_pair.end(), rng);
+  for (int q = 0; q < P; ++q) row_token[q] = row_pair[q] / k;
+  // One pool for both seams' A (in = K) and the seam-1 B (out = 2K): the activation's I is K.
+  Tensor a_pool = test::random_normal({S, E, R, K}, rng, 0.05f).to(DType::kBF16);
+  Tensor b_pool = test::random_normal({S, E, 2 * K, R}, rng, 0.05f).to(DType::kBF16);
+  Tensor x = test::random_normal({T, K}, rng).to(DType::kBF16);
+  Tensor h = test::random_normal({P, 2 * K}, rng).to(DType::kBF16);
+  std::vector<float> scaling = {1.f, 2.f, 3.f};
+  auto a_d = cuda::to_device(a_pool);
+  auto b_d = cuda::to_device(b_pool);
+  auto x_d = cuda::to_device(x);
+  auto h_d = cuda::to_device(h);
+  auto rank_d = upload_vector(std::vector<int32_t>(ranks, ranks + S));
+  auto ash_d = upload_vector(std::vector<uint8_t>(a_shared, a_shared + S));
+  auto bsh_d = upload_vector(std::vector<uint8_t>(b_shared, b_shared + S));
+  auto scaling_d = upload_vector(scaling);
+  auto token_d = upload_vector(row_token);
+  std::vector<int2> slot_expert(P);
+  for (int q = 0; q < P; ++q) slot_expert[q] = make_int2(slot[row_token[q]], topk_ids[row_pair[q]]);
+  auto se_d = upload_vector(slot_expert);
+  ops::cuda::LoraPoolTarget pool;
+  pool.a = a_d.as<__nv_bfloat16>();
+  pool.b = b_d.as<__nv_bfloat16>();
+  pool.scaling = scaling_d.as<float>();
+  pool.rank = rank_d.as<int32_t>();
+  pool.a_shared = ash_d.as<uint8_t>();
+  pool.b_shared = bsh_d.as<uint8_t>();
+  pool.num_slots = S;
+  pool.ea = E;
+  pool.eb = E;
+  pool.max_rank = R;
+  pool.in_features = K;
+  pool.out_features = 2 * K;
+  const int capacity = P + 3;
+  ops::cuda::LoraRowShrinkArgs lora;
+  lora.pool = pool;
+  lora.row_capacity = capacity;
+  lora.row_slot_expert = se_d.as<int2>();
+  const size_t partial_floats = static_cast<size_t>(chunks) * capacity * R;
+  cuda::DeviceBuffer part1_d(partial_floats * 4), part2_d(partial_floats * 4);
+  MOELORA_CUDA_CHECK(cudaMemset(part1_d.get(), 0xff, part1_d.bytes()));
+  MOELORA_CUDA_CHECK(cudaMemset(part2_d.get(), 0xff, part2_d.bytes()));
+  const Tensor a_f32 = a_pool.to_f32(), b_f32 = b_pool.to_f32();
+
+  // values[q][c] of each sorted row -> the partials summed over the chunks against double sums;
+  // returns u[q][r] (unscaled) as the GPU computed it.
+  auto check = [&](const cuda::DeviceBuffer& part_d, const std::vector<std::vector<float>>& values, const char* what) {
+    std::vector<float> part = download_vector<float>(part_d, partial_floats);
+    std::vector<std::vector<double>> u(P, std::vector<double>(R, 0.0));
+    for (int q = 0; q < P; ++q) {
+      const int s = slot[row_token[q]];
+      for (int r = 0; r < R; ++r) {
+        const float got0 = part[(0 * static_cast<size_t>(capacity) + q) * R + r];
+        const float got1 = part[(1 * static_cast<size_t>(capacity) + q) * R + r];
+        if (s < 0 || r >= ranks[s]) {  // never written: still the 0xff poison (NaN)
+          EXPECT_TRUE(std::isnan(got0) && std::isnan(got1)) << what << " row " << q << " rank " << r;
+          continue;
+        }
+        const int ea = a_shared[s] ? 0 : topk_ids[row_pair[q]];
+        double want = 0, mag = 0;
+        for (int c = 0; c < K; ++c) {
+          const double av = a_f32.data<float>()[((static_cast<size_t>(s) * E + ea) * R + r) * K + c];
+          want += values[q][c] * av;
+          mag += std::abs(values[q][c] * av);
+        }
+        EXPECT_NEAR(got0 + got1, want, 1e-5 * mag + 1e-6) << what << " row " << q << " rank " << r;
+        u[q][r] = double(got0) + got1;
+      }
+    }
+    return u;
+  };
+
+  // seam 1 shrink: the quant kernel over gathered x rows
+  cuda::DeviceBuffer q_d(static_cast<size_t>(P) * Kp), s_d(static_cast<size_t>(P) * (Kp / 128) * 4);
+  ops::cuda::QuantFp8DeviceArgs qa;
+  qa.x = x_d.as<__nv_bfloat16>();
+  qa.gather = token_d.as<int32_t>();
+  qa.max_rows = P;
+  qa.cols = K;
+  qa.cols_padded = Kp;
+  qa.q = q_d.as<uint8_t>();
+  qa.scale = s_d.as<float>();
+  qa.lora = lora;
+  qa.lora.partial = part1_d.as<float>();
+  ops::cuda::launch_quantize_fp8_rows(qa, nullptr);
+  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<std::vector<float>> xs(P, std::vector<float>(K));
+  const Tensor xf = x.to_f32();
+  for (int q = 0; q < P; ++q)
+    for (int c = 0; c < K; ++c) xs[q][c] = xf.data<float>()[static_cast<size_t>(row_token[q]) * K + c];
+  const auto u1 = check(part1_d, xs, "quant shrink");
+  {  // the quantized rows are those of the plain kernel (the shrink only adds partials)
+    auto ref = ops::quantize_fp8_per_token_ref(xf);
+    auto qv = download_vector<uint8_t>(q_d, static_cast<size_t>(P) * Kp);
+    for (int q = 0; q < P; ++q)
+      for (int c = 0; c < K; ++c)
+        ASSERT_EQ(qv[static_cast<size_t>(q) * Kp + c], ref.q.data<uint8_t>()[static_cast<size_t>(row_token[q]) * K + c]);
+  }
+
+  // the activation kernel: seam-1 expand of those partials into gate / up, then the seam-2 shrink
+  // of the bf16 a16 values it wrote
+  cuda::DeviceBuffer a16_d(static_cast<size_t>(P) * K * 2), aq_d(static_cast<size_t>(P) * Kp),
+      sa_d(static_cast<size_t>(P) * (Kp / 128) * 4);
+  ops::cuda::MoeActivationArgs act;
+  act.h = h_d.as<__nv_bfloat16>();
+  act.row_token = token_d.as<int32_t>();
+  act.max_rows = P;
+  act.inter = K;
+  act.inter_padded = Kp;
+  act.a16 = a16_d.as<__nv_bfloat16>();
+  act.aq = aq_d.as<uint8_t>();
+  act.sa = sa_d.as<float>();
+  act.lora = lora;
+  act.lora.partial = part2_d.as<float>();
+  act.lora_expand.pool = pool;
+  act.lora_expand.partial = part1_d.as<float>();
+  act.lora_expand.splits = chunks;
+  act.lora_expand.row_capacity = capacity;
+  act.lora_expand.row_slot_expert = se_d.as<int2>();
+  ops::cuda::launch_moe_activation(act, nullptr);
+  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+  const Tensor a16 = cuda::to_host(a16_d, DType::kBF16, {P, K}).to_f32();
+  const Tensor hf = h.to_f32();
+  std::vector<std::vector<float>> as(P, std::vector<float>(K));
+  for (int q = 0; q < P; ++q) {
+    const int s = slot[row_token[q]];
+    const int eb = s >= 0 && b_shared[s] ? 0 : topk_ids[row_pair[q]];
+    auto delta = [&](int n) {  // seam-1 delta of column n, from the partials the GPU wrote
+      if (s < 0 || ranks[s] == 0) return 0.0;
+      double d = 0;
+      for (int r = 0; r < ranks[s]; ++r)
+        d += u1[q][r] * b_f32.data<float>()[((static_cast<size_t>(s) * E + eb) * 2 * K + n) * R + r];
+      return d * scaling[s];
+    };
+    for (int c = 0; c < K; ++c) {
+      as[q][c] = a16.data<float>()[static_cast<size_t>(q) * K + c];
+      const double g = hf.data<float>()[static_cast<size_t>(q) * 2 * K + c] + delta(c);
+      const double u = hf.data<float>()[static_cast<size_t>(q) * 2 * K + K + c] + delta(K + c);
+      const double want = g / (1.0 + std::exp(-g)) * u;
+      ASSERT_NEAR(as[q][c], want, 8e-3 * std::abs(want) + 1e-4) << "a16 row " << q << " col " << c << " slot " << s;
+    }
+  }
+  check(part2_d, as, "activation shrink");
+
+  // fused arguments that do not match the rows are refused
+  ops::cuda::QuantFp8DeviceArgs bad = qa;
+  bad.lora.pool.in_features = K + 8;
+  EXPECT_THROW(ops::cuda::launch_quantize_fp8_rows(bad, nullptr), Error);
+  ops::cuda::MoeActivationArgs bad_act = act;
+  bad_act.lora_expand.pool.out_features = K;
+  EXPECT_THROW(ops::cuda::launch_moe_activation(bad_act, nullptr), Error);
 }
 
 // Multi-LoRA over (slot, expert) segments: per-expert and shared-outer slots, ranks 16, 5 and 0.
@@ -400,6 +577,27 @@ TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
       << "graph replay";
   MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
   MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+
+  // Capped grids (few CTAs looping over the units, as the MoE layer launches them beside its
+  // expert GEMMs), with one or two row chunks per segment: every partial and delta element is
+  // still written by one thread in a fixed order, so the delta is bitwise the same.
+  for (int max_ctas : {1, 3, 7, 1000})
+    for (int row_chunks : {1, 2}) {
+      ops::cuda::LoraShrinkArgs sc = sa;
+      sc.seg.max_ctas = max_ctas;
+      sc.seg.row_chunks = row_chunks;
+      ops::cuda::LoraExpandArgs ec = ea;
+      ec.seg = sc.seg;
+      poison();
+      ops::cuda::launch_lora_shrink(sc, stream.get());
+      ops::cuda::launch_lora_expand(ec, stream.get());
+      stream.synchronize();
+      EXPECT_EQ(test::max_abs_diff(cuda::to_host(delta, DType::kBF16, {rows, out}).to_f32(), got), 0.0)
+          << "max_ctas " << max_ctas << ", row_chunks " << row_chunks;
+    }
+  ops::cuda::LoraShrinkArgs bad = sa;
+  bad.seg.max_ctas = -2;
+  EXPECT_THROW(ops::cuda::launch_lora_shrink(bad, stream.get()), Error);
 }
 
 // ---------------------------------------------------------------- dense LoRA targets

@@ -348,18 +348,28 @@ constexpr int kSegExpandThreads = 256;
 constexpr int kSegExpandRows = 32;   // u rows staged per pass = rows per chunk of a segment
 constexpr int kSegRowsInFlight = 4;  // shrink rows a warp reduces at once
 
+// The segment-major grids are a list of work units: (segment, K split or column tile, row chunk),
+// segment-major. Grid x is the units' capacity (max_segments x splits or tiles x row_chunks), or at
+// most seg.max_ctas CTAs that take every gridDim.x-th unit; either way a CTA loops over the units
+// of the live segments only (*num_segments of them).
+struct SegmentUnit {
+  int segment, part, chunk;
+};
+__device__ __forceinline__ SegmentUnit segment_unit(int unit, int parts, int row_chunks) {
+  const int per_segment = parts * row_chunks;
+  const int rem = unit % per_segment;
+  return {unit / per_segment, rem / row_chunks, rem % row_chunks};
+}
+
+// One unit of the shrink: split `split` of segment `seg`'s rows in chunks chunk, chunk +
+// row_chunks, ...
 template <int kVec>
-__global__ void __launch_bounds__(32 * kSegShrinkWarps) lora_shrink_segment_kernel(const LoraShrinkArgs p) {
-  // The expand after this kernel may start at once: it loads its B rows before its wait.
-  ::moelora::cuda::sm90::launch_dependents();
-  const int seg_index = blockIdx.x;
-  if (seg_index >= *p.seg.num_segments) return;
-  const int4 seg = p.seg.segments[seg_index];  // {slot, expert, begin, end}
+__device__ __forceinline__ void shrink_segment_unit(const LoraShrinkArgs& p, const int4 seg,
+                                                    int split, int chunk, int row_chunks) {
   const int slot = seg.x, expert = seg.y;
   const LoraPoolTarget& pool = p.pool;
   const int rank = pool.rank[slot];
   if (rank == 0) return;  // the expand writes zeros for this segment without reading partials
-  const int split = blockIdx.y;
   const int K = pool.in_features, R = pool.max_rank;
   constexpr int kSplitCols = 256 * kVec;
   const int k0 = split * kSplitCols;
@@ -377,8 +387,8 @@ __global__ void __launch_bounds__(32 * kSegShrinkWarps) lora_shrink_segment_kern
                      ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r0) * K + col)
                      : make_uint4(0, 0, 0, 0);
     }
-    // This CTA's rows: chunks of kSegExpandRows starting at chunk blockIdx.z, every gridDim.z-th.
-    for (int c0 = seg.z + blockIdx.z * kSegExpandRows; c0 < seg.w; c0 += gridDim.z * kSegExpandRows) {
+    // This unit's rows: chunks of kSegExpandRows starting at `chunk`, every row_chunks-th.
+    for (int c0 = seg.z + chunk * kSegExpandRows; c0 < seg.w; c0 += row_chunks * kSegExpandRows) {
       const int c1 = min(seg.w, c0 + kSegExpandRows);
       // kSegRowsInFlight rows per pass: their loads and warp reductions are independent, so the
       // warp overlaps their latencies instead of paying one L2 round trip per row.
@@ -420,63 +430,94 @@ __global__ void __launch_bounds__(32 * kSegShrinkWarps) lora_shrink_segment_kern
   }
 }
 
-template <int kRankChunks>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
-__global__ void __launch_bounds__(kSegExpandThreads)
-    lora_expand_segment_kernel(const LoraExpandArgs p, int splits) {
-  __shared__ float u[kSegExpandRows][8 * kRankChunks];
-  const int seg_index = blockIdx.x;
-  if (seg_index >= *p.seg.num_segments) {
-    // CTAs without work wait too, so that this grid's completion implies the shrink's.
-    ::moelora::cuda::sm90::grid_dependency_wait();
-    return;
+template <int kVec>
+__global__ void __launch_bounds__(32 * kSegShrinkWarps, kVec <= 2 ? 3 : 1)
+    lora_shrink_segment_kernel(const LoraShrinkArgs p, int splits, int row_chunks) {
+  // The expand after this kernel may start at once: it loads its B rows before its wait.
+  ::moelora::cuda::sm90::launch_dependents();
+  const int units = *p.seg.num_segments * splits * row_chunks;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const SegmentUnit u = segment_unit(unit, splits, row_chunks);
+    shrink_segment_unit<kVec>(p, p.seg.segments[u.segment], u.part, u.chunk, row_chunks);
   }
-  const int4 seg = p.seg.segments[seg_index];
-  const int slot = seg.x, expert = seg.y;
-  const LoraPoolTarget& pool = p.pool;
-  const int rank = pool.rank[slot];
-  const int R = pool.max_rank, N = pool.out_features;
-  const int n = blockIdx.y * kSegExpandThreads + threadIdx.x;
-  const int rank_chunks = (rank + 7) / 8;
-  const float scaling = pool.scaling[slot];
-  uint4 b_reg[kRankChunks];
-  load_b_row<kRankChunks>(pool, slot, expert, n, rank, b_reg);
-  // Launched programmatically after the shrink: the B rows (weights) above overlap its run; the
-  // partials are read only after it completed.
-  ::moelora::cuda::sm90::grid_dependency_wait();
+}
 
-  for (int q0 = seg.z + blockIdx.z * kSegExpandRows; q0 < seg.w; q0 += gridDim.z * kSegExpandRows) {
-    const int rows = min(kSegExpandRows, seg.w - q0);
-    __syncthreads();  // previous pass finished reading u
-    // u[i][r] = scaling * sum over splits of the partials (zero past the slot's rank)
-    for (int i = threadIdx.x; i < rows * 8 * kRankChunks; i += kSegExpandThreads) {
-      const int row = i / (8 * kRankChunks), r = i % (8 * kRankChunks);
-      float s = 0.f;
-      if (r < rank) {
-        const size_t u = p.u_row ? p.u_row[q0 + row] : q0 + row;
-        for (int sp = 0; sp < splits; ++sp)
-          s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + u) * R + r];
-      }
-      u[row][r] = s * scaling;
-    }
-    __syncthreads();
-    if (n < N) {
-      for (int i = 0; i < rows; ++i) {
-        float acc = 0.f;
-#pragma unroll
-        for (int c = 0; c < kRankChunks; ++c) {
-          if (c >= rank_chunks) break;
-          const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b_reg[c]);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 bf = __bfloat1622float2(b2[j]);
-            acc = fmaf(u[i][c * 8 + 2 * j], bf.x, acc);
-            acc = fmaf(u[i][c * 8 + 2 * j + 1], bf.y, acc);
-          }
+// Register budget of the segment kernels: they run beside the stream GEMM (two CTAs per SM of 160
+// threads at 112 registers = 35,840 of the SM's 65,536), so a 256-thread CTA must stay at <= 112
+// registers per thread to start while the GEMM runs; at 115 (R = 64 pools) the decode timeline
+// showed every expand waiting for the GEMM's last CTAs and finishing 11-14 us after it. Three CTAs
+// per SM (<= 80 registers) leaves that room for ranks up to 64; larger ranks keep the compiler's
+// choice.
+constexpr int seg_kernel_min_ctas(int rank_chunks) { return rank_chunks <= 8 ? 3 : 1; }
+
+template <int kRankChunks>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
+__global__ void __launch_bounds__(kSegExpandThreads, seg_kernel_min_ctas(kRankChunks))
+    lora_expand_segment_kernel(const LoraExpandArgs p, int splits, int tiles, int row_chunks) {
+  __shared__ float u[kSegExpandRows][8 * kRankChunks];
+  const LoraPoolTarget& pool = p.pool;
+  const int R = pool.max_rank, N = pool.out_features;
+  const int units = *p.seg.num_segments * tiles * row_chunks;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const SegmentUnit su = segment_unit(unit, tiles, row_chunks);
+    const int4 seg = p.seg.segments[su.segment];
+    const int slot = seg.x, expert = seg.y;
+    const int rank = pool.rank[slot];
+    const int n = su.part * kSegExpandThreads + threadIdx.x;
+    const int rank_chunks = (rank + 7) / 8;
+    const float scaling = pool.scaling[slot];
+    uint4 b_reg[kRankChunks];
+    load_b_row<kRankChunks>(pool, slot, expert, n, rank, b_reg);
+    // Launched programmatically after the shrink: the first unit's B rows (weights) above overlap
+    // its run; the partials are read only after it completed (later waits return at once).
+    ::moelora::cuda::sm90::grid_dependency_wait();
+
+    for (int q0 = seg.z + su.chunk * kSegExpandRows; q0 < seg.w;
+         q0 += row_chunks * kSegExpandRows) {
+      const int rows = min(kSegExpandRows, seg.w - q0);
+      __syncthreads();  // previous pass finished reading u
+      // u[i][r] = scaling * sum over splits of the partials (zero past the slot's rank)
+      for (int i = threadIdx.x; i < rows * 8 * kRankChunks; i += kSegExpandThreads) {
+        const int row = i / (8 * kRankChunks), r = i % (8 * kRankChunks);
+        float s = 0.f;
+        if (r < rank) {
+          const size_t ur = p.u_row ? p.u_row[q0 + row] : q0 + row;
+          for (int sp = 0; sp < splits; ++sp)
+            s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + ur) * R + r];
         }
-        p.delta[static_cast<size_t>(q0 + i) * N + n] = __float2bfloat16(acc);
+        u[row][r] = s * scaling;
+      }
+      __syncthreads();
+      if (n < N) {
+        for (int i = 0; i < rows; ++i) {
+          float acc = 0.f;
+#pragma unroll
+          for (int c = 0; c < kRankChunks; ++c) {
+            if (c >= rank_chunks) break;
+            const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b_reg[c]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 bf = __bfloat1622float2(b2[j]);
+              acc = fmaf(u[i][c * 8 + 2 * j], bf.x, acc);
+              acc = fmaf(u[i][c * 8 + 2 * j + 1], bf.y, acc);
+            }
+          }
+          p.delta[static_cast<size_t>(q0 + i) * N + n] = __float2bfloat16(acc);
+        }
       }
     }
   }
+  // CTAs without work wait too, so that this grid's completion implies the shrink's.
+  ::moelora::cuda::sm90::grid_dependency_wait();
+}
+
+// Grid x of a segment-major launch: the unit capacity, capped at seg.max_ctas when set.
+unsigned segment_grid(const LoraSegmentsView& seg, int parts, const char* what) {
+  const int64_t units = static_cast<int64_t>(seg.max_segments) * parts * std::max(1, seg.row_chunks);
+  const int64_t grid = seg.max_ctas > 0 ? std::min<int64_t>(units, seg.max_ctas) : units;
+  MOELORA_CHECK(grid <= INT_MAX, ErrorCode::kUnsupported, what, ": ", units,
+                " work units (segments x parts x row chunks) exceed the CUDA grid limit; set "
+                "max_ctas");
+  return static_cast<unsigned>(grid);
 }
 
 int shrink_vec(int in_features) {
@@ -639,15 +680,16 @@ void launch_lora_shrink(const LoraShrinkArgs& args, cudaStream_t stream) {
                   ": x and partial are required");
     check_segments(args.seg, args.row_capacity, what);
     if (args.seg.max_segments == 0) return;
-    const dim3 grid(args.seg.max_segments, lora_shrink_splits(args.pool.in_features),
-                    std::max(1, args.seg.row_chunks));
-    MOELORA_CHECK(grid.z <= 65535, ErrorCode::kUnsupported, what, ": row_chunks ", grid.z,
-                  " exceeds the CUDA grid limit");
+    MOELORA_CHECK(args.seg.max_ctas >= 0, ErrorCode::kInvalidArgument, what, ": max_ctas = ",
+                  args.seg.max_ctas, " must be >= 0");
+    const int splits = lora_shrink_splits(args.pool.in_features);
+    const int row_chunks = std::max(1, args.seg.row_chunks);
+    const unsigned grid = segment_grid(args.seg, splits, what);
     switch (shrink_vec(args.pool.in_features)) {
-      case 1: lora_shrink_segment_kernel<1><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
-      case 2: lora_shrink_segment_kernel<2><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
-      case 3: lora_shrink_segment_kernel<3><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
-      default: lora_shrink_segment_kernel<4><<<grid, 32 * kSegShrinkWarps, 0, stream>>>(args); break;
+      case 1: ::moelora::cuda::launch_kernel(lora_shrink_segment_kernel<1>, dim3(grid), dim3(32 * kSegShrinkWarps), 0, stream, false, args, splits, row_chunks); break;
+      case 2: ::moelora::cuda::launch_kernel(lora_shrink_segment_kernel<2>, dim3(grid), dim3(32 * kSegShrinkWarps), 0, stream, false, args, splits, row_chunks); break;
+      case 3: ::moelora::cuda::launch_kernel(lora_shrink_segment_kernel<3>, dim3(grid), dim3(32 * kSegShrinkWarps), 0, stream, false, args, splits, row_chunks); break;
+      default: ::moelora::cuda::launch_kernel(lora_shrink_segment_kernel<4>, dim3(grid), dim3(32 * kSegShrinkWarps), 0, stream, false, args, splits, row_chunks); break;
     }
     MOELORA_CUDA_CHECK_LAUNCH();
     return;
@@ -674,27 +716,24 @@ void launch_lora_expand(const LoraExpandArgs& args, cudaStream_t stream) {
     check_segments(args.seg, args.row_capacity, what);
     if (args.seg.max_segments == 0) return;
     const int splits = args.splits > 0 ? args.splits : lora_shrink_splits(args.pool.in_features);
-    const dim3 grid(args.seg.max_segments,
-                    (args.pool.out_features + kSegExpandThreads - 1) / kSegExpandThreads,
-                    std::max(1, args.seg.row_chunks));
-    MOELORA_CHECK(grid.y <= 65535 && grid.z <= 65535, ErrorCode::kUnsupported, what, ": grid (",
-                  grid.x, ", ", grid.y, ", ", grid.z, ") exceeds the CUDA limits");
+    MOELORA_CHECK(args.seg.max_ctas >= 0, ErrorCode::kInvalidArgument, what, ": max_ctas = ",
+                  args.seg.max_ctas, " must be >= 0");
+    const int tiles = (args.pool.out_features + kSegExpandThreads - 1) / kSegExpandThreads;
+    const int row_chunks = std::max(1, args.seg.row_chunks);
+    const dim3 grid(segment_grid(args.seg, tiles, what));
+    const dim3 block(kSegExpandThreads);
     const int chunks = args.pool.max_rank / 8;
+    using ::moelora::cuda::launch_kernel;
     if (chunks <= 2) {
-      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<2>, grid, dim3(kSegExpandThreads), 0,
-                                     stream, args.pdl, args, splits);
+      launch_kernel(lora_expand_segment_kernel<2>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
     } else if (chunks <= 4) {
-      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<4>, grid, dim3(kSegExpandThreads), 0,
-                                     stream, args.pdl, args, splits);
+      launch_kernel(lora_expand_segment_kernel<4>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
     } else if (chunks <= 8) {
-      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<8>, grid, dim3(kSegExpandThreads), 0,
-                                     stream, args.pdl, args, splits);
+      launch_kernel(lora_expand_segment_kernel<8>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
     } else if (chunks <= 16) {
-      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<16>, grid, dim3(kSegExpandThreads), 0,
-                                     stream, args.pdl, args, splits);
+      launch_kernel(lora_expand_segment_kernel<16>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
     } else {
-      ::moelora::cuda::launch_kernel(lora_expand_segment_kernel<32>, grid, dim3(kSegExpandThreads), 0,
-                                     stream, args.pdl, args, splits);
+      launch_kernel(lora_expand_segment_kernel<32>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
     }
     MOELORA_CUDA_CHECK_LAUNCH();
     return;

@@ -49,10 +49,17 @@ struct LoraSegmentsView {
   const int32_t* num_segments = nullptr;  // [1], at most max_segments
   int max_segments = 0;                   // grid capacity
   // Segment-major grids (max_rows == 0; single-target launches only, the short-segment kernels):
-  // CTA x serves segment x, and its CTA z takes the segment's 32-row chunks z, z + row_chunks, ...
-  // (any segment size is covered; more chunks = more parallelism for long segments). Grid:
-  // max_segments x K splits / column tiles x row_chunks.
+  // work units (segment, K split / column tile, row chunk z); unit z of a segment takes its 32-row
+  // chunks z, z + row_chunks, ... (any segment size is covered; more chunks = more parallelism
+  // for long segments). Grid: one CTA per unit of the capacity max_segments x splits / tiles x
+  // row_chunks, or max_ctas CTAs.
   int row_chunks = 1;
+  // Segment-major grids only: 0 = one CTA per unit (segment, split / tile, row chunk); > 0 = at
+  // most max_ctas CTAs, each taking every gridDim.x-th unit of the live segments. A capped grid
+  // leaves room on every SM for a kernel that runs beside it: the MoE layer's persistent expert
+  // GEMMs on the main stream, which an uncapped side-stream grid of ~1000 CTAs would delay until
+  // its CTAs drained.
+  int max_ctas = 0;
   // Row-major grids (max_rows > 0; required by the multi-target launchers, the row-chunk kernels):
   // the caller promises that the segments hold at most max_rows rows in all (disjoint token rows,
   // as for a dense projection). The launchers cut every segment into chunks of a few rows (8 at

@@ -12,48 +12,85 @@ constexpr int kActWarps = 8;
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
-// Warp per (row, 128-column group): lane owns columns 4*lane .. 4*lane+3 of the group.
+static_assert(kActWarps == kRowShrinkWarps, "the fused LoRA shrink covers one CTA's 8 column groups");
+
+// Warp per (row, 128-column group): lane owns columns 4*lane .. 4*lane+3 of the group. With LoRA
+// (lora_row_fused.cuh) the CTA adds the fused seam-1 expand to its gate / up values and writes
+// the seam-2 shrink partials of its row; their weights are loaded before the wait.
+// kLora: the instance with the fused LoRA code (its registers would otherwise cost the plain
+// instance its co-residence with the GEMMs it overlaps).
+template <bool kLora>
 __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const MoeActivationArgs p) {
   // The dependent (GEMM2) may be scheduled at once: before its own wait it only fetches weights.
   // Every CTA waits (also those with no row): the grid's completion then implies the previous
   // kernel's, which the kernels after this one rely on.
   ::moelora::cuda::sm90::launch_dependents();
-  ::moelora::cuda::sm90::grid_dependency_wait();
+  const bool lora = kLora && p.lora.partial != nullptr;
+  const bool lora_expand = kLora && p.lora_expand.partial != nullptr;
   const int row = blockIdx.x;
-  const int valid = p.num_rows ? *p.num_rows : p.max_rows;
-  if (row >= valid) return;
   const int groups = p.inter_padded / 128;
   const int group = blockIdx.y * kActWarps + threadIdx.x / 32;
-  if (group >= groups) return;
   const int lane = threadIdx.x % 32;
   const int I = p.inter;
-  const __nv_bfloat16* h = p.h + static_cast<size_t>(row) * 2 * I;
-  bool use_delta = false;
-  if (p.delta && p.slot) {
-    const int token = p.row_token ? p.row_token[row] : row;
-    use_delta = p.slot[token] >= 0;
-  }
-  const int drow = p.delta_row ? p.delta_row[row] : row;
-  const __nv_bfloat16* d = use_delta ? p.delta + static_cast<size_t>(drow) * 2 * I : nullptr;
   const int c0 = group * 128 + lane * 4;
-  float a[4] = {0.f, 0.f, 0.f, 0.f};
-  if (c0 < I) {  // I is a multiple of 4 (checked): a lane's 4 columns are all valid or all padding
-    auto load4 = [](const __nv_bfloat16* ptr, float (&v)[4]) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(ptr);
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-    };
-    float g[4], u[4];
+  const bool in = group < groups && c0 < I;  // I is a multiple of 4: a lane's 4 columns are all valid or padding
+  // Before the wait (fused LoRA only): the pool's ranks, the row's {slot, expert} and row count
+  // (align kernel outputs, complete before the previous kernel started) and the seam-1 B values
+  // (weights).
+  __shared__ RowShrinkSlots slots;
+  RowExpandState expand;
+  int2 slot_expert = make_int2(-1, 0);
+  int ncols[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    ncols[i] = in ? c0 + i : -1;          // gate columns
+    ncols[4 + i] = in ? I + c0 + i : -1;  // up columns
+  }
+  if (lora || lora_expand) {
+    if (lora) stage_row_shrink_slots(p.lora.pool, slots);
+    const int2* se = lora ? p.lora.row_slot_expert : p.lora_expand.row_slot_expert;
+    if (row < (p.num_rows ? *p.num_rows : p.max_rows)) slot_expert = se[row];
+    if (lora_expand) row_expand_prefetch(p.lora_expand, slot_expert, ncols, expand);
+    __syncthreads();  // slots
+  }
+  ::moelora::cuda::sm90::grid_dependency_wait();
+  const int valid = p.num_rows ? *p.num_rows : p.max_rows;
+  if (row >= valid) return;
+  auto load4 = [](const __nv_bfloat16* ptr, float (&v)[4]) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(ptr);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  };
+  float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
+  if (in) {  // h first: its loads are in flight while the seam-1 partials are reduced
+    const __nv_bfloat16* h = p.h + static_cast<size_t>(row) * 2 * I;
     load4(h + c0, g);
     load4(h + I + c0, u);
-    if (d) {
+    bool use_delta = false;
+    if (p.delta && p.slot) {
+      const int token = p.row_token ? p.row_token[row] : row;
+      use_delta = p.slot[token] >= 0;
+    }
+    if (use_delta) {
+      const int drow = p.delta_row ? p.delta_row[row] : row;
+      const __nv_bfloat16* d = p.delta + static_cast<size_t>(drow) * 2 * I;
       float dg[4], du[4];
       load4(d + c0, dg);
       load4(d + I + c0, du);
 #pragma unroll
       for (int i = 0; i < 4; ++i) g[i] += dg[i], u[i] += du[i];
     }
+  }
+  if (lora_expand) {
+    float d1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    __shared__ float u1[kRowExpandMaxRank];
+    row_expand_add(p.lora_expand, expand, row, ncols, u1, d1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) g[i] += d1[i], u[i] += d1[4 + i];
+  }
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  if (in) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) a[i] = silu(g[i]) * u[i];
     uint2 packed;
@@ -61,12 +98,20 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
     *reinterpret_cast<__nv_bfloat162*>(&packed.y) = __floats2bfloat162_rn(a[2], a[3]);
     *reinterpret_cast<uint2*>(p.a16 + static_cast<size_t>(row) * I + c0) = packed;
   }
-  if (p.aq) {
+  if (p.aq && group < groups) {
     uint32_t codes;
     const float s = quantize_group_128(a, codes);
     *reinterpret_cast<uint32_t*>(p.aq + static_cast<size_t>(row) * p.inter_padded + c0) = codes;
     if (lane == 0)
       p.sa[p.scale_ld > 0 ? static_cast<size_t>(group) * p.scale_ld + row : static_cast<size_t>(row) * groups + group] = s;
+  }
+  if (lora) {
+    // The shrink reads what a16 holds: the bf16-rounded values.
+    float ar[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ar[i] = __bfloat162float(__float2bfloat16(a[i]));
+    __shared__ float scratch[kRowShrinkWarps * kRowShrinkBatch];
+    lora_row_shrink(p.lora, slots, slot_expert, row, blockIdx.y, c0, ar, scratch);
   }
 }
 
@@ -169,9 +214,22 @@ void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
   if (p.max_rows == 0) return;
   MOELORA_CHECK(p.scale_ld == 0 || p.scale_ld >= p.max_rows, ErrorCode::kInvalidArgument,
                 "moe activation: scale_ld = ", p.scale_ld, " must be 0 (row-major) or >= max_rows = ", p.max_rows);
-  ::moelora::cuda::launch_kernel(moe_activation_kernel,
-                                 dim3(p.max_rows, (p.inter_padded / 128 + kActWarps - 1) / kActWarps),
-                                 dim3(32 * kActWarps), 0, stream, p.pdl, p);
+  MOELORA_CHECK(!p.lora.partial || row_shrink_args_ok(p.lora, p.max_rows, p.inter), ErrorCode::kInvalidArgument,
+                "moe activation: the fused LoRA shrink needs row_slot_expert, the pool's A and ranks, at most ",
+                kRowShrinkMaxSlots, " slots (got ", p.lora.pool.num_slots, "), row_capacity >= max_rows (",
+                p.lora.row_capacity, " vs ", p.max_rows, ") and in_features = I (", p.lora.pool.in_features,
+                " vs ", p.inter, ")");
+  MOELORA_CHECK(!p.lora_expand.partial || (!p.delta && row_expand_args_ok(p.lora_expand, p.max_rows, 2 * p.inter)),
+                ErrorCode::kInvalidArgument,
+                "moe activation: the fused LoRA expand needs row_slot_expert, the pool's B, ranks and scalings, "
+                "splits > 0, row_capacity >= max_rows (", p.lora_expand.row_capacity, " vs ", p.max_rows,
+                "), out_features = 2I (", p.lora_expand.pool.out_features, " vs ", 2 * p.inter,
+                "), R <= 256, and no separate delta");
+  const dim3 grid(p.max_rows, (p.inter_padded / 128 + kActWarps - 1) / kActWarps);
+  if (p.lora.partial || p.lora_expand.partial)
+    ::moelora::cuda::launch_kernel(moe_activation_kernel<true>, grid, dim3(32 * kActWarps), 0, stream, p.pdl, p);
+  else
+    ::moelora::cuda::launch_kernel(moe_activation_kernel<false>, grid, dim3(32 * kActWarps), 0, stream, p.pdl, p);
 }
 
 void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {

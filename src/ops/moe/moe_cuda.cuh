@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "ops/lora/lora_row_fused.cuh"
+
 namespace moelora::ops::cuda {
 
 struct MoeActivationArgs {
@@ -30,6 +32,16 @@ struct MoeActivationArgs {
   // Launch with programmatic stream serialization: the kernel waits for the previous kernel in
   // the stream (griddepcontrol.wait) before reading, and lets its own dependents start at once.
   bool pdl = false;
+  // Optional seam-2 LoRA shrink of the activation rows (lora.partial != nullptr;
+  // lora_row_fused.cuh): partials [ceil(I / 1024), capacity, R] of the bf16-rounded a16 values,
+  // with lora.row_token = row_token.
+  LoraRowShrinkArgs lora;
+  // Optional seam-1 LoRA expand fused in (lora_expand.partial != nullptr, instead of `delta`):
+  // the rows' deltas from the quant kernel's shrink partials, added to the gate and up values
+  // before the activation. Its B rows are read before the kernel's wait, with num_rows and
+  // lora_expand.row_slot_expert, which must be complete before the previous kernel started (the
+  // align kernel's outputs in the MoE layer).
+  LoraRowExpandArgs lora_expand;
 };
 void launch_moe_activation(const MoeActivationArgs& args, cudaStream_t stream);
 

@@ -231,6 +231,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   m.offsets = m.ws.reserve((E + 1) * 4);
   m.sorted_pair = m.ws.reserve(P * 4);
   m.sorted_token = m.ws.reserve(P * 4);
+  m.sorted_slot_expert = m.ws.reserve(P * 8);
   m.pair_pos = m.ws.reserve(P * 4);
   m.active = m.ws.reserve(E * 4);
   m.num_active = m.ws.reserve(4);

@@ -97,6 +97,25 @@ enum class GemmPath { kAuto, kDecode, kDecodeRegister, kPrefill };
 // CUDA-core ones below; the others force one family (tests, benchmarks).
 enum class LoraPath { kAuto, kCudaCore, kTensorCore };
 
+// Where the decode path (stream GEMM) computes the routed experts' LoRA. kSideStream: segmented
+// shrink + expand kernels of both seams on the side stream, joined by events before the
+// activation and the finalize. kFused: the quant kernel writes the seam-1 shrink partials, the
+// activation kernel expands them into its gate / up values (so it stays a programmatic dependent
+// of GEMM1) and writes the seam-2 shrink partials, and only the seam-2 expand runs on the side
+// stream (ops/lora/lora_row_fused.cuh). Measured on the H200 (docs/gpu_moe.md §6.1): equal at 16-64
+// tokens, faster with 8 adapters at 128 tokens, 6-8 us slower at 1-4 tokens (the shrink's A rows
+// are read on the critical path), so the side stream stays the default.
+enum class DecodeLoraPath { kSideStream, kFused };
+
+// How the decode LoRA kernels on the side stream share the GPU with the expert GEMMs on the main
+// stream: the grid cap of the segment kernels (LoraSegmentsView::max_ctas). The stream GEMM is a
+// persistent grid of two CTAs per SM; capping the side grids to leave it room was measured slower
+// (the side chain gets longer and the GEMM no faster, docs/gpu_moe.md §6.1), so the default is
+// uncapped; benchmarks set it to reproduce that measurement.
+struct SideStreamScheduling {
+  int lora_max_ctas = 0;  // 0 = one CTA per work unit, -1 = one CTA per SM, N = at most N CTAs
+};
+
 class MoeLayerCuda {
  public:
   // Streams must outlive the layer; they are created before any capture.
@@ -121,6 +140,8 @@ class MoeLayerCuda {
 
   void set_gemm_path(GemmPath path) { gemm_path_ = path; }
   void set_lora_path(LoraPath path) { lora_path_ = path; }
+  void set_side_stream_scheduling(const SideStreamScheduling& s) { side_scheduling_ = s; }
+  void set_decode_lora_path(DecodeLoraPath path) { decode_lora_ = path; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
   // incl. scales or bf16 experts, router, shared expert): the byte roofline's numerator.
@@ -161,6 +182,8 @@ class MoeLayerCuda {
   MoeLayerConfig config_;
   GemmPath gemm_path_ = GemmPath::kAuto;
   LoraPath lora_path_ = LoraPath::kAuto;
+  SideStreamScheduling side_scheduling_;
+  DecodeLoraPath decode_lora_ = DecodeLoraPath::kSideStream;
 };
 
 }  // namespace moelora::ops::cuda

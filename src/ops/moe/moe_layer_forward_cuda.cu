@@ -37,6 +37,24 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   int32_t* offsets = m.x<int32_t>(m.offsets);
   const int32_t* num_pairs = offsets + E;  // device value: number of routed pairs
 
+  // Expert GEMM path: decode sizes take the weight-streaming kernel (FP8 experts).
+  const bool decode = gemm_path_ == GemmPath::kDecode || gemm_path_ == GemmPath::kDecodeRegister ||
+                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
+  const bool register_decode = decode && gemm_path_ == GemmPath::kDecodeRegister;
+  const bool stream = decode && !register_decode && !c.bf16_experts;
+  // Prefill-sized forwards take the tensor-core shrink / expand (64-row tiles of a segment through
+  // mma.sync): from kLoraMmaMinTokens tokens on, a segment holds enough rows that the CUDA-core
+  // kernels' per-row FMA work dominates (lora_mma_cuda.cuh). Decode sizes keep the CUDA-core
+  // kernels, whose split-K shrink spreads a few rows over many CTAs. Both write the same partial
+  // and delta layouts; the mma shrink fills split 0 only, so its expand runs with splits = 1.
+  const bool lora_mma = lora_path_ == LoraPath::kTensorCore ||
+                        (lora_path_ == LoraPath::kAuto && should_use_lora_mma(T));
+  // DecodeLoraPath::kFused (decode with the stream GEMM): the quant kernel writes the seam-1 shrink
+  // partials, the activation kernel expands them into its gate / up values and writes the seam-2
+  // shrink partials (lora_row_fused.cuh); the side stream runs the seam-2 expand only.
+  const bool fused_shrink =
+      lora && stream && !lora_mma && decode_lora_ == DecodeLoraPath::kFused;
+
   // 1. router GEMM + route
   const float* logits = f.router_logits;
   if (!logits) {
@@ -66,6 +84,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   aa.num_slots = lora ? c.num_slots : 0;
   aa.expert_offsets = offsets;
   aa.sorted_pair = m.x<int32_t>(m.sorted_pair);
+  aa.sorted_slot_expert = lora ? m.x<int2>(m.sorted_slot_expert) : nullptr;
   aa.sorted_token = m.x<int32_t>(m.sorted_token);
   aa.pair_pos = m.x<int32_t>(m.pair_pos);
   aa.active_experts = m.x<int32_t>(m.active);
@@ -81,10 +100,6 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // Decode on FP8 experts chains route -> align -> quant -> GEMM1 -> activation -> GEMM2 ->
   // finalize with programmatic dependent launches (each kernel's launch and prologue overlap its
   // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait).
-  const bool decode = gemm_path_ == GemmPath::kDecode || gemm_path_ == GemmPath::kDecodeRegister ||
-                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
-  const bool register_decode = decode && gemm_path_ == GemmPath::kDecodeRegister;
-  const bool stream = decode && !register_decode && !c.bf16_experts;
   aa.pdl = stream;
   launch_moe_align(aa, m.main);
   if (lora) m.ev_route.record(m.main);
@@ -97,14 +112,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                                  aa.max_lora_segments, (expected_expert_rows + 31) / 32};
   LoraSegmentsView token_segments{m.x<int4>(m.token_segments), m.x<int32_t>(m.num_token_segments),
                                   std::min(T, c.num_slots), (T + 31) / 32};
+  const int lora_max_ctas =
+      side_scheduling_.lora_max_ctas < 0 ? m.num_sms : side_scheduling_.lora_max_ctas;
+  pair_segments.max_ctas = token_segments.max_ctas = lora_max_ctas;
   auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side.get());
-  // Prefill-sized forwards take the tensor-core shrink / expand (64-row tiles of a segment through
-  // mma.sync): from kLoraMmaMinTokens tokens on, a segment holds enough rows that the CUDA-core
-  // kernels' per-row FMA work dominates (lora_mma_cuda.cuh). Decode sizes keep the CUDA-core
-  // kernels, whose split-K shrink spreads a few rows over many CTAs. Both write the same partial
-  // and delta layouts; the mma shrink fills split 0 only, so its expand runs with splits = 1.
-  const bool lora_mma = lora_path_ == LoraPath::kTensorCore ||
-                        (lora_path_ == LoraPath::kAuto && should_use_lora_mma(T));
   // The LoRA of one target, on the side stream: shrink x rows (gathered) into fp32 partials (the
   // segmented kernel, or one dense cuBLAS GEMM over all T rows of x when `dense_a` is given), then
   // expand into `delta` (rows in the segments' order). max_rows bounds the rows of all segments
@@ -150,6 +161,26 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     return m.pool.at<__nv_bfloat16>(t.a) + static_cast<size_t>(slot) * t.ea * t.max_rank * t.in;
   };
 
+  auto row_shrink = [&](const PoolTarget& t, float* partial) {
+    LoraRowShrinkArgs r;
+    r.pool = m.view(t);
+    r.partial = partial;
+    r.row_capacity = m.P;
+    r.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
+    return r;
+  };
+  // The expand of a fused shrink: partials of ceil(K / 1024) column chunks, rows = sorted pairs.
+  auto run_fused_expand = [&](const PoolTarget& t, float* partial, __nv_bfloat16* delta) {
+    LoraExpandArgs e;
+    e.pool = m.view(t);
+    e.seg = pair_segments;
+    e.partial = partial;
+    e.row_capacity = m.P;
+    e.splits = (round_up(t.in, 128) + kRowShrinkChunk - 1) / kRowShrinkChunk;
+    e.delta = delta;
+    launch_lora_expand(e, m.side);
+  };
+
   if (lora) {
     MOELORA_CHECK(f.single_slot >= -1 && f.single_slot < c.num_slots, ErrorCode::kOutOfRange,
                   "MoeLayerCuda::forward: single_slot ", f.single_slot, " outside [-1, ",
@@ -159,10 +190,12 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     // One adapter whose gate_up A is shared by the experts: u = x A^T depends on the token only,
     // so one dense GEMM over the T tokens replaces the per-pair shrink (k times fewer rows); base
     // tokens' rows are computed but never expanded.
-    run_lora(m.gate_up, pair_segments, P, f.x, m.x<int32_t>(m.sorted_token), m.x<float>(m.part1),
-             m.P, m.x<__nv_bfloat16>(m.d1),
-             single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr);
-    m.ev_lora1.record(m.side);
+    if (!fused_shrink) {
+      run_lora(m.gate_up, pair_segments, P, f.x, m.x<int32_t>(m.sorted_token),
+               m.x<float>(m.part1), m.P, m.x<__nv_bfloat16>(m.d1),
+               single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr);
+      m.ev_lora1.record(m.side);
+    }
     if (shared) {  // the shared expert's A is a plain [R, H] matrix: dense for a single adapter
       run_lora(m.shared_gate_up, token_segments, T, f.x, m.x<int32_t>(m.token_sorted),
                m.x<float>(m.spart1), c.max_tokens, m.x<__nv_bfloat16>(m.sd1),
@@ -225,6 +258,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     qa.scale = m.x<float>(m.sx);
     qa.scale_ld = scale_ld;
     qa.pdl = stream;
+    if (fused_shrink) {
+      qa.lora = row_shrink(m.gate_up, m.x<float>(m.part1));
+      qa.lora.prefetch_next = m.view(m.down);  // the activation kernel's shrink reads these
+    }
     launch_quantize_fp8_rows(qa, m.main);
 
     g1.act = m.x<uint8_t>(m.xq);
@@ -246,11 +283,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     run_gemm(g1);
   }
 
-  // 4. activation (+ seam-1 delta)
-  if (lora) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora1.get(), 0));
+  // 4. activation (+ seam-1 delta: from the side stream, or expanded in the kernel itself)
+  if (lora && !fused_shrink) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora1.get(), 0));
   MoeActivationArgs act;
   act.h = m.x<__nv_bfloat16>(m.h);
-  act.delta = lora ? m.x<__nv_bfloat16>(m.d1) : nullptr;
+  act.delta = lora && !fused_shrink ? m.x<__nv_bfloat16>(m.d1) : nullptr;
   act.row_token = m.x<int32_t>(m.sorted_token);
   act.slot = lora ? f.slot : nullptr;
   act.num_rows = num_pairs;
@@ -262,16 +299,28 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   act.sa = c.bf16_experts ? nullptr : m.x<float>(m.sa);
   act.scale_ld = scale_ld;
   // The activation is a programmatic dependent of the stream kernel: it is scheduled while GEMM1
-  // drains and GEMM2 after it prefetches its weights. Not with LoRA: whether a launch with
-  // programmatic serialization right after a cross-stream event wait stays ordered after that
-  // event in an uncaptured stream is not documented, and the seam-1 delta must be complete.
-  act.pdl = stream && !lora;
+  // drains and GEMM2 after it prefetches its weights. Not after a cross-stream event wait (a
+  // side-stream seam-1 delta): whether a launch with programmatic serialization right after one
+  // stays ordered after that event in an uncaptured stream is not documented. The fused seam-1
+  // expand reads only main-stream data (the quant kernel's partials, complete before GEMM1 ran).
+  act.pdl = stream && (!lora || fused_shrink);
+  if (fused_shrink) {
+    act.lora = row_shrink(m.down, m.x<float>(m.part2));
+    act.lora_expand.pool = m.view(m.gate_up);
+    act.lora_expand.partial = m.x<float>(m.part1);
+    act.lora_expand.splits = (m.Hp + kRowShrinkChunk - 1) / kRowShrinkChunk;
+    act.lora_expand.row_capacity = m.P;
+    act.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
+  }
   launch_moe_activation(act, m.main);
   if (lora) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
-    run_lora(m.down, pair_segments, P, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2), m.P,
-             m.x<__nv_bfloat16>(m.d2), nullptr);
+    if (fused_shrink)
+      run_fused_expand(m.down, m.x<float>(m.part2), m.x<__nv_bfloat16>(m.d2));
+    else
+      run_lora(m.down, pair_segments, P, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2),
+               m.P, m.x<__nv_bfloat16>(m.d2), nullptr);
   }
 
   // 5. GEMM2

@@ -69,6 +69,7 @@ struct MoeLayerCuda::Impl {
 
   ::moelora::cuda::DeviceArena ws;
   size_t logits = 0, ids = 0, tw = 0, offsets = 0, sorted_pair = 0, sorted_token = 0, pair_pos = 0,
+         sorted_slot_expert = 0,
          active = 0, num_active = 0, segments = 0, num_segments = 0, token_sorted = 0,
          token_pos = 0, token_segments = 0, num_token_segments = 0, xq = 0, sx = 0, h = 0, d1 = 0,
          a16 = 0, aq = 0, sa = 0, y = 0, d2 = 0, part1 = 0, part2 = 0, sh = 0, sd1 = 0, sa16 = 0,

@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
     a.sorted_pair[pos] = p;
     a.sorted_token[pos] = p / a.top_k;
     a.pair_pos[p] = pos;
+    if (a.sorted_slot_expert) a.sorted_slot_expert[pos] = make_int2(s, e);
   }
   __syncthreads();
   // After the scatter cursor[b] = end of bin b; begin = cursor[b] - counts[b].

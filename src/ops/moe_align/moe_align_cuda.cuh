@@ -22,6 +22,9 @@ struct MoeAlignDeviceArgs {
   int32_t* sorted_pair = nullptr;     // [T * k]
   int32_t* sorted_token = nullptr;    // [T * k]
   int32_t* pair_pos = nullptr;        // [T * k]
+  // [T * k] {slot, expert} of each sorted position, or nullptr: lets the kernels that fuse the
+  // LoRA shrink find their row's adapter factors with one load.
+  int2* sorted_slot_expert = nullptr;
   int32_t* active_experts = nullptr;  // [E], ascending, -1 past *num_active
   int32_t* num_active = nullptr;      // [1]
   int4* lora_segments = nullptr;      // [max_lora_segments] {slot, expert, begin, end}; may be nullptr if S == 0

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "ops/lora/lora_row_fused.cuh"
+
 namespace moelora::ops::cuda {
 
 struct QuantFp8DeviceArgs {
@@ -22,6 +24,10 @@ struct QuantFp8DeviceArgs {
   // max_rows), the layout the stream GEMM loads one K block of many rows from.
   int scale_ld = 0;
   bool pdl = false;  // see launch_quantize_fp8_rows
+  // Optional LoRA shrink of the same rows (lora.partial != nullptr; lora_row_fused.cuh): the
+  // decode MoE layer's seam-1 A factors, partials [ceil(cols / 1024), capacity, R] with
+  // lora.row_token = gather. Rows are the sorted (token, expert) pairs.
+  LoraRowShrinkArgs lora;
 };
 
 // args.pdl: launch with programmatic stream serialization (after the align kernel). The kernel

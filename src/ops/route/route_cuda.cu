@@ -7,6 +7,7 @@
 // that one lane per group can sum its group's top-2. Instances per router kind and per E bound.
 #include <cfloat>
 
+#include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
 #include "core/sm90_ptx.cuh"
 #include "ops/route/route_cuda.cuh"
@@ -237,15 +238,15 @@ template <bool kNoauxTc>
 void launch_instance(const KernelParams& p, cudaStream_t stream) {
   const dim3 grid((p.a.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta), block(32 * kWarpsPerCta);
   if (p.E <= 64) {
-    route_kernel<2, kNoauxTc><<<grid, block, 0, stream>>>(p);
+    ::moelora::cuda::launch_kernel(route_kernel<2, kNoauxTc>, grid, block, 0, stream, false, p);
   } else if (p.E <= 128) {
-    route_kernel<4, kNoauxTc><<<grid, block, 0, stream>>>(p);
+    ::moelora::cuda::launch_kernel(route_kernel<4, kNoauxTc>, grid, block, 0, stream, false, p);
   } else if (p.E <= 256) {
-    route_kernel<8, kNoauxTc><<<grid, block, 0, stream>>>(p);
+    ::moelora::cuda::launch_kernel(route_kernel<8, kNoauxTc>, grid, block, 0, stream, false, p);
   } else if (p.E <= 512) {
-    route_kernel<16, kNoauxTc><<<grid, block, 0, stream>>>(p);
+    ::moelora::cuda::launch_kernel(route_kernel<16, kNoauxTc>, grid, block, 0, stream, false, p);
   } else {
-    route_kernel<32, kNoauxTc><<<grid, block, 0, stream>>>(p);
+    ::moelora::cuda::launch_kernel(route_kernel<32, kNoauxTc>, grid, block, 0, stream, false, p);
   }
 }
 
