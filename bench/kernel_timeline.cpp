@@ -1,8 +1,10 @@
 #include "kernel_timeline.h"
 
-#include <cupti.h>
 #include <cuda_runtime.h>
 #include <cxxabi.h>
+#ifdef MOELORA_HAVE_CUPTI
+#include <cupti.h>
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -14,6 +16,7 @@
 namespace moelora::bench {
 namespace {
 
+#ifdef MOELORA_HAVE_CUPTI
 std::mutex g_mutex;
 std::vector<KernelRecord> g_records;
 bool g_collect = false;
@@ -104,6 +107,19 @@ std::vector<KernelRecord> KernelTimeline::stop() {
   return out;
 }
 
+#else
+}  // namespace
+
+KernelTimeline::KernelTimeline() {
+  throw std::runtime_error(
+      "kernel timeline: this bench_moe_layer was built without CUPTI (CMake found no CUDA::cupti); "
+      "rebuild with the CUDA toolkit's CUPTI (extras/CUPTI) to use --timeline");
+}
+KernelTimeline::~KernelTimeline() = default;
+void KernelTimeline::start() {}
+std::vector<KernelRecord> KernelTimeline::stop() { return {}; }
+#endif
+
 std::string format_timeline(const std::vector<KernelRecord>& replay) {
   if (replay.empty()) return "(no kernels)\n";
   const uint64_t t0 = replay.front().start_ns;
@@ -119,7 +135,11 @@ std::string format_timeline(const std::vector<KernelRecord>& replay) {
   for (const auto& r : replay) {
     // A graph replay runs its branches on hardware queues of the driver's choosing: name them by
     // first appearance (q0 = the first kernel's) rather than by the capturing streams.
-    if (!stream_names.count(r.stream)) stream_names[r.stream] = "q" + std::to_string(stream_names.size());
+    if (!stream_names.count(r.stream)) {
+      char name[16];
+      std::snprintf(name, sizeof name, "q%zu", stream_names.size());
+      stream_names[r.stream] = name;
+    }
     // time the stream sat between its previous kernel's end and this one's start
     const double idle = stream_last_end.count(r.stream) && r.start_ns > stream_last_end[r.stream]
                             ? (r.start_ns - stream_last_end[r.stream]) / 1e3

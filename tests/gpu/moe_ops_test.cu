@@ -588,6 +588,7 @@ TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
       sc.seg.row_chunks = row_chunks;
       ops::cuda::LoraExpandArgs ec = ea;
       ec.seg = sc.seg;
+      ec.beside_gemm = max_ctas % 2 == 1;  // both register budgets
       poison();
       ops::cuda::launch_lora_shrink(sc, stream.get());
       ops::cuda::launch_lora_expand(ec, stream.get());

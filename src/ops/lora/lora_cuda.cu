@@ -447,11 +447,12 @@ __global__ void __launch_bounds__(32 * kSegShrinkWarps, kVec <= 2 ? 3 : 1)
 // registers per thread to start while the GEMM runs; at 115 (R = 64 pools) the decode timeline
 // showed every expand waiting for the GEMM's last CTAs and finishing 11-14 us after it. Three CTAs
 // per SM (<= 80 registers) leaves that room for ranks up to 64; larger ranks keep the compiler's
-// choice.
+// choice. The bounded expand spills a little (R = 64: 40 bytes of stack), which cost 3-4 us at 1-4
+// tokens, where its grid is small and on the critical path: LoraExpandArgs::beside_gemm picks.
 constexpr int seg_kernel_min_ctas(int rank_chunks) { return rank_chunks <= 8 ? 3 : 1; }
 
-template <int kRankChunks>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
-__global__ void __launch_bounds__(kSegExpandThreads, seg_kernel_min_ctas(kRankChunks))
+template <int kRankChunks, bool kBesideGemm>  // B row held as kRankChunks 8-value chunks (R <= 8 * kRankChunks)
+__global__ void __launch_bounds__(kSegExpandThreads, kBesideGemm ? seg_kernel_min_ctas(kRankChunks) : 1)
     lora_expand_segment_kernel(const LoraExpandArgs p, int splits, int tiles, int row_chunks) {
   __shared__ float u[kSegExpandRows][8 * kRankChunks];
   const LoraPoolTarget& pool = p.pool;
@@ -724,16 +725,20 @@ void launch_lora_expand(const LoraExpandArgs& args, cudaStream_t stream) {
     const dim3 block(kSegExpandThreads);
     const int chunks = args.pool.max_rank / 8;
     using ::moelora::cuda::launch_kernel;
+    auto launch = [&](auto kernel) {
+      launch_kernel(kernel, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
+    };
+    const bool b = args.beside_gemm;
     if (chunks <= 2) {
-      launch_kernel(lora_expand_segment_kernel<2>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
+      b ? launch(lora_expand_segment_kernel<2, true>) : launch(lora_expand_segment_kernel<2, false>);
     } else if (chunks <= 4) {
-      launch_kernel(lora_expand_segment_kernel<4>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
+      b ? launch(lora_expand_segment_kernel<4, true>) : launch(lora_expand_segment_kernel<4, false>);
     } else if (chunks <= 8) {
-      launch_kernel(lora_expand_segment_kernel<8>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
+      b ? launch(lora_expand_segment_kernel<8, true>) : launch(lora_expand_segment_kernel<8, false>);
     } else if (chunks <= 16) {
-      launch_kernel(lora_expand_segment_kernel<16>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
+      launch(lora_expand_segment_kernel<16, false>);  // the bound does not apply above R = 64
     } else {
-      launch_kernel(lora_expand_segment_kernel<32>, grid, block, 0, stream, args.pdl, args, splits, tiles, row_chunks);
+      launch(lora_expand_segment_kernel<32, false>);
     }
     MOELORA_CUDA_CHECK_LAUNCH();
     return;

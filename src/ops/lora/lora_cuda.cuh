@@ -95,6 +95,10 @@ struct LoraExpandArgs {
   // (griddepcontrol.wait) before reading the partials. The segments, ranks and scalings must be
   // complete before that kernel started.
   bool pdl = false;
+  // Segment-major expand only: take the register-bounded instance (<= 80 registers for R <= 64),
+  // which starts beside two CTAs of the persistent expert GEMM. Set for large grids (the MoE
+  // layer's decode batches of 32+ tokens); the unbounded one is faster alone (no spills).
+  bool beside_gemm = false;
 };
 
 // ---- multi-target launches ----
