@@ -102,9 +102,10 @@ enum class LoraPath { kAuto, kCudaCore, kTensorCore };
 // activation and the finalize. kFused: the quant kernel writes the seam-1 shrink partials, the
 // activation kernel expands them into its gate / up values (so it stays a programmatic dependent
 // of GEMM1) and writes the seam-2 shrink partials, and only the seam-2 expand runs on the side
-// stream (ops/lora/lora_row_fused.cuh). Measured on the H200 (docs/gpu_moe.md §6.1): equal at 16-64
-// tokens, faster with 8 adapters at 128 tokens, 6-8 us slower at 1-4 tokens (the shrink's A rows
-// are read on the critical path), so the side stream stays the default.
+// stream (ops/lora/lora_row_fused.cuh). Measured on the H200 (docs/gpu_moe.md §6.0): faster only
+// at 16 tokens (qwen3.5 one adapter 136 vs 141 us), slower at 1 token (54 vs 47: the seam-1 A rows
+// are read on the critical path) and at 64-128 tokens and on kimi-ep8 (the activation's LoRA
+// instance needs 183 registers), so the side stream stays the default.
 enum class DecodeLoraPath { kSideStream, kFused };
 
 // How the decode LoRA kernels on the side stream share the GPU with the expert GEMMs on the main
