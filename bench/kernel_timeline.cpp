@@ -71,7 +71,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
     if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || !g_collect) continue;
     const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
     g_records.push_back({short_name(k->name), k->start, k->end, k->streamId,
-                         k->gridX * k->gridY * k->gridZ, k->graphId});
+                         k->gridX * k->gridY * k->gridZ});
   }
   std::free(buffer);
 }

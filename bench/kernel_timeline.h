@@ -14,7 +14,6 @@ struct KernelRecord {
   uint64_t start_ns = 0, end_ns = 0;
   uint32_t stream = 0;
   int grid = 0;       // CTAs (x * y * z)
-  uint32_t graph = 0;  // graph id (0 outside graphs)
 };
 
 // Enables concurrent-kernel activity records while alive (one at a time per process). The kernels

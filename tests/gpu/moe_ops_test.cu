@@ -287,6 +287,32 @@ TEST(Sm90_QuantFp8, BitExactPerTokenAndPermuted) {
   }
 }
 
+// A per-expert adapter pool on the device: the factors (bf16 A [S, E, R, in] and B [S, E, out, R],
+// uploaded by the caller) and the per-slot arrays uploaded here; `target` is the kernels' view.
+struct DevicePool {
+  cuda::DeviceBuffer scaling, rank, a_shared, b_shared;
+  ops::cuda::LoraPoolTarget target;
+};
+DevicePool make_device_pool(const void* a, const void* b, const std::vector<float>& scaling,
+                            const std::vector<int32_t>& rank, const std::vector<uint8_t>& a_shared,
+                            const std::vector<uint8_t>& b_shared, int E, int R, int in, int out) {
+  DevicePool p{upload_vector(scaling), upload_vector(rank), upload_vector(a_shared), upload_vector(b_shared), {}};
+  ops::cuda::LoraPoolTarget& t = p.target;
+  t.a = static_cast<const __nv_bfloat16*>(a);
+  t.b = static_cast<const __nv_bfloat16*>(b);
+  t.scaling = p.scaling.as<float>();
+  t.rank = p.rank.as<int32_t>();
+  t.a_shared = p.a_shared.as<uint8_t>();
+  t.b_shared = p.b_shared.as<uint8_t>();
+  t.num_slots = static_cast<int>(scaling.size());
+  t.ea = E;
+  t.eb = E;
+  t.max_rank = R;
+  t.in_features = in;
+  t.out_features = out;
+  return p;
+}
+
 // LoRA fused into the decode MoE layer's quant and activation kernels (lora_row_fused.cuh): the
 // quant kernel's seam-1 shrink partials (x rows gathered into sorted order), the activation
 // kernel's seam-1 expand added to its gate / up values, and its seam-2 shrink partials of the bf16
@@ -316,27 +342,15 @@ TEST(Sm90_LoraRowFused, QuantShrinkActivationExpandAndShrinkMatchReference) {
   auto b_d = cuda::to_device(b_pool);
   auto x_d = cuda::to_device(x);
   auto h_d = cuda::to_device(h);
-  auto rank_d = upload_vector(std::vector<int32_t>(ranks, ranks + S));
-  auto ash_d = upload_vector(std::vector<uint8_t>(a_shared, a_shared + S));
-  auto bsh_d = upload_vector(std::vector<uint8_t>(b_shared, b_shared + S));
-  auto scaling_d = upload_vector(scaling);
   auto token_d = upload_vector(row_token);
   std::vector<int2> slot_expert(P);
   for (int q = 0; q < P; ++q) slot_expert[q] = make_int2(slot[row_token[q]], topk_ids[row_pair[q]]);
   auto se_d = upload_vector(slot_expert);
-  ops::cuda::LoraPoolTarget pool;
-  pool.a = a_d.as<__nv_bfloat16>();
-  pool.b = b_d.as<__nv_bfloat16>();
-  pool.scaling = scaling_d.as<float>();
-  pool.rank = rank_d.as<int32_t>();
-  pool.a_shared = ash_d.as<uint8_t>();
-  pool.b_shared = bsh_d.as<uint8_t>();
-  pool.num_slots = S;
-  pool.ea = E;
-  pool.eb = E;
-  pool.max_rank = R;
-  pool.in_features = K;
-  pool.out_features = 2 * K;
+  const DevicePool device_pool =
+      make_device_pool(a_d.get(), b_d.get(), scaling, std::vector<int32_t>(ranks, ranks + S),
+                       std::vector<uint8_t>(a_shared, a_shared + S), std::vector<uint8_t>(b_shared, b_shared + S),
+                       E, R, K, 2 * K);
+  const ops::cuda::LoraPoolTarget& pool = device_pool.target;
   const int capacity = P + 3;
   ops::cuda::LoraRowShrinkArgs lora;
   lora.pool = pool;
@@ -495,10 +509,6 @@ TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
 
   auto a_d = upload_vector(a_pool);
   auto b_d = upload_vector(b_pool);
-  auto sc_d = upload_vector(scaling);
-  auto rk_d = upload_vector(std::vector<int32_t>(ranks, ranks + S));
-  auto ash_d = upload_vector(a_sh);
-  auto bsh_d = upload_vector(b_sh);
   auto seg_d = upload_vector(segs);
   auto nseg_d = upload_vector(std::vector<int32_t>{static_cast<int32_t>(segs.size())});
   auto x_d = cuda::to_device(x.to(DType::kBF16));
@@ -507,19 +517,9 @@ TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
   cuda::DeviceBuffer delta(static_cast<size_t>(rows) * out * 2);
   MOELORA_CUDA_CHECK(cudaMemset(delta.get(), 0xff, delta.bytes()));  // rank-0 rows must be overwritten
 
-  ops::cuda::LoraPoolTarget pool;
-  pool.a = a_d.as<__nv_bfloat16>();
-  pool.b = b_d.as<__nv_bfloat16>();
-  pool.scaling = sc_d.as<float>();
-  pool.rank = rk_d.as<int32_t>();
-  pool.a_shared = ash_d.as<uint8_t>();
-  pool.b_shared = bsh_d.as<uint8_t>();
-  pool.num_slots = S;
-  pool.ea = E;
-  pool.eb = E;
-  pool.max_rank = R;
-  pool.in_features = in;
-  pool.out_features = out;
+  const DevicePool device_pool = make_device_pool(a_d.get(), b_d.get(), scaling, std::vector<int32_t>(ranks, ranks + S),
+                                                  a_sh, b_sh, E, R, in, out);
+  const ops::cuda::LoraPoolTarget& pool = device_pool.target;
   ops::cuda::LoraSegmentsView view{seg_d.as<int4>(), nseg_d.as<int32_t>(), 8};  // capacity > count
   ops::cuda::LoraShrinkArgs sa{pool, view, x_d.as<__nv_bfloat16>(), g_d.as<int32_t>(), part.as<float>(), rows};
   ops::cuda::launch_lora_shrink(sa, nullptr);

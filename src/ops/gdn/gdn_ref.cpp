@@ -68,8 +68,6 @@ RuleDims check_rule_inputs(const Tensor& q, const Tensor& k, const Tensor& v, co
   return {T, nv, dk, dv};
 }
 
-float dot(const float* a, const float* b, int64_t n) { return dot_f32(a, b, n); }
-
 }  // namespace
 
 GdnState GdnState::zeros(const GdnShape& shape) {
@@ -179,7 +177,7 @@ Tensor gated_delta_rule_chunked_ref(const Tensor& q, const Tensor& k, const Tens
           float* di = delta.data() + i * dv;
           for (int64_t j = 0; j < dv; ++j) di[j] = b * (vi[j] - gamma * s0k[j]);
           for (int64_t jj = 0; jj < i; ++jj) {
-            const float coef = b * std::exp(G[i] - G[jj]) * dot(ki, kv_ptr(kp, c0 + jj, dk), dk);
+            const float coef = b * std::exp(G[i] - G[jj]) * dot_f32(ki, kv_ptr(kp, c0 + jj, dk), dk);
             const float* dj = delta.data() + jj * dv;
             for (int64_t j = 0; j < dv; ++j) di[j] -= coef * dj[j];
           }
@@ -194,7 +192,7 @@ Tensor gated_delta_rule_chunked_ref(const Tensor& q, const Tensor& k, const Tens
             for (int64_t j = 0; j < dv; ++j) oi[j] += S[a * dv + j] * qi[a];
           for (int64_t j = 0; j < dv; ++j) oi[j] *= gamma;
           for (int64_t jj = 0; jj <= i; ++jj) {
-            const float coef = std::exp(G[i] - G[jj]) * dot(qi, kv_ptr(kp, c0 + jj, dk), dk);
+            const float coef = std::exp(G[i] - G[jj]) * dot_f32(qi, kv_ptr(kp, c0 + jj, dk), dk);
             const float* dj = delta.data() + jj * dv;
             for (int64_t j = 0; j < dv; ++j) oi[j] += coef * dj[j];
           }

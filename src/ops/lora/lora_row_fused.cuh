@@ -143,7 +143,7 @@ struct LoraRowExpandArgs {
 constexpr int kRowExpandPreChunks = 2;  // ranks 1..16 need no load after the wait
 constexpr int kRowExpandMaxRank = 256;
 struct RowExpandState {
-  int slot = -1, rank = 0;
+  int rank = 0;
   float scaling = 0.f;
   const __nv_bfloat16* b = nullptr;  // the row's B block [N, R]
   uint4 pre[kRowExpandPreChunks][8];
@@ -153,7 +153,6 @@ struct RowExpandState {
 __device__ __forceinline__ void row_expand_prefetch(const LoraRowExpandArgs& a, int2 se,
                                                     const int (&ncols)[8], RowExpandState& st) {
   const LoraPoolTarget& pool = a.pool;
-  st.slot = se.x;
   st.rank = se.x >= 0 ? pool.rank[se.x] : 0;
   if (st.rank == 0) return;
   st.scaling = pool.scaling[se.x];
