@@ -1,6 +1,7 @@
-// PEFT LoRA adapter loading: adapter_config.json parsing with PEFT's matching and scaling rules,
-// and adapter_model.safetensors normalized to the canonical A [Ea, R, in] / B [Eb, out, R] form
-// of DESIGN.md §2 for the base model's architecture (see io/peft.h for the accepted layouts).
+// PEFT LoRA adapter loading: adapter_model.safetensors normalized to the canonical
+// A [Ea, R, in] / B [Eb, out, R] form of DESIGN.md §2 for the base model's architecture (see
+// io/peft.h for the accepted layouts). adapter_config.json and PEFT's matching and scaling rules
+// are in peft_config.cpp.
 //
 // Loading works in three passes over the tensor names, so that adapters with tens of thousands of
 // tensors (48 layers x 128 experts x 6) cost O(n log n):
@@ -11,26 +12,16 @@
 //   3. each target's factors are validated (shapes, ranks vs adapter_config.json) and written
 //      once, straight from the mmap'ed file, into freshly allocated fp32 canonical tensors.
 #include "io/peft.h"
-#include "io/input_limits.h"
+#include "io/peft_internal.h"
 
 #include <algorithm>
 #include <array>
-#include <cctype>
-#include <charconv>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <sstream>
 #include <string_view>
-#include <unordered_map>
-
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
-
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "io/safetensors.h"
@@ -39,37 +30,12 @@ namespace moelora::io {
 namespace {
 
 namespace fs = std::filesystem;
-using ojson = nlohmann::ordered_json;
+using peft_detail::ends_with;
+using peft_detail::last_component;
+using peft_detail::parse_index;
+using peft_detail::starts_with;
 
 constexpr std::string_view kPeftPrefix = "base_model.model.";
-
-bool starts_with(std::string_view s, std::string_view prefix) {
-  return s.substr(0, prefix.size()) == prefix;
-}
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-std::string last_component(const std::string& path) {
-  const size_t dot = path.rfind('.');
-  return dot == std::string::npos ? path : path.substr(dot + 1);
-}
-
-// Digits only, no sign, fits int64.
-std::optional<int64_t> parse_index(std::string_view s) {
-  if (s.empty() || s.size() > 18) return std::nullopt;
-  int64_t value = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  if (ec != std::errc() || end != s.data() + s.size() || s[0] == '-' || s[0] == '+') return std::nullopt;
-  return value;
-}
-
-// A JSON value for an error message, cut short when long.
-std::string brief(const ojson& value) {
-  std::string text = value.dump();
-  if (text.size() > 160) text = text.substr(0, 157) + "...";
-  return text;
-}
 
 std::string format_number(double value) {
   std::ostringstream os;
@@ -91,128 +57,10 @@ std::string format_ranges(const std::vector<int64_t>& sorted) {
   return out;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Python `re` semantics through PCRE2 (UTF + UCP: Python 3 str patterns are Unicode-aware).
-
-class PyRegex {
- public:
-  // full: the match must span the whole subject (re.fullmatch); otherwise it only has to start
-  // at the beginning (re.match).
-  PyRegex(const std::string& pattern, bool full) {
-    int error_code = 0;
-    PCRE2_SIZE error_offset = 0;
-    const uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_ANCHORED | (full ? PCRE2_ENDANCHORED : 0u);
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options, &error_code,
-                          &error_offset, nullptr);
-    if (code_ == nullptr) {
-      PCRE2_UCHAR buffer[256];
-      pcre2_get_error_message(error_code, buffer, sizeof(buffer));
-      error_ =
-          std::string(reinterpret_cast<const char*>(buffer)) + " at offset " + std::to_string(error_offset);
-      return;
-    }
-    // JIT is only an optimisation: the interpreter gives the same answers.
-    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);
-    pcre2_pattern_info(code_, PCRE2_INFO_CAPTURECOUNT, &captures_);
-  }
-  ~PyRegex() {
-    if (code_ != nullptr) pcre2_code_free(code_);
-  }
-  PyRegex(const PyRegex&) = delete;
-  PyRegex& operator=(const PyRegex&) = delete;
-
-  bool ok() const { return code_ != nullptr; }
-  const std::string& error() const { return error_; }
-
-  // True on a match; *last_group receives the text of the highest-numbered capture group.
-  bool match(std::string_view subject, std::string* last_group = nullptr) const {
-    MOELORA_ASSERT(code_ != nullptr);
-    std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> data(
-        pcre2_match_data_create_from_pattern(code_, nullptr), &pcre2_match_data_free);
-    MOELORA_CHECK(data != nullptr, ErrorCode::kInternal, "out of memory creating PCRE2 match data");
-    const auto* bytes = reinterpret_cast<PCRE2_SPTR>(subject.data());
-    int rc = pcre2_match(code_, bytes, subject.size(), 0, 0, data.get(), nullptr);
-    if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
-      rc = pcre2_match(code_, bytes, subject.size(), 0, PCRE2_NO_JIT, data.get(), nullptr);
-    }
-    if (rc == PCRE2_ERROR_NOMATCH) return false;
-    MOELORA_CHECK(rc >= 0, ErrorCode::kInvalidArgument, "matching a regex against '", subject,
-                  "' failed with PCRE2 error ", rc);
-    if (last_group != nullptr && captures_ > 0) {
-      const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(data.get());
-      const PCRE2_SIZE begin = ovector[2 * captures_], end = ovector[2 * captures_ + 1];
-      *last_group = begin == PCRE2_UNSET ? std::string() : std::string(subject.substr(begin, end - begin));
-    }
-    return true;
-  }
-
- private:
-  pcre2_code* code_ = nullptr;
-  uint32_t captures_ = 0;
-  std::string error_;
-};
-
-// Compiled regexes by pattern, shared by every config and thread. Patterns come from adapter
-// configs, so the set is small; it is dropped wholesale if it ever grows large.
-std::shared_ptr<const PyRegex> cached_regex(const std::string& pattern, bool full) {
-  static std::mutex mutex;
-  static std::unordered_map<std::string, std::shared_ptr<const PyRegex>> cache;
-  std::string key = (full ? "F" : "P") + pattern;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  if (cache.size() >= 4096) cache.clear();
-  auto regex = std::make_shared<const PyRegex>(pattern, full);
-  cache.emplace(std::move(key), regex);
-  return regex;
-}
-
-// The regex PEFT's get_pattern_key builds around a rank_pattern / alpha_pattern key.
-std::string pattern_key_regex(const std::string& key) {
-  return "(.*\\.)?(" + key + ")";
-}
-// The regex check_target_module_exists uses to find the layer index of a module.
-std::string layer_index_regex(const std::string& layers_pattern) {
-  return ".*\\." + layers_pattern + "\\.(\\d+)\\.";
-}
-
-// Throws kInvalidArgument naming `what` when the pattern does not compile.
-std::shared_ptr<const PyRegex> checked_regex(const std::string& pattern, bool full, const std::string& what) {
-  auto regex = cached_regex(pattern, full);
-  MOELORA_CHECK(regex->ok(), ErrorCode::kInvalidArgument, what, " '", pattern,
-                "' is not a valid regex: ", regex->error());
-  return regex;
-}
-
-template <typename T>
-std::optional<size_t> first_pattern_match(const std::vector<std::pair<std::string, T>>& patterns,
-                                          const std::string& path, const char* field) {
-  for (size_t i = 0; i < patterns.size(); ++i) {
-    const auto regex = checked_regex(pattern_key_regex(patterns[i].first), true, std::string(field) + " key");
-    if (regex->match(path)) return i;
-  }
-  return std::nullopt;
-}
-
-// PEFT: the number after the last ".<layers_pattern>." in the module path ("layers" by default
-// any component), found by `re.match(rf".*\.{pattern}\.(\d+)\.", key)`; the greedy `.*` makes it
-// the last such occurrence.
-std::optional<int64_t> peft_layer_index(const std::string& key,
-                                        const std::vector<std::string>& layers_pattern) {
-  static const std::vector<std::string> kAnyComponent = {"[^.]*"};
-  for (const std::string& pattern : layers_pattern.empty() ? kAnyComponent : layers_pattern) {
-    std::string digits;
-    if (checked_regex(layer_index_regex(pattern), false, "layers_pattern")->match(key, &digits)) {
-      return parse_index(digits);
-    }
-  }
-  return std::nullopt;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// AdapterConfig
+// ExpertLoraLayout
 
 const char* expert_lora_layout_name(ExpertLoraLayout l) {
   switch (l) {
@@ -224,300 +72,6 @@ const char* expert_lora_layout_name(ExpertLoraLayout l) {
   }
   return "?";
 }
-
-std::optional<std::string> AdapterConfig::rank_pattern_key(const std::string& path) const {
-  const auto index = first_pattern_match(rank_pattern, path, "rank_pattern");
-  if (!index) return std::nullopt;
-  return rank_pattern[*index].first;
-}
-
-std::optional<std::string> AdapterConfig::alpha_pattern_key(const std::string& path) const {
-  const auto index = first_pattern_match(alpha_pattern, path, "alpha_pattern");
-  if (!index) return std::nullopt;
-  return alpha_pattern[*index].first;
-}
-
-int64_t AdapterConfig::rank_for(const std::string& path) const {
-  const auto index = first_pattern_match(rank_pattern, path, "rank_pattern");
-  return index ? rank_pattern[*index].second : r;
-}
-
-double AdapterConfig::alpha_for(const std::string& path) const {
-  const auto index = first_pattern_match(alpha_pattern, path, "alpha_pattern");
-  return index ? alpha_pattern[*index].second : lora_alpha;
-}
-
-double AdapterConfig::scaling_for(const std::string& path) const {
-  const int64_t rank = rank_for(path);
-  MOELORA_CHECK(rank > 0, ErrorCode::kInvalidArgument, "adapter config",
-                source.empty() ? std::string() : " " + source.string(), ": rank of '", path, "' is ", rank,
-                "; it must be positive");
-  const double alpha = alpha_for(path);
-  return use_rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
-}
-
-bool AdapterConfig::targets_module(const std::string& key) const {
-  if (exclude_modules_regex) {
-    if (checked_regex(*exclude_modules_regex, true, "exclude_modules")->match(key)) return false;
-  } else {
-    for (const std::string& excluded : exclude_modules) {
-      if (key == excluded || ends_with(key, "." + excluded)) return false;
-    }
-  }
-  if (target_modules_regex) return checked_regex(*target_modules_regex, true, "target_modules")->match(key);
-
-  bool found = false;
-  if (target_all_linear) {
-    found = last_component(key) != "lm_head";
-  } else if (target_modules.empty()) {
-    // No target_modules at all: PEFT then only adapts target_parameters when those are given;
-    // with neither, every module counts as targeted (the tensors decide).
-    return target_parameters.empty();
-  } else {
-    if (std::find(target_modules.begin(), target_modules.end(), key) != target_modules.end()) return true;
-    found = std::any_of(target_modules.begin(), target_modules.end(),
-                        [&](const std::string& target) { return ends_with(key, "." + target); });
-  }
-  if (!found || layers_to_transform.empty()) return found;
-  const auto layer = peft_layer_index(key, layers_pattern);
-  return layer && std::find(layers_to_transform.begin(), layers_to_transform.end(), *layer) !=
-                      layers_to_transform.end();
-}
-
-bool AdapterConfig::targets_parameter(const std::string& parameter_path) const {
-  return std::any_of(target_parameters.begin(), target_parameters.end(), [&](const std::string& target) {
-    return parameter_path == target || ends_with(parameter_path, "." + target);
-  });
-}
-
-// ---------------------------------------------------------------------------------------------
-// parse_adapter_config
-
-namespace {
-
-// Typed access to the fields of adapter_config.json; JSON null counts as absent, as in PEFT.
-class ConfigFields {
- public:
-  ConfigFields(const ojson& json, std::string source) : json_(json), source_(std::move(source)) {}
-
-  const std::string& source() const { return source_; }
-  const ojson* get(const char* key) const {
-    auto it = json_.find(key);
-    return (it == json_.end() || it->is_null()) ? nullptr : &*it;
-  }
-  [[noreturn]] void bad(const char* key, const char* expected) const {
-    MOELORA_THROW(ErrorCode::kInvalidFile, source_, ": field '", key, "' must be ", expected, ", got ",
-                  brief(json_.at(key)));
-  }
-  [[noreturn]] void unsupported(const char* key, const std::string& why) const {
-    MOELORA_THROW(ErrorCode::kUnsupported, source_, ": field '", key, "' is ", brief(json_.at(key)), ": ",
-                  why);
-  }
-
-  bool boolean(const char* key, bool fallback) const {
-    const ojson* v = get(key);
-    if (v == nullptr) return fallback;
-    if (!v->is_boolean()) bad(key, "true or false");
-    return v->get<bool>();
-  }
-  std::string string(const char* key, const std::string& fallback) const {
-    const ojson* v = get(key);
-    if (v == nullptr) return fallback;
-    if (!v->is_string()) bad(key, "a string");
-    return v->get<std::string>();
-  }
-  int64_t positive_integer(const char* key, int64_t fallback) const {
-    const ojson* v = get(key);
-    if (v == nullptr) return fallback;
-    if (!v->is_number_integer() || v->get<int64_t>() <= 0) bad(key, "a positive integer");
-    return v->get<int64_t>();
-  }
-  double finite_number(const char* key, double fallback) const {
-    const ojson* v = get(key);
-    if (v == nullptr) return fallback;
-    if (!v->is_number() || !std::isfinite(v->get<double>())) bad(key, "a finite number");
-    return v->get<double>();
-  }
-  std::vector<std::string> string_list(const char* key) const {
-    const ojson* v = get(key);
-    std::vector<std::string> out;
-    if (v == nullptr) return out;
-    if (!v->is_array()) bad(key, "a list of strings");
-    for (const ojson& item : *v) {
-      if (!item.is_string()) bad(key, "a list of strings");
-      out.push_back(item.get<std::string>());
-    }
-    return out;
-  }
-  // A list of strings, a single string (returned in *single), or null.
-  std::vector<std::string> string_or_list(const char* key, std::optional<std::string>* single) const {
-    const ojson* v = get(key);
-    if (v != nullptr && v->is_string()) {
-      *single = v->get<std::string>();
-      return {};
-    }
-    if (v != nullptr && !v->is_array()) bad(key, "a string (regex) or a list of strings");
-    return string_list(key);
-  }
-  // "Off" when absent, null, false, an empty list or an empty object.
-  bool engaged(const char* key) const {
-    const ojson* v = get(key);
-    if (v == nullptr) return false;
-    if (v->is_boolean()) return v->get<bool>();
-    if (v->is_array() || v->is_object()) return !v->empty();
-    return true;
-  }
-
- private:
-  const ojson& json_;
-  std::string source_;
-};
-
-void check_regex_field(const ConfigFields& f, const char* field, const std::string& pattern, bool full,
-                       const std::string& shown) {
-  const auto regex = cached_regex(pattern, full);
-  MOELORA_CHECK(regex->ok(), ErrorCode::kInvalidFile, f.source(), ": field '", field, "': ", shown,
-                " is not a valid regex: ", regex->error());
-}
-
-}  // namespace
-
-AdapterConfig parse_adapter_config(const fs::path& file) {
-  const std::string source = file.string();
-  std::error_code ec;
-  MOELORA_CHECK(fs::is_regular_file(file, ec), ErrorCode::kNotFound, source,
-                ": not found (a PEFT LoRA adapter directory holds adapter_config.json and "
-                "adapter_model.safetensors)");
-  const std::string text = read_limited_text(file, kMaxJsonFileBytes, "adapter_config.json");
-  check_json_depth(text, source);
-
-  // Every JSON exception, not only parse_error: a number too large for a double is out_of_range
-  // (406) and would otherwise escape as a crash.
-  ojson json;
-  try {
-    json = ojson::parse(text);
-  } catch (const ojson::exception& e) {
-    MOELORA_THROW(ErrorCode::kInvalidFile, source, ": malformed JSON: ", e.what());
-  }
-  MOELORA_CHECK(json.is_object(), ErrorCode::kInvalidFile, source, ": expected a JSON object, got ",
-                brief(json));
-  const ConfigFields f(json, source);
-
-  AdapterConfig c;
-  c.source = file;
-
-  const std::string peft_type = f.string("peft_type", "LORA");
-  if (peft_type != "LORA") f.unsupported("peft_type", "only LoRA adapters (\"LORA\") are supported");
-
-  c.r = f.positive_integer("r", c.r);
-  c.lora_alpha = f.finite_number("lora_alpha", c.lora_alpha);
-  c.use_rslora = f.boolean("use_rslora", false);
-
-  // Features that change what the adapter computes beyond a low-rank delta: rejected rather than
-  // silently ignored.
-  c.use_dora = f.boolean("use_dora", false);
-  if (c.use_dora) {
-    f.unsupported("use_dora",
-                  "DoRA adapters are not supported (they rescale the whole weight, not only add B·A)");
-  }
-  if (f.boolean("fan_in_fan_out", false)) {
-    f.unsupported("fan_in_fan_out", "fan_in_fan_out (Conv1D-style transposed weights) is not supported");
-  }
-  if (f.boolean("lora_bias", false)) f.unsupported("lora_bias", "LoRA bias terms are not supported");
-  c.bias = f.string("bias", "none");
-  if (c.bias != "none") f.unsupported("bias", "trained biases are not supported; only bias \"none\" is");
-  c.modules_to_save = f.string_list("modules_to_save");
-  if (!c.modules_to_save.empty()) {
-    f.unsupported("modules_to_save",
-                  "full copies of modules (modules_to_save) are not supported; only LoRA factors are");
-  }
-  if (f.engaged("alora_invocation_tokens")) {
-    f.unsupported("alora_invocation_tokens",
-                  "activated LoRA (applied only after invocation tokens) is not supported");
-  }
-  if (f.engaged("layer_replication"))
-    f.unsupported("layer_replication", "layer replication is not supported");
-  if (f.engaged("trainable_token_indices")) {
-    f.unsupported("trainable_token_indices", "trainable token embeddings are not supported");
-  }
-  if (f.boolean("use_qalora", false)) f.unsupported("use_qalora", "QA-LoRA is not supported");
-
-  // target_modules: list, regex string or "all-linear"
-  std::optional<std::string> target_string;
-  c.target_modules = f.string_or_list("target_modules", &target_string);
-  if (target_string) {
-    std::string lower = *target_string;
-    std::transform(lower.begin(), lower.end(), lower.begin(),
-                   [](unsigned char ch) { return std::tolower(ch); });
-    if (lower == "all-linear") {
-      c.target_all_linear = true;
-    } else {
-      check_regex_field(f, "target_modules", *target_string, true, "'" + *target_string + "'");
-      c.target_modules_regex = target_string;
-    }
-  }
-  c.target_parameters = f.string_list("target_parameters");
-
-  std::optional<std::string> exclude_string;
-  c.exclude_modules = f.string_or_list("exclude_modules", &exclude_string);
-  if (exclude_string) {
-    check_regex_field(f, "exclude_modules", *exclude_string, true, "'" + *exclude_string + "'");
-    c.exclude_modules_regex = exclude_string;
-  }
-
-  // rank_pattern / alpha_pattern: dict order matters (the first matching key wins), which is why
-  // the file is parsed into an ordered_json.
-  if (const ojson* v = f.get("rank_pattern")) {
-    if (!v->is_object()) f.bad("rank_pattern", "an object of module pattern -> rank");
-    for (const auto& [key, value] : v->items()) {
-      MOELORA_CHECK(value.is_number_integer() && value.get<int64_t>() > 0, ErrorCode::kInvalidFile, source,
-                    ": field 'rank_pattern': the rank of '", key, "' must be a positive integer, got ",
-                    brief(value));
-      check_regex_field(f, "rank_pattern", pattern_key_regex(key), true, "key '" + key + "'");
-      c.rank_pattern.emplace_back(key, value.get<int64_t>());
-    }
-  }
-  if (const ojson* v = f.get("alpha_pattern")) {
-    if (!v->is_object()) f.bad("alpha_pattern", "an object of module pattern -> alpha");
-    for (const auto& [key, value] : v->items()) {
-      MOELORA_CHECK(value.is_number() && std::isfinite(value.get<double>()), ErrorCode::kInvalidFile, source,
-                    ": field 'alpha_pattern': the alpha of '", key, "' must be a finite number, got ",
-                    brief(value));
-      check_regex_field(f, "alpha_pattern", pattern_key_regex(key), true, "key '" + key + "'");
-      c.alpha_pattern.emplace_back(key, value.get<double>());
-    }
-  }
-
-  if (const ojson* v = f.get("layers_to_transform")) {
-    const auto take = [&](const ojson& item) {
-      if (!item.is_number_integer() || item.get<int64_t>() < 0) {
-        f.bad("layers_to_transform", "a non-negative integer or a list of them");
-      }
-      c.layers_to_transform.push_back(item.get<int64_t>());
-    };
-    if (v->is_array()) {
-      for (const ojson& item : *v) take(item);
-    } else {
-      take(*v);
-    }
-  }
-  std::optional<std::string> layers_pattern_string;
-  c.layers_pattern = f.string_or_list("layers_pattern", &layers_pattern_string);
-  if (layers_pattern_string) c.layers_pattern = {*layers_pattern_string};
-  for (const std::string& pattern : c.layers_pattern) {
-    check_regex_field(f, "layers_pattern", layer_index_regex(pattern), false, "'" + pattern + "'");
-  }
-  // The same consistency rules as PEFT's LoraConfig.
-  MOELORA_CHECK(
-      c.layers_to_transform.empty() || !c.target_modules_regex, ErrorCode::kInvalidFile, source,
-      ": field 'layers_to_transform' cannot be used when 'target_modules' is a regex (PEFT rejects it too)");
-  MOELORA_CHECK(c.layers_pattern.empty() || !c.layers_to_transform.empty(), ErrorCode::kInvalidFile, source,
-                ": field 'layers_pattern' is set but 'layers_to_transform' is not (PEFT rejects it too)");
-
-  c.base_model_name_or_path = f.string("base_model_name_or_path", "");
-  return c;
-}
-
 // ---------------------------------------------------------------------------------------------
 // LayerLora
 
@@ -531,6 +85,11 @@ std::vector<std::pair<std::string, const LoraWeights*>> LayerLora::named() const
           {"self_attn.q_b_proj", &q_b_proj},
           {"self_attn.kv_a_proj_with_mqa", &kv_a_proj_with_mqa},
           {"self_attn.kv_b_proj", &kv_b_proj},
+          {"linear_attn.in_proj_qkv", &in_proj_qkv},
+          {"linear_attn.in_proj_z", &in_proj_z},
+          {"linear_attn.in_proj_b", &in_proj_b},
+          {"linear_attn.in_proj_a", &in_proj_a},
+          {"linear_attn.out_proj", &out_proj},
           {"mlp.gate_proj", &mlp_gate},
           {"mlp.up_proj", &mlp_up},
           {"mlp.down_proj", &mlp_down},
@@ -553,7 +112,8 @@ bool LayerLora::any() const {
 
 namespace {
 
-// 2-D targets, in the order of LayerLora's fields.
+// 2-D targets, in the order of LayerLora's fields (and of LayerLora::named(), whose first
+// kNumPlain entries they are).
 enum class Plain {
   kQ,
   kK,
@@ -563,6 +123,11 @@ enum class Plain {
   kQB,
   kKVA,
   kKVB,
+  kInProjQkv,
+  kInProjZ,
+  kInProjB,
+  kInProjA,
+  kOutProj,
   kMlpGate,
   kMlpUp,
   kMlpDown,
@@ -570,7 +135,7 @@ enum class Plain {
   kSharedUp,
   kSharedDown
 };
-constexpr size_t kNumPlain = 14;
+constexpr size_t kNumPlain = 19;
 
 LoraWeights& plain_slot(LayerLora& layer, Plain p) {
   switch (p) {
@@ -582,6 +147,11 @@ LoraWeights& plain_slot(LayerLora& layer, Plain p) {
     case Plain::kQB: return layer.q_b_proj;
     case Plain::kKVA: return layer.kv_a_proj_with_mqa;
     case Plain::kKVB: return layer.kv_b_proj;
+    case Plain::kInProjQkv: return layer.in_proj_qkv;
+    case Plain::kInProjZ: return layer.in_proj_z;
+    case Plain::kInProjB: return layer.in_proj_b;
+    case Plain::kInProjA: return layer.in_proj_a;
+    case Plain::kOutProj: return layer.out_proj;
     case Plain::kMlpGate: return layer.mlp_gate;
     case Plain::kMlpUp: return layer.mlp_up;
     case Plain::kMlpDown: return layer.mlp_down;
@@ -597,7 +167,8 @@ LoraWeights& plain_slot(LayerLora& layer, Plain p) {
 enum class ExpertForm { kNone, kPerExpert, kPeft3dOuter, kPeft3dInner, kStacked };
 // Projections of the per-expert and stacked layouts (gate_up: a fused stacked LoRA).
 enum class ExpertProj { kGate = 0, kUp = 1, kDown = 2, kGateUp = 3 };
-constexpr std::array<const char*, 4> kExpertProjNames = {"gate_proj", "up_proj", "down_proj", "gate_up_proj"};
+constexpr std::array<const char*, 4> kExpertProjNames = {"gate_proj", "up_proj", "down_proj",
+                                                         "gate_up_proj"};
 
 struct ModuleRef {
   int64_t layer = -1;
@@ -606,7 +177,7 @@ struct ModuleRef {
   Plain plain = Plain::kQ;              // when form == kNone
   int64_t expert = -1;                  // kPerExpert
   ExpertProj proj = ExpertProj::kGate;  // kPerExpert, kStacked
-  int64_t in = 0, out = 0;              // expected features (all but PEFT 3-D, which is resolved by shape)
+  int64_t in = 0, out = 0;  // expected features (all but PEFT 3-D, which is resolved by shape)
 };
 
 struct ModuleEntry {
@@ -626,7 +197,18 @@ struct Where {
                 "': adapter was made for another architecture: ", why);
 }
 [[noreturn]] void unsupported_target(const Where& w, const std::string& what) {
-  MOELORA_THROW(ErrorCode::kUnsupported, w.file, ": tensor '", w.key, "': ", what, " is not supported");
+  MOELORA_THROW(ErrorCode::kUnsupported, w.file, ": tensor '", w.key, "': ", what,
+                " is not supported");
+}
+
+bool is_linear_attention_layer(const ModelConfig& base, int64_t layer) {
+  return static_cast<size_t>(layer) < base.layer_types.size() &&
+         base.layer_types[static_cast<size_t>(layer)] == "linear_attention";
+}
+
+bool has_linear_attention(const ModelConfig& base) {
+  return std::find(base.layer_types.begin(), base.layer_types.end(), "linear_attention") !=
+         base.layer_types.end();
 }
 
 std::string describe_base(const ModelConfig& base) {
@@ -635,7 +217,9 @@ std::string describe_base(const ModelConfig& base) {
     out += base.q_lora_rank > 0 ? " (MLA, q_lora_rank " + std::to_string(base.q_lora_rank) + ")"
                                 : " (MLA, plain q_proj)";
   } else {
-    out += " (GQA attention)";
+    out += base.attention_output_gate ? " (gated GQA attention" : " (GQA attention";
+    if (has_linear_attention(base)) out += " and Gated DeltaNet linear attention";
+    out += ")";
   }
   return out;
 }
@@ -660,16 +244,19 @@ ModuleRef classify_module(const std::string& module, const ModelConfig& base, co
     const std::string leaf = last_component(module);
     if (leaf == "embed_tokens") unsupported_target(w, "LoRA on the token embedding (embed_tokens)");
     if (leaf == "lm_head") unsupported_target(w, "LoRA on the output projection (lm_head)");
-    another_architecture(w, "the base model " + describe_base(base) + " has no module '" + module + "'");
+    another_architecture(
+        w, "the base model " + describe_base(base) + " has no module '" + module + "'");
   }
 
   const size_t dot = rest.find('.');
   const auto layer = parse_index(rest.substr(0, dot));
   if (!layer || dot == std::string::npos) {
-    another_architecture(w, "'" + module + "' does not name a decoder layer of " + describe_base(base));
+    another_architecture(
+        w, "'" + module + "' does not name a decoder layer of " + describe_base(base));
   }
   if (*layer >= base.num_hidden_layers) {
-    another_architecture(w, "it adapts layer " + std::to_string(*layer) + " but the base model has " +
+    another_architecture(w, "it adapts layer " + std::to_string(*layer) +
+                                " but the base model has " +
                                 std::to_string(base.num_hidden_layers) + " layers");
   }
   ref.layer = *layer;
@@ -687,8 +274,7 @@ ModuleRef classify_module(const std::string& module, const ModelConfig& base, co
 
   if (starts_with(sub, "self_attn.")) {
     const std::string name = sub.substr(10);
-    if (static_cast<size_t>(ref.layer) < base.layer_types.size() &&
-        base.layer_types[ref.layer] == "linear_attention") {
+    if (is_linear_attention_layer(base, ref.layer)) {
       another_architecture(
           w, where_in_layer + " is a Gated DeltaNet (linear attention) layer; it has no " + sub);
     }
@@ -715,7 +301,8 @@ ModuleRef classify_module(const std::string& module, const ModelConfig& base, co
       if (name == "kv_a_proj_with_mqa")
         return plain(Plain::kKVA, H, base.kv_lora_rank + base.qk_rope_head_dim);
       if (name == "kv_b_proj") {
-        return plain(Plain::kKVB, base.kv_lora_rank, heads * (base.qk_nope_head_dim + base.v_head_dim));
+        return plain(Plain::kKVB, base.kv_lora_rank,
+                     heads * (base.qk_nope_head_dim + base.v_head_dim));
       }
       if (name == "o_proj") return plain(Plain::kO, heads * base.v_head_dim, H);
     } else {
@@ -728,11 +315,43 @@ ModuleRef classify_module(const std::string& module, const ModelConfig& base, co
     }
     another_architecture(w, describe_base(base) + " has no LoRA target self_attn." + name);
   }
-  if (starts_with(sub, "linear_attn.")) unsupported_target(w, "LoRA on Gated DeltaNet (" + sub + ")");
+  if (starts_with(sub, "linear_attn.")) {
+    // Qwen3.5's Gated DeltaNet (FORMATS.md §1.4-1.5), key_dim = nk dk, value_dim = nv dv:
+    // in_proj_qkv [2 key_dim + value_dim, H], in_proj_z [value_dim, H], in_proj_b / in_proj_a
+    // [nv, H], out_proj [H, value_dim].
+    const std::string name = sub.substr(12);
+    if (!is_linear_attention_layer(base, ref.layer)) {
+      if (!has_linear_attention(base)) {
+        another_architecture(w, "the base model " + describe_base(base) +
+                                    " has no Gated DeltaNet (linear attention) layers; layer " +
+                                    std::to_string(ref.layer) + " has no " + sub);
+      }
+      another_architecture(w, where_in_layer + " is a full-attention layer of " +
+                                  describe_base(base) + "; it has no " + sub +
+                                  " (only its linear_attention layers have linear_attn)");
+    }
+    const LinearAttentionConfig& la = base.linear_attention;
+    const int64_t key_dim = la.num_key_heads * la.key_head_dim;
+    const int64_t value_dim = la.num_value_heads * la.value_head_dim;
+    if (name == "in_proj_qkv") return plain(Plain::kInProjQkv, H, 2 * key_dim + value_dim);
+    if (name == "in_proj_z") return plain(Plain::kInProjZ, H, value_dim);
+    if (name == "in_proj_b") return plain(Plain::kInProjB, H, la.num_value_heads);
+    if (name == "in_proj_a") return plain(Plain::kInProjA, H, la.num_value_heads);
+    if (name == "out_proj") return plain(Plain::kOutProj, value_dim, H);
+    if (name == "conv1d" || name == "A_log" || name == "dt_bias" || name == "norm") {
+      unsupported_target(w, "LoRA on " + sub +
+                                " (LoRA targets of the Gated DeltaNet are its linear projections "
+                                "in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj)");
+    }
+    another_architecture(w, describe_base(base) + " has no LoRA target " + sub +
+                                " (its Gated DeltaNet projections are in_proj_qkv, in_proj_z, "
+                                "in_proj_b, in_proj_a and out_proj)");
+  }
   if (sub == "mlp.gate") unsupported_target(w, "LoRA on the router (mlp.gate)");
   if (sub == "mlp.shared_expert_gate")
     unsupported_target(w, "LoRA on the shared-expert gate (mlp.shared_expert_gate)");
-  if (!starts_with(sub, "mlp.")) another_architecture(w, describe_base(base) + " has no LoRA target " + sub);
+  if (!starts_with(sub, "mlp."))
+    another_architecture(w, describe_base(base) + " has no LoRA target " + sub);
 
   const bool moe = base.is_moe_layer(ref.layer);
   const std::string mlp = sub.substr(4);
@@ -749,7 +368,8 @@ ModuleRef classify_module(const std::string& module, const ModelConfig& base, co
   if (starts_with(mlp, "shared_expert.") || starts_with(mlp, "shared_experts.")) {
     const std::string name = mlp.substr(mlp.find('.') + 1);
     const std::string module_name = mlp.substr(0, mlp.find('.'));
-    const std::string expected = base.arch == Architecture::kDeepseekV3 ? "shared_experts" : "shared_expert";
+    const std::string expected =
+        base.arch == Architecture::kDeepseekV3 ? "shared_experts" : "shared_expert";
     if (module_name != expected || base.shared_expert_intermediate_size == 0 || !moe) {
       another_architecture(w, where_in_layer + " has no mlp." + module_name +
                                   (base.shared_expert_intermediate_size > 0 && moe
@@ -760,7 +380,8 @@ ModuleRef classify_module(const std::string& module, const ModelConfig& base, co
                     base.shared_expert_intermediate_size);
   }
   if (mlp == "experts" || starts_with(mlp, "experts.")) {
-    if (!moe) another_architecture(w, where_in_layer + " has a dense MLP; it has no routed experts");
+    if (!moe)
+      another_architecture(w, where_in_layer + " has a dense MLP; it has no routed experts");
     const std::string after = mlp.substr(7);  // "", ".base_layer", ".<e>.<proj>" or ".<proj>"
     if (after.empty()) {
       ref.form = ExpertForm::kPeft3dOuter;
@@ -776,8 +397,9 @@ ModuleRef classify_module(const std::string& module, const ModelConfig& base, co
       const auto expert = parse_index(proj_name.substr(0, next));
       if (!expert) another_architecture(w, describe_base(base) + " has no LoRA target " + sub);
       if (*expert >= base.num_experts) {
-        another_architecture(w, "it adapts expert " + std::to_string(*expert) + " but the base model has " +
-                                    std::to_string(base.num_experts) + " routed experts per layer");
+        another_architecture(w, "it adapts expert " + std::to_string(*expert) +
+                                    " but the base model has " + std::to_string(base.num_experts) +
+                                    " routed experts per layer");
       }
       ref.form = ExpertForm::kPerExpert;
       ref.expert = *expert;
@@ -818,11 +440,13 @@ struct FactorView {
   void copy_row(int64_t i, float* dst, double ratio) const {
     const int64_t start = offset + i * row_stride;
     if (t.dtype() == DType::kF32 && col_stride == 1 && ratio == 1.0) {
-      std::memcpy(dst, static_cast<const char*>(t.raw_data()) + 4 * start, static_cast<size_t>(cols) * 4);
+      std::memcpy(dst, static_cast<const char*>(t.raw_data()) + 4 * start,
+                  static_cast<size_t>(cols) * 4);
       return;
     }
     for (int64_t j = 0; j < cols; ++j) {
-      const float v = load_as_f32(t.raw_data(), t.dtype(), static_cast<uint64_t>(start + j * col_stride));
+      const float v =
+          load_as_f32(t.raw_data(), t.dtype(), static_cast<uint64_t>(start + j * col_stride));
       dst[j] = ratio == 1.0 ? v : static_cast<float>(static_cast<double>(v) * ratio);
     }
   }
@@ -848,7 +472,8 @@ struct Part {
 
 // Writes the canonical A [Ea, R, in], B [Eb, out, R] of a target made of `parts` (blocks on the
 // diagonal: part p takes rows [out_offset, +out_rows) and its own columns of R).
-LoraWeights assemble(const std::vector<Part>& parts, int64_t num_experts, int64_t out_total, int64_t in) {
+LoraWeights assemble(const std::vector<Part>& parts, int64_t num_experts, int64_t out_total,
+                     int64_t in) {
   int64_t total_rank = 0;
   bool share_a = true, share_b = true;
   std::vector<double> all_scalings;
@@ -877,7 +502,8 @@ LoraWeights assemble(const std::vector<Part>& parts, int64_t num_experts, int64_
     int64_t column = 0;
     for (const Part& p : parts) {
       const FactorView& view = p.a[p.a.size() == 1 ? 0 : e];
-      for (int64_t k = 0; k < view.rows; ++k) view.copy_row(k, a + (e * total_rank + column + k) * in, 1.0);
+      for (int64_t k = 0; k < view.rows; ++k)
+        view.copy_row(k, a + (e * total_rank + column + k) * in, 1.0);
       column += p.rank;
     }
   }
@@ -911,7 +537,8 @@ const char* form_name(ExpertForm form) {
     case ExpertForm::kPerExpert: return "per-expert 2-D (mlp.experts.{e}.<proj>)";
     case ExpertForm::kPeft3dOuter:
     case ExpertForm::kPeft3dInner: return "PEFT 3-D (mlp.experts[.base_layer].lora_*)";
-    case ExpertForm::kStacked: return "stacked 3-D (mlp.experts.<proj>.lora_* with an expert dimension)";
+    case ExpertForm::kStacked:
+      return "stacked 3-D (mlp.experts.<proj>.lora_* with an expert dimension)";
     case ExpertForm::kNone: break;
   }
   return "none";
@@ -990,9 +617,10 @@ void AdapterLoader::collect() {
       if (name.find("modules_to_save") != std::string_view::npos) {
         unsupported_target(where, "a full module copy (modules_to_save)");
       }
-      MOELORA_THROW(ErrorCode::kUnsupported, file_, ": tensor '", key,
-                    "' is not a LoRA factor (expected a name ending in lora_A.weight or lora_B.weight); full "
-                    "weights and other PEFT methods are not supported");
+      MOELORA_THROW(
+          ErrorCode::kUnsupported, file_, ": tensor '", key,
+          "' is not a LoRA factor (expected a name ending in lora_A.weight or lora_B.weight); full "
+          "weights and other PEFT methods are not supported");
     }
     auto [it, inserted] = modules_.try_emplace(module);
     ModuleEntry& entry = it->second;
@@ -1021,10 +649,10 @@ void AdapterLoader::check_pairs_and_dtypes() {
     }
     for (const std::string* key : {&entry.key_a, &entry.key_b}) {
       const DType dtype = store_.info(*key).dtype;
-      MOELORA_CHECK(
-          dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF64,
-          ErrorCode::kUnsupported, file_, ": tensor '", *key, "' has dtype ", dtype_name(dtype),
-          "; LoRA factors must be F32, BF16, F16 or F64");
+      MOELORA_CHECK(dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16 ||
+                        dtype == DType::kF64,
+                    ErrorCode::kUnsupported, file_, ": tensor '", *key, "' has dtype ",
+                    dtype_name(dtype), "; LoRA factors must be F32, BF16, F16 or F64");
     }
   }
 }
@@ -1042,18 +670,19 @@ void AdapterLoader::check_ndim(const Tensor& t, int ndim, const std::string& fac
                 "-D tensor");
 }
 
-void AdapterLoader::check_rank_vs_config(int64_t rank, const std::string& path, const std::string& module,
-                                         const std::string& how) const {
+void AdapterLoader::check_rank_vs_config(int64_t rank, const std::string& path,
+                                         const std::string& module, const std::string& how) const {
   const int64_t expected = config_.rank_for(path);
   if (rank == expected) return;
   const auto key = config_.rank_pattern_key(path);
-  MOELORA_THROW(ErrorCode::kInvalidFile, file_, ": lora_A of '", module, "' has rank ", rank, how, " but ",
-                config_file_, " says r=", expected,
+  MOELORA_THROW(ErrorCode::kInvalidFile, file_, ": lora_A of '", module, "' has rank ", rank, how,
+                " but ", config_file_, " says r=", expected,
                 key ? " (rank_pattern key '" + *key + "')" : std::string(" (field 'r')"));
 }
 
-void AdapterLoader::check_feature(const Tensor& t, int dim, int64_t expected, const std::string& factor,
-                                  const std::string& module, const char* feature) const {
+void AdapterLoader::check_feature(const Tensor& t, int dim, int64_t expected,
+                                  const std::string& factor, const std::string& module,
+                                  const char* feature) const {
   if (t.dim(dim) == expected) return;
   Shape want = t.shape();
   want[static_cast<size_t>(dim < 0 ? t.ndim() + dim : dim)] = expected;
@@ -1086,7 +715,8 @@ LoraWeights AdapterLoader::load_plain(const ModuleEntry& entry) {
   return assemble({part}, 1, entry.ref.out, entry.ref.in);
 }
 
-std::vector<Part> AdapterLoader::per_expert_parts(int64_t layer, LayerExperts& experts, bool gate_up) {
+std::vector<Part> AdapterLoader::per_expert_parts(int64_t layer, LayerExperts& experts,
+                                                  bool gate_up) {
   const int64_t E = base_.num_experts, I = base_.moe_intermediate_size, H = base_.hidden_size;
   std::vector<Part> parts;
   for (ExpertProj proj : gate_up ? std::vector<ExpertProj>{ExpertProj::kGate, ExpertProj::kUp}
@@ -1105,16 +735,17 @@ std::vector<Part> AdapterLoader::per_expert_parts(int64_t layer, LayerExperts& e
     part.b.resize(static_cast<size_t>(E));
     part.scaling.resize(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) {
-      const std::string path = experts.layer_prefix + "mlp.experts." + std::to_string(e) + "." + proj_name;
+      const std::string path =
+          experts.layer_prefix + "mlp.experts." + std::to_string(e) + "." + proj_name;
       part.scaling[static_cast<size_t>(e)] = config_.scaling_for(path);
       const ModuleEntry* entry = entries[static_cast<size_t>(e)];
       if (entry == nullptr) {
         // Absent experts are fine only where the config does not target them (the adapter then
         // declares them unadapted); otherwise the file is incomplete.
         MOELORA_CHECK(!config_.targets_module(path), ErrorCode::kInvalidFile, file_,
-                      ": per-expert LoRA of layer ", layer, " has mlp.experts.{e}.", proj_name, " for ",
-                      present, " of ", E, " experts; missing: '", path, "' (its lora_A and lora_B), which ",
-                      config_file_, " targets");
+                      ": per-expert LoRA of layer ", layer, " has mlp.experts.{e}.", proj_name,
+                      " for ", present, " of ", E, " experts; missing: '", path,
+                      "' (its lora_A and lora_B), which ", config_file_, " targets");
         continue;
       }
       check_targeted(*entry);
@@ -1122,9 +753,9 @@ std::vector<Part> AdapterLoader::per_expert_parts(int64_t layer, LayerExperts& e
       check_ndim(a, 2, "lora_A", path, "per-expert");
       check_ndim(b, 2, "lora_B", path, "per-expert");
       const int64_t rank = a.dim(0);
-      MOELORA_CHECK(b.dim(1) == rank, ErrorCode::kInvalidFile, file_, ": lora_B of '", path, "' has shape ",
-                    shape_str(b.shape()), " but lora_A has rank ", rank, " (shape ", shape_str(a.shape()),
-                    ")");
+      MOELORA_CHECK(b.dim(1) == rank, ErrorCode::kInvalidFile, file_, ": lora_B of '", path,
+                    "' has shape ", shape_str(b.shape()), " but lora_A has rank ", rank, " (shape ",
+                    shape_str(a.shape()), ")");
       check_rank_vs_config(rank, path, path, "");
       check_feature(a, 1, in, "lora_A", path, "in_features");
       check_feature(b, 0, out, "lora_B", path, "out_features");
@@ -1150,30 +781,34 @@ std::vector<Part> AdapterLoader::peft3d_parts(int64_t layer, LayerExperts& exper
     // lora_A [E*R, H] / lora_B [2I, E*R], down_proj [E, H, I] takes [E*R, I] / [H, E*R].
     const bool is_gate_up = a.dim(1) == H && b.dim(0) == 2 * I;
     const bool is_down = a.dim(1) == I && b.dim(0) == H;
-    MOELORA_CHECK(is_gate_up || is_down, ErrorCode::kUnsupported, file_, ": 3-D expert LoRA '", entry->module,
-                  "' (lora_A ", shape_str(a.shape()), ", lora_B ", shape_str(b.shape()),
-                  ") fits neither gate_up_proj (lora_A [E*R, ", H, "], lora_B [", 2 * I,
-                  ", E*R]) nor down_proj (lora_A [E*R, ", I, "], lora_B [", H, ", E*R]) of the base model ",
-                  describe_base(base_), " (the adapter was made for another model)");
+    MOELORA_CHECK(is_gate_up || is_down, ErrorCode::kUnsupported, file_, ": 3-D expert LoRA '",
+                  entry->module, "' (lora_A ", shape_str(a.shape()), ", lora_B ",
+                  shape_str(b.shape()), ") fits neither gate_up_proj (lora_A [E*R, ", H,
+                  "], lora_B [", 2 * I, ", E*R]) nor down_proj (lora_A [E*R, ", I, "], lora_B [", H,
+                  ", E*R]) of the base model ", describe_base(base_),
+                  " (the adapter was made for another model)");
     if (is_gate_up != gate_up) continue;
     const char* param = gate_up ? "gate_up_proj" : "down_proj";
-    MOELORA_CHECK(found == nullptr, ErrorCode::kInvalidFile, file_, ": '", found ? found->key_a : "",
-                  "' and '", entry->key_a, "' are both LoRAs of mlp.experts.", param, " of layer ", layer);
+    MOELORA_CHECK(found == nullptr, ErrorCode::kInvalidFile, file_, ": '",
+                  found ? found->key_a : "", "' and '", entry->key_a,
+                  "' are both LoRAs of mlp.experts.", param, " of layer ", layer);
     found = entry;
     const std::string param_path = experts.layer_prefix + "mlp.experts." + param;
     MOELORA_CHECK(config_.target_parameters.empty() || config_.targets_parameter(param_path),
-                  ErrorCode::kInvalidFile, file_, ": tensor '", entry->key_a, "' adapts '", param_path,
-                  "', which ", config_file_, " does not target (see target_parameters)");
+                  ErrorCode::kInvalidFile, file_, ": tensor '", entry->key_a, "' adapts '",
+                  param_path, "', which ", config_file_,
+                  " does not target (see target_parameters)");
     const int64_t rows = a.dim(0);
-    MOELORA_CHECK(rows % E == 0 && rows > 0, ErrorCode::kUnsupported, file_, ": lora_A of '", param_path,
-                  "' has ", rows, " rows, not a positive multiple of the base model's ", E,
-                  " experts (E*R rows expected; the adapter was made for another model)");
+    MOELORA_CHECK(rows % E == 0 && rows > 0, ErrorCode::kUnsupported, file_, ": lora_A of '",
+                  param_path, "' has ", rows, " rows, not a positive multiple of the base model's ",
+                  E, " experts (E*R rows expected; the adapter was made for another model)");
     MOELORA_CHECK(b.dim(1) == rows, ErrorCode::kInvalidFile, file_, ": lora_B of '", param_path,
                   "' has shape ", shape_str(b.shape()), " but lora_A has ", rows, " rows (shape ",
                   shape_str(a.shape()), "): both must hold E*R = ", rows, " rank components");
     const int64_t rank = rows / E;
-    check_rank_vs_config(rank, param_path, param_path,
-                         " (" + std::to_string(rows) + " rows / " + std::to_string(E) + " experts)");
+    check_rank_vs_config(
+        rank, param_path, param_path,
+        " (" + std::to_string(rows) + " rows / " + std::to_string(E) + " experts)");
 
     Part part;
     part.label = param;
@@ -1197,7 +832,8 @@ std::vector<Part> AdapterLoader::stacked_parts(int64_t layer, LayerExperts& expe
   const auto& stacked = experts.stacked;
   if (gate_up && stacked[3] != nullptr && (stacked[0] != nullptr || stacked[1] != nullptr)) {
     MOELORA_THROW(ErrorCode::kInvalidFile, file_, ": layer ", layer, " has both a fused '",
-                  stacked[3]->module, "' LoRA and separate ", stacked[0] ? "gate_proj" : "up_proj", " LoRAs");
+                  stacked[3]->module, "' LoRA and separate ", stacked[0] ? "gate_proj" : "up_proj",
+                  " LoRAs");
   }
   std::vector<Part> parts;
   for (ExpertProj proj :
@@ -1210,14 +846,16 @@ std::vector<Part> AdapterLoader::stacked_parts(int64_t layer, LayerExperts& expe
         experts.layer_prefix +
         (proj == ExpertProj::kDown ? "mlp.experts.down_proj" : "mlp.experts.gate_up_proj");
     MOELORA_CHECK(config_.targets_module(path) || config_.targets_parameter(param_path),
-                  ErrorCode::kInvalidFile, file_, ": tensor '", entry->key_a, "' adapts '", path, "', which ",
-                  config_file_, " does not target (see target_modules and target_parameters)");
+                  ErrorCode::kInvalidFile, file_, ": tensor '", entry->key_a, "' adapts '", path,
+                  "', which ", config_file_,
+                  " does not target (see target_modules and target_parameters)");
     const Tensor a = store_.tensor(entry->key_a), b = store_.tensor(entry->key_b);
     check_ndim(a, 3, "lora_A", path, "stacked 3-D");
     check_ndim(b, 3, "lora_B", path, "stacked 3-D");
     for (const Tensor* t : {&a, &b}) {
       MOELORA_CHECK(t->dim(0) == 1 || t->dim(0) == E, ErrorCode::kUnsupported, file_, ": ",
-                    t == &a ? "lora_A" : "lora_B", " of '", path, "' has shape ", shape_str(t->shape()),
+                    t == &a ? "lora_A" : "lora_B", " of '", path, "' has shape ",
+                    shape_str(t->shape()),
                     ": its leading (expert) dimension must be 1 "
                     "(shared by all experts) or the base model's ",
                     E,
@@ -1225,8 +863,9 @@ std::vector<Part> AdapterLoader::stacked_parts(int64_t layer, LayerExperts& expe
                     "model)");
     }
     const int64_t rank = a.dim(1);
-    MOELORA_CHECK(b.dim(2) == rank, ErrorCode::kInvalidFile, file_, ": lora_B of '", path, "' has shape ",
-                  shape_str(b.shape()), " but lora_A has rank ", rank, " (shape ", shape_str(a.shape()), ")");
+    MOELORA_CHECK(b.dim(2) == rank, ErrorCode::kInvalidFile, file_, ": lora_B of '", path,
+                  "' has shape ", shape_str(b.shape()), " but lora_A has rank ", rank, " (shape ",
+                  shape_str(a.shape()), ")");
     check_rank_vs_config(rank, path, path, "");
     const ModuleRef& ref = entry->ref;
     check_feature(a, 2, ref.in, "lora_A", path, "in_features");
@@ -1279,16 +918,17 @@ void AdapterLoader::load_experts(int64_t layer, LayerExperts& experts, LayerLora
       }
       detail += ": separate gate and up LoRAs are stacked into one A)";
     }
-    check_max_rank(w, layer, gate_up ? "mlp.experts.gate_up_proj" : "mlp.experts.down_proj", detail);
+    check_max_rank(w, layer, gate_up ? "mlp.experts.gate_up_proj" : "mlp.experts.down_proj",
+                   detail);
     (gate_up ? out.experts_gate_up : out.experts_down) = std::move(w);
   }
 }
 
 LoraAdapter AdapterLoader::load() {
   std::error_code ec;
-  MOELORA_CHECK(
-      fs::is_directory(dir_, ec), ErrorCode::kNotFound, dir_.string(),
-      ": adapter directory not found (expected adapter_config.json and adapter_model.safetensors in it)");
+  MOELORA_CHECK(fs::is_directory(dir_, ec), ErrorCode::kNotFound, dir_.string(),
+                ": adapter directory not found (expected adapter_config.json and "
+                "adapter_model.safetensors in it)");
   const fs::path config_path = dir_ / "adapter_config.json";
   config_file_ = config_path.string();
   config_ = parse_adapter_config(config_path);
@@ -1296,10 +936,10 @@ LoraAdapter AdapterLoader::load() {
   if (!fs::exists(dir_ / "adapter_model.safetensors", ec) &&
       !fs::exists(dir_ / "adapter_model.safetensors.index.json", ec) &&
       fs::exists(dir_ / "adapter_model.bin", ec)) {
-    MOELORA_THROW(
-        ErrorCode::kUnsupported, (dir_ / "adapter_model.bin").string(),
-        ": pickle .bin adapters are not supported; convert to safetensors (e.g. load the adapter with "
-        "PEFT and save it again with safe_serialization=True)");
+    MOELORA_THROW(ErrorCode::kUnsupported, (dir_ / "adapter_model.bin").string(),
+                  ": pickle .bin adapters are not supported; convert to safetensors (e.g. load the "
+                  "adapter with "
+                  "PEFT and save it again with safe_serialization=True)");
   }
   store_ = SafetensorsStore::open_dir(dir_, "adapter_model");
   file_ = store_.source().string();
@@ -1316,32 +956,35 @@ LoraAdapter AdapterLoader::load() {
     LayerExperts& experts = experts_[layer];
     if (ref.form != ExpertForm::kNone) {
       experts.layer_prefix = ref.layer_prefix;
-      experts.forms.insert(ref.form == ExpertForm::kPeft3dInner ? ExpertForm::kPeft3dOuter : ref.form);
+      experts.forms.insert(ref.form == ExpertForm::kPeft3dInner ? ExpertForm::kPeft3dOuter
+                                                                : ref.form);
     }
     switch (ref.form) {
       case ExpertForm::kNone: {
         const ModuleEntry*& slot = plain_[layer][static_cast<size_t>(ref.plain)];
         // Two spellings of the decoder prefix can name the same module.
-        MOELORA_CHECK(slot == nullptr, ErrorCode::kInvalidFile, file_, ": '", slot ? slot->key_a : "",
-                      "' and '", entry.key_a, "' adapt the same module of layer ", ref.layer);
+        MOELORA_CHECK(slot == nullptr, ErrorCode::kInvalidFile, file_, ": '",
+                      slot ? slot->key_a : "", "' and '", entry.key_a,
+                      "' adapt the same module of layer ", ref.layer);
         slot = &entry;
         break;
       }
       case ExpertForm::kPerExpert: {
         auto& list = experts.per_expert[static_cast<size_t>(ref.proj)];
         if (list.empty()) list.assign(static_cast<size_t>(base_.num_experts), nullptr);
-        MOELORA_CHECK(list[static_cast<size_t>(ref.expert)] == nullptr, ErrorCode::kInvalidFile, file_,
-                      ": two tensors adapt expert ", ref.expert, " ",
-                      kExpertProjNames[static_cast<size_t>(ref.proj)], " of layer ", ref.layer, " ('",
-                      entry.key_a, "')");
+        MOELORA_CHECK(list[static_cast<size_t>(ref.expert)] == nullptr, ErrorCode::kInvalidFile,
+                      file_, ": two tensors adapt expert ", ref.expert, " ",
+                      kExpertProjNames[static_cast<size_t>(ref.proj)], " of layer ", ref.layer,
+                      " ('", entry.key_a, "')");
         list[static_cast<size_t>(ref.expert)] = &entry;
         break;
       }
       case ExpertForm::kStacked: {
         const ModuleEntry*& slot = experts.stacked[static_cast<size_t>(ref.proj)];
-        MOELORA_CHECK(slot == nullptr, ErrorCode::kInvalidFile, file_, ": two tensors adapt mlp.experts.",
-                      kExpertProjNames[static_cast<size_t>(ref.proj)], " of layer ", ref.layer, " ('",
-                      entry.key_a, "')");
+        MOELORA_CHECK(slot == nullptr, ErrorCode::kInvalidFile, file_,
+                      ": two tensors adapt mlp.experts.",
+                      kExpertProjNames[static_cast<size_t>(ref.proj)], " of layer ", ref.layer,
+                      " ('", entry.key_a, "')");
         slot = &entry;
         break;
       }
@@ -1350,7 +993,8 @@ LoraAdapter AdapterLoader::load() {
         const ModuleEntry*& slot =
             ref.form == ExpertForm::kPeft3dOuter ? experts.peft3d_outer : experts.peft3d_inner;
         MOELORA_CHECK(slot == nullptr, ErrorCode::kInvalidFile, file_,
-                      ": two tensors adapt mlp.experts of layer ", ref.layer, " ('", entry.key_a, "')");
+                      ": two tensors adapt mlp.experts of layer ", ref.layer, " ('", entry.key_a,
+                      "')");
         slot = &entry;
         break;
       }
@@ -1366,7 +1010,8 @@ LoraAdapter AdapterLoader::load() {
   bool shared_outer = false;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     LayerLora& out = adapter.layers[static_cast<size_t>(layer)];
-    out.shared_expert_module = base_.arch == Architecture::kDeepseekV3 ? "shared_experts" : "shared_expert";
+    out.shared_expert_module =
+        base_.arch == Architecture::kDeepseekV3 ? "shared_experts" : "shared_expert";
     for (size_t p = 0; p < kNumPlain; ++p) {
       const ModuleEntry* entry = plain_[static_cast<size_t>(layer)][p];
       if (entry == nullptr) continue;
@@ -1381,19 +1026,22 @@ LoraAdapter AdapterLoader::load() {
     if (!first_form) {
       first_form = {form, layer};
     } else if (first_form->first != form) {
-      MOELORA_THROW(ErrorCode::kInvalidFile, file_, ": routed-expert LoRAs of layer ", first_form->second,
-                    " use the ", form_name(first_form->first), " layout but those of layer ", layer,
-                    " use the ", form_name(form), " layout; one adapter must use one layout");
+      MOELORA_THROW(ErrorCode::kInvalidFile, file_, ": routed-expert LoRAs of layer ",
+                    first_form->second, " use the ", form_name(first_form->first),
+                    " layout but those of layer ", layer, " use the ", form_name(form),
+                    " layout; one adapter must use one layout");
     }
     for (const LoraWeights* w : {&out.experts_gate_up, &out.experts_down}) {
-      if (w->defined() && base_.num_experts > 1 && (w->shared_a() || w->shared_b())) shared_outer = true;
+      if (w->defined() && base_.num_experts > 1 && (w->shared_a() || w->shared_b()))
+        shared_outer = true;
     }
   }
   if (first_form) {
     switch (first_form->first) {
       case ExpertForm::kPerExpert: adapter.expert_layout = ExpertLoraLayout::kPerExpert; break;
       case ExpertForm::kStacked:
-        adapter.expert_layout = shared_outer ? ExpertLoraLayout::kSharedOuter : ExpertLoraLayout::kStacked;
+        adapter.expert_layout =
+            shared_outer ? ExpertLoraLayout::kSharedOuter : ExpertLoraLayout::kStacked;
         break;
       default: adapter.expert_layout = ExpertLoraLayout::kPeft3d; break;
     }
@@ -1406,6 +1054,8 @@ LoraAdapter AdapterLoader::load() {
     std::vector<int64_t> layers;
   };
   std::vector<Group> groups;
+  MOELORA_ASSERT(LayerLora().named().size() == kNumPlain + 2,
+                 "LayerLora::named() lists the plain targets, then the two expert targets");
   for (size_t t = 0; t < kNumPlain + 2; ++t) {
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       const auto named = adapter.layers[static_cast<size_t>(layer)].named();
@@ -1415,14 +1065,16 @@ LoraAdapter AdapterLoader::load() {
       const auto& w = named[t].second;
       if (!w->defined()) continue;
       adapter.max_rank = std::max(adapter.max_rank, w->rank());
-      std::string detail = "rank " + std::to_string(w->rank()) + ", scaling " + format_number(w->scaling);
+      std::string detail =
+          "rank " + std::to_string(w->rank()) + ", scaling " + format_number(w->scaling);
       if (t >= kNumPlain) {
         detail += ", " + std::to_string(base_.num_experts) + " experts";
         if (base_.num_experts > 1 && w->shared_a()) detail += ", A shared by all experts";
         if (base_.num_experts > 1 && w->shared_b()) detail += ", B shared by all experts";
       }
-      auto it = std::find_if(groups.begin(), groups.end(),
-                             [&](const Group& g) { return g.target == target && g.detail == detail; });
+      auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
+        return g.target == target && g.detail == detail;
+      });
       if (it == groups.end()) {
         groups.push_back({target, detail, {}});
         it = std::prev(groups.end());

@@ -11,12 +11,16 @@
 //   per-expert 2-D   ...mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight  [r, in] / [out, r]
 //   PEFT 3-D         ...mlp.experts[.base_layer].lora_A.weight [E*R, in] (row e*R + k),
 //                    lora_B.weight [out, E*R] (column k*E + e), from target_parameters
-//   stacked 3-D      ...mlp.experts.{gate,up,down}_proj.lora_A.weight [E, r, in], lora_B [E, out, r]
+//   stacked 3-D      ...mlp.experts.{gate,up,down}_proj.lora_A.weight [E, r, in], lora_B [E, out,
+//   r]
 //                    (a fused ...mlp.experts.gate_up_proj.lora_A [E, r, H] / lora_B [E, 2I, r] too)
 //   shared-outer     as stacked, with gate/up lora_A [1, r, H] and down lora_B [1, H, r]
 // and plain 2-D LoRA on q/k/v/o, MLA q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa /
-// kv_b_proj / o_proj, dense MLP and shared-expert gate/up/down. Keys may carry the
-// "base_model.model." prefix (PEFT writes it) or not, and end in "lora_A.weight" or "lora_A".
+// kv_b_proj / o_proj, the Gated DeltaNet projections of Qwen3.5's linear-attention layers
+// (linear_attn.in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj, only on layers whose
+// layer_types entry is "linear_attention"), dense MLP and shared-expert gate/up/down. Keys may
+// carry the "base_model.model." prefix (PEFT writes it) or not, and end in "lora_A.weight" or
+// "lora_A".
 // The two PEFT 3-D wrappers are told apart by their shapes (gate_up_proj: [E*R, H] / [2I, E*R];
 // down_proj: [E*R, I] / [H, E*R]), so the nesting order does not matter.
 //
@@ -52,10 +56,12 @@
 //                 a tensor of a module the config does not target; missing experts.
 //   kUnsupported  DoRA, modules_to_save, lora bias / bias != "none", fan_in_fan_out, activated
 //                 LoRA, layer_replication, trainable_token_indices, QA-LoRA; unsupported targets
-//                 (embed_tokens, lm_head, the router mlp.gate, shared_expert_gate, Gated DeltaNet
-//                 linear_attn); an adapter made for another architecture (a module the base model
-//                 does not have, a layer or expert index beyond the base model's, in/out features
-//                 that differ from the base model's); a rank above AdapterLoadOptions::max_rank;
+//                 (embed_tokens, lm_head, the router mlp.gate, shared_expert_gate, the Gated
+//                 DeltaNet's linear_attn.conv1d / A_log / dt_bias / norm); an adapter made for
+//                 another architecture (a module the base model does not have, e.g. linear_attn
+//                 on a full-attention layer or self_attn on a linear-attention one, a layer or
+//                 expert index beyond the base model's, in/out features that differ from the base
+//                 model's); a rank above AdapterLoadOptions::max_rank;
 //                 pickle adapter_model.bin files; factor dtypes other than F32/BF16/F16/F64.
 //   kNotFound     a missing adapter_config.json or adapter_model.safetensors.
 #pragma once
@@ -85,14 +91,15 @@ struct AdapterConfig {
   // (target_modules null) means "everything" unless target_parameters is set.
   std::vector<std::string> target_modules;
   std::optional<std::string> target_modules_regex;
-  bool target_all_linear = false;  // target_modules == "all-linear" (any case): every linear but lm_head
+  bool target_all_linear =
+      false;  // target_modules == "all-linear" (any case): every linear but lm_head
   std::vector<std::string> target_parameters;
   std::vector<std::string> exclude_modules;
   std::optional<std::string> exclude_modules_regex;
   std::vector<std::pair<std::string, int64_t>> rank_pattern;  // dict order kept
   std::vector<std::pair<std::string, double>> alpha_pattern;
   std::vector<int64_t> layers_to_transform;  // empty = all
-  std::vector<std::string> layers_pattern;   // regexes naming the layer list ("layers"); empty = any
+  std::vector<std::string> layers_pattern;  // regexes naming the layer list ("layers"); empty = any
   std::string base_model_name_or_path;
   std::string bias = "none";
   std::vector<std::string> modules_to_save;
@@ -131,6 +138,8 @@ struct LayerLora {
   // attention
   LoraWeights q_proj, k_proj, v_proj, o_proj;
   LoraWeights q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj;
+  // Gated DeltaNet (Qwen3.5 linear-attention layers; module "linear_attn.<name>")
+  LoraWeights in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
   // dense MLP (dense layers) and shared expert
   LoraWeights mlp_gate, mlp_up, mlp_down;
   LoraWeights shared_gate, shared_up, shared_down;
@@ -138,10 +147,10 @@ struct LayerLora {
   LoraWeights experts_gate_up, experts_down;
 
   // Every target of the layer with its name as a module path below the decoder layer
-  // ("self_attn.q_proj", "mlp.gate_proj", "mlp.shared_expert.up_proj", "mlp.experts.gate_up_proj",
-  // ...), adapted or not, in the order above. The shared expert is named after the base model's
-  // module ("shared_expert" for Qwen, "shared_experts" for DeepSeek) by load_adapter; a
-  // default-constructed LayerLora says "shared_expert".
+  // ("self_attn.q_proj", "linear_attn.in_proj_qkv", "mlp.gate_proj", "mlp.shared_expert.up_proj",
+  // "mlp.experts.gate_up_proj", ...), adapted or not, in the order above. The shared expert is
+  // named after the base model's module ("shared_expert" for Qwen, "shared_experts" for DeepSeek)
+  // by load_adapter; a default-constructed LayerLora says "shared_expert".
   std::vector<std::pair<std::string, const LoraWeights*>> named() const;
   std::string shared_expert_module = "shared_expert";
   bool any() const;  // at least one target adapted
@@ -163,7 +172,7 @@ struct AdapterLoadOptions {
 };
 
 // Loads dir/adapter_config.json + dir/adapter_model.safetensors against the base model's config.
-LoraAdapter load_adapter(const std::filesystem::path& dir, const ModelConfig& base, const std::string& name,
-                         const AdapterLoadOptions& options = {});
+LoraAdapter load_adapter(const std::filesystem::path& dir, const ModelConfig& base,
+                         const std::string& name, const AdapterLoadOptions& options = {});
 
 }  // namespace moelora::io

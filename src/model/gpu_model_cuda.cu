@@ -1333,6 +1333,19 @@ void GpuModelImpl::check_adapter(const io::LoraAdapter& adapter) const {
                     " attention): the adapter was made for another architecture");
       check_factors(f, 1, dims.in, dims.out, limits_.max_rank, where + kDenseTargets[t].name);
     }
+    // The GPU model serves no Qwen3.5 (the constructor refuses it), so it has no Gated DeltaNet
+    // layer a linear_attn LoRA could adapt.
+    const std::pair<const char*, const LoraFactors*> linear_attn[] = {
+        {"linear_attn.in_proj_qkv", &lora.in_proj_qkv},
+        {"linear_attn.in_proj_z", &lora.in_proj_z},
+        {"linear_attn.in_proj_b", &lora.in_proj_b},
+        {"linear_attn.in_proj_a", &lora.in_proj_a},
+        {"linear_attn.out_proj", &lora.out_proj}};
+    for (const auto& [name, f] : linear_attn) {
+      const std::string why = ": the GPU model has no Gated DeltaNet (linear attention) layers";
+      MOELORA_CHECK(!f->defined(), ErrorCode::kUnsupported, label, " adapts ", name, " of layer ",
+                    l, why, ", so LoRA on them is not supported there");
+    }
     const std::pair<const char*, const LoraFactors*> shared[] = {
         {"shared_expert.gate_proj", &lora.shared_gate},
         {"shared_expert.up_proj", &lora.shared_up},

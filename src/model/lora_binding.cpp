@@ -24,6 +24,11 @@ constexpr TargetSpec kPlainTargets[] = {
     {"q_b_proj", &io::LayerLora::q_b_proj},
     {"kv_a_proj_with_mqa", &io::LayerLora::kv_a_proj_with_mqa},
     {"kv_b_proj", &io::LayerLora::kv_b_proj},
+    {"linear_attn.in_proj_qkv", &io::LayerLora::in_proj_qkv},
+    {"linear_attn.in_proj_z", &io::LayerLora::in_proj_z},
+    {"linear_attn.in_proj_b", &io::LayerLora::in_proj_b},
+    {"linear_attn.in_proj_a", &io::LayerLora::in_proj_a},
+    {"linear_attn.out_proj", &io::LayerLora::out_proj},
     {"mlp.gate_proj", &io::LayerLora::mlp_gate},
     {"mlp.up_proj", &io::LayerLora::mlp_up},
     {"mlp.down_proj", &io::LayerLora::mlp_down},
@@ -32,9 +37,32 @@ constexpr TargetSpec kPlainTargets[] = {
     {"shared_expert.down_proj", &io::LayerLora::shared_down},
 };
 
+bool is_linear_attention_target(LoraTargetMember member) {
+  return member == &io::LayerLora::in_proj_qkv || member == &io::LayerLora::in_proj_z ||
+         member == &io::LayerLora::in_proj_b || member == &io::LayerLora::in_proj_a ||
+         member == &io::LayerLora::out_proj;
+}
+
+bool is_attention_target(LoraTargetMember member) {
+  return member == &io::LayerLora::q_proj || member == &io::LayerLora::k_proj ||
+         member == &io::LayerLora::v_proj || member == &io::LayerLora::o_proj ||
+         member == &io::LayerLora::q_a_proj || member == &io::LayerLora::q_b_proj ||
+         member == &io::LayerLora::kv_a_proj_with_mqa || member == &io::LayerLora::kv_b_proj;
+}
+
 // The base weight [out, in] that a plain target adapts in `layer`, or an undefined tensor when
-// the layer has no such module. Shared-expert gate/up are the halves of shared_w13.
+// the layer has no such module: self_attn targets exist on full-attention layers only, the Gated
+// DeltaNet's linear_attn targets on linear-attention layers only. Shared-expert gate/up are the
+// halves of shared_w13.
 Tensor base_weight(const LayerWeightsF32& layer, LoraTargetMember member) {
+  if (is_attention_target(member) && layer.is_linear_attention) return Tensor();
+  if (is_linear_attention_target(member) && !layer.is_linear_attention) return Tensor();
+  const LinearAttentionWeightsF32& g = layer.linear_attn;
+  if (member == &io::LayerLora::in_proj_qkv) return g.in_proj_qkv;
+  if (member == &io::LayerLora::in_proj_z) return g.in_proj_z;
+  if (member == &io::LayerLora::in_proj_b) return g.in_proj_b;
+  if (member == &io::LayerLora::in_proj_a) return g.in_proj_a;
+  if (member == &io::LayerLora::out_proj) return g.out_proj;
   const AttentionWeightsF32& a = layer.attention;
   if (member == &io::LayerLora::q_proj) return a.q_proj;
   if (member == &io::LayerLora::k_proj) return a.k_proj;
@@ -54,6 +82,13 @@ Tensor base_weight(const LayerWeightsF32& layer, LoraTargetMember member) {
   if (member == &io::LayerLora::shared_up) return w13.slice0(shared_inter, 2 * shared_inter);
   if (member == &io::LayerLora::shared_down) return layer.moe.shared_w2;
   return Tensor();
+}
+
+// What a layer's token mixer is, for messages.
+std::string attention_kind(const LayerWeightsF32& layer, const io::ModelConfig& config) {
+  if (layer.is_linear_attention) return "Gated DeltaNet linear attention";
+  if (config.use_mla) return "MLA attention";
+  return config.attention_output_gate ? "gated GQA attention" : "GQA attention";
 }
 
 std::string adapter_label(const io::LoraAdapter& adapter) {
@@ -103,8 +138,8 @@ void AdapterSet::validate(const io::LoraAdapter& adapter) const {
       const Tensor base = base_weight(layer, spec.member);
       MOELORA_CHECK(base.defined(), ErrorCode::kUnsupported, label, " adapts ", spec.name,
                     " of layer ", l, ", which this ", arch, " model does not have (",
-                    layer.is_moe ? "MoE" : "dense", " layer, ", config_.use_mla ? "MLA" : "GQA",
-                    " attention): the adapter was made for another architecture");
+                    layer.is_moe ? "MoE" : "dense", " layer, ", attention_kind(layer, config_),
+                    "): the adapter was made for another architecture");
       check_factors(f, 1, base.dim(1), base.dim(0),
                     label + " layer " + std::to_string(l) + " " + spec.name);
     }

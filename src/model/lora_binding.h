@@ -5,7 +5,8 @@
 // only" (no LoRA work at all). A batch may mix slots freely. For every layer and target, the
 // operators want a vector indexed by slot that holds the slot's factors or nullptr when that
 // adapter does not adapt the target:
-//   attention projections  -> ops::lora_add_slots_ref       (target())
+//   attention projections  -> ops::lora_add_slots_ref       (target(); the Gated DeltaNet's
+//                                                            linear_attn projections too)
 //   dense MLP              -> ops::mlp_forward_ref          (dense_mlp())
 //   routed + shared experts -> ops::moe_forward_ref         (moe())
 //
@@ -18,7 +19,8 @@
 //
 // add() checks an adapter against the base model's actual fp32 weights before it gets a slot:
 // same number of layers, every adapted module exists in this architecture (a q_proj LoRA on an
-// MLA model with q_lora_rank, a k_proj LoRA on MLA, a dense-MLP LoRA on a MoE layer, ... are
+// MLA model with q_lora_rank, a k_proj LoRA on MLA, a dense-MLP LoRA on a MoE layer, a
+// linear_attn LoRA on a full-attention layer or a self_attn one on a Gated DeltaNet layer, ... are
 // rejected as "made for another architecture"), and every factor has the shape of that module
 // (A [Ea, R, in], B [Eb, out, R], F32, Ea/Eb = 1, or E for routed experts).
 #pragma once

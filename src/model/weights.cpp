@@ -90,6 +90,26 @@ ModelWeightsF32 convert_weights(const io::ModelWeights& weights, bool show_progr
     linear(src.kv_b_proj, a.kv_b_proj);
     plain(src.q_a_layernorm, a.q_a_layernorm);
     plain(src.kv_a_layernorm, a.kv_a_layernorm);
+    dst.is_linear_attention = src.is_linear_attention;
+    if (src.is_linear_attention) {
+      const io::LinearAttentionWeights& g = src.linear_attn;
+      LinearAttentionWeightsF32& d = dst.linear_attn;
+      linear(g.in_proj_qkv, d.in_proj_qkv);
+      linear(g.in_proj_z, d.in_proj_z);
+      linear(g.in_proj_b, d.in_proj_b);
+      linear(g.in_proj_a, d.in_proj_a);
+      linear(g.out_proj, d.out_proj);
+      plain(g.a_log, d.a_log);
+      plain(g.dt_bias, d.dt_bias);
+      plain(g.norm, d.norm);
+      if (g.conv1d.defined()) {
+        jobs.push_back([&g, &d] {
+          // [conv_dim, 1, K] on disk -> [conv_dim, K]
+          const Tensor c = to_f32(g.conv1d);
+          d.conv1d = c.ndim() == 3 ? c.reshape({c.dim(0), c.dim(2)}) : c;
+        });
+      }
+    }
 
     dst.is_moe = src.is_moe;
     if (!src.is_moe) {
@@ -173,6 +193,15 @@ ModelWeightsF32 convert_weights(const io::ModelWeights& weights, bool show_progr
                             &layer.attention.kv_a_proj_with_mqa,
                             &layer.attention.kv_a_layernorm,
                             &layer.attention.kv_b_proj,
+                            &layer.linear_attn.in_proj_qkv,
+                            &layer.linear_attn.in_proj_z,
+                            &layer.linear_attn.in_proj_b,
+                            &layer.linear_attn.in_proj_a,
+                            &layer.linear_attn.conv1d,
+                            &layer.linear_attn.a_log,
+                            &layer.linear_attn.dt_bias,
+                            &layer.linear_attn.norm,
+                            &layer.linear_attn.out_proj,
                             &layer.mlp_gate,
                             &layer.mlp_up,
                             &layer.mlp_down,

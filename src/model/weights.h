@@ -40,10 +40,27 @@ struct AttentionWeightsF32 {
   Tensor o_proj;  // [H, Hq * Dv] (GQA: Dv = D; MLA: n * dv)
 };
 
+// Gated DeltaNet (Qwen3.5 linear-attention layers), key_dim = nk * dk, value_dim = nv * dv,
+// conv_dim = 2 key_dim + value_dim.
+struct LinearAttentionWeightsF32 {
+  Tensor in_proj_qkv;  // [conv_dim, H], rows [q | k | v]
+  Tensor in_proj_z;    // [value_dim, H]
+  Tensor in_proj_b;    // [nv, H]
+  Tensor in_proj_a;    // [nv, H]
+  Tensor conv1d;       // [conv_dim, K] (depthwise, the checkpoint's [conv_dim, 1, K] squeezed)
+  Tensor a_log;        // [nv]
+  Tensor dt_bias;      // [nv]
+  Tensor norm;         // [dv] (gated RMSNorm, plain weight)
+  Tensor out_proj;     // [H, value_dim]
+  bool defined() const { return in_proj_qkv.defined(); }
+};
+
 struct LayerWeightsF32 {
   Tensor input_layernorm;           // [H]
   Tensor post_attention_layernorm;  // [H]
-  AttentionWeightsF32 attention;
+  AttentionWeightsF32 attention;            // full-attention layers
+  bool is_linear_attention = false;         // Qwen3.5 Gated DeltaNet layer: linear_attn instead
+  LinearAttentionWeightsF32 linear_attn;
   bool is_moe = false;
   // Dense SwiGLU MLP (is_moe == false): gate/up [Id, H], down [H, Id].
   Tensor mlp_gate, mlp_up, mlp_down;
