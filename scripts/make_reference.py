@@ -11,8 +11,8 @@ tests/data/README.md documents every file this script writes.
 Usage:
     python3 scripts/make_reference.py --out tests/data [--only NAME] [--threads N] [--twins-dir D]
 
-NAME is one of: tokenizer, qwen3_moe, deepseek_v3, kimi_like, fp8, nvfp4 (repeatable). The qwen3_moe
-and nvfp4 stages copy the tokenizer written by the tokenizer stage, so run that stage first (a full
+NAME is one of: tokenizer, qwen3_moe, deepseek_v3, kimi_like, qwen3_5_moe, fp8, nvfp4 (repeatable).
+The qwen3_moe, qwen3_5_moe and nvfp4 stages copy the tokenizer written by the tokenizer stage, so run that stage first (a full
 run does). All computation is fp32 on the CPU, also on a GPU host.
 """
 
@@ -33,7 +33,7 @@ import unicodedata
 
 import torch
 
-STAGES = ["tokenizer", "qwen3_moe", "deepseek_v3", "kimi_like", "fp8", "nvfp4"]
+STAGES = ["tokenizer", "qwen3_moe", "deepseek_v3", "kimi_like", "qwen3_5_moe", "fp8", "nvfp4"]
 T0 = time.time()
 
 
@@ -801,9 +801,9 @@ def per_expert_oracle(base, adapter_dir, sd):
 # Reference outputs (FORMATS.md §6.5)
 # ---------------------------------------------------------------------------------------------
 
-def probe_ids(vocab, seed):
+def probe_ids(vocab, seed, length=PROMPT_LEN):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (BATCH, PROMPT_LEN), generator=g)
+    return torch.randint(3, vocab, (BATCH, length), generator=g)
 
 
 def run_checked(model, ids, spec):
@@ -823,16 +823,16 @@ def run_checked(model, ids, spec):
             "router_margins_forward": fwd_margins, "router_margins_greedy": gen_margins}
 
 
-def margins_ok(res):
+def margins_ok(res, margin_min=MARGIN_MIN):
     for key in ("router_margins_forward", "router_margins_greedy"):
         m = res[key]
-        if m and (m["expert"] < MARGIN_MIN or m["group"] < MARGIN_MIN):
+        if m and (m["expert"] < margin_min or m["group"] < margin_min):
             return False
     return res["greedy_margin"] >= GREEDY_MARGIN_MIN
 
 
 def build_references(root, base_dir, spec, vocab, adapters, meta, seed0, extra_checks=True,
-                     extra=None):
+                     extra=None, prompt_len=PROMPT_LEN, margin_min=MARGIN_MIN):
     """Write root/reference.safetensors and root/metadata.json.
 
     adapters: {name: {"oracle": zero-arg callable returning the oracle model (a PeftModel),
@@ -847,12 +847,12 @@ def build_references(root, base_dir, spec, vocab, adapters, meta, seed0, extra_c
     chosen = None
     for attempt in range(INPUT_SEED_TRIES):
         seed = seed0 + attempt
-        ids = probe_ids(vocab, seed)
+        ids = probe_ids(vocab, seed, prompt_len)
         results = {}
         ok = True
         for name, m in models.items():
             results[name] = run_checked(m, ids, spec)
-            if not margins_ok(results[name]):
+            if not margins_ok(results[name], margin_min):
                 ok = False
                 break
         if ok:
@@ -1239,6 +1239,135 @@ def stage_kimi_like(out):
                                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                                            "mscale_all_dim": 1.0})
     return deepseek_stage(out, "kimi_like", cfg, 4501, kimi_like_adapters, legacy_config=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3.5-MoE (FORMATS.md §1.4, §1.5): Gated DeltaNet + gated full attention
+# ---------------------------------------------------------------------------------------------
+
+# Longer than the 64-token chunk of transformers' chunked gated delta rule, so the prefill
+# references cross a chunk boundary.
+QWEN35_PROMPT_LEN = 72
+QWEN35_MARGIN_MIN = 1e-4
+QWEN35_LINEAR = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+
+
+def qwen3_5_moe_config(**over):
+    from transformers import Qwen3_5MoeTextConfig
+    kw = dict(vocab_size=512, hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              initializer_range=0.1,
+              # rotary_dim = 32 * 0.25 = 8; the M-RoPE sections cover its 4 frequencies
+              rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                               "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                               "mrope_interleaved": True},
+              # no pad token: nn.Embedding would zero its row, and a zero embedding makes the
+              # Gated DeltaNet output exactly 0 (its output gate silu(z) = 0), hence exact router
+              # ties in the following layers whenever greedy decoding emits that token
+              bos_token_id=0, eos_token_id=2, pad_token_id=None,
+              attn_implementation="eager", experts_implementation="eager")
+    kw.update(over)
+    return Qwen3_5MoeTextConfig(**kw)
+
+
+def stage_qwen3_5_moe(out):
+    from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM,
+                              Qwen3_5MoeForConditionalGeneration)
+    root = fresh_dir(os.path.join(out, "parity", "qwen3_5_moe"))
+    cfg = qwen3_5_moe_config()
+    # default layer_types (full_attention_interval 4): 3 linear, 1 full, 1 linear
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
+    torch.manual_seed(5001)
+    model = Qwen3_5MoeForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(5002)
+    init_model_(model, gen, router_std=2.0)
+    with torch.no_grad():
+        for n, p_ in model.named_parameters():
+            if n.endswith("norm.weight") and ".linear_attn." not in n:
+                # zero-centred (1 + w) RMSNorms: w around 0, so that a missing "1 +" shows
+                p_.copy_(0.4 * (torch.rand(p_.shape, generator=gen) - 0.5))
+            elif n.endswith("A_log"):
+                # decay exp(g) = exp(-A softplus(a + dt_bias)) mostly in (0.3, 1): the recurrent
+                # state carries over many tokens (transformers' init, A up to 16, forgets at once)
+                p_.copy_(torch.log(0.02 + 0.5 * torch.rand(p_.shape, generator=gen)))
+            elif n.endswith("dt_bias"):
+                p_.copy_(2.0 * torch.rand(p_.shape, generator=gen) - 1.0)
+            p_.copy_(p_.to(torch.bfloat16).to(torch.float32))
+    V, k = cfg.vocab_size, cfg.num_experts_per_tok
+
+    base = save_bf16(model, os.path.join(root, "base"))
+    copy_tokenizer(out, base)
+    check_reload(model, [base], V)
+    keys = st_keys(base)
+    assert any(k_.endswith("linear_attn.in_proj_qkv.weight") for k_ in keys)
+    log(f"  base written ({'fused' if any(k_.endswith('experts.gate_up_proj') for k_ in keys) else 'per-expert'} experts)")
+
+    # The published form: Qwen3_5MoeForConditionalGeneration with the decoder under
+    # model.language_model and a (tiny) vision tower that text-only input never touches.
+    vcfg = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=cfg.hidden_size,
+                num_position_embeddings=16)
+    vlm_cfg = Qwen3_5MoeConfig(text_config=cfg.to_dict(), vision_config=vcfg,
+                               tie_word_embeddings=False)
+    torch.manual_seed(5003)
+    vlm = Qwen3_5MoeForConditionalGeneration(vlm_cfg).eval()
+    with torch.no_grad():
+        vlm.model.language_model.load_state_dict(model.model.state_dict())
+        vlm.lm_head.weight.copy_(model.lm_head.weight)
+        for p_ in vlm.model.visual.parameters():
+            p_.copy_(p_.to(torch.bfloat16).to(torch.float32))
+    base_vlm = save_bf16(vlm, os.path.join(root, "base_vlm"), save_original_format=False)
+    copy_tokenizer(out, base_vlm)
+    ids = probe_ids(V, 998, QWEN35_PROMPT_LEN)
+    with torch.no_grad():
+        want = forward_logits(model, ids)
+        got = vlm(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    d = float((got - want).abs().max())
+    assert d <= MERGE_TOL * max(1.0, float(want.abs().max())), f"VLM text logits differ by {d}"
+    vlm_keys = st_keys(base_vlm)
+    assert any(k_.startswith("model.language_model.layers.") for k_ in vlm_keys)
+    assert any(k_.startswith("model.visual.") for k_ in vlm_keys)
+    assert any(k_.endswith("mlp.experts.gate_up_proj") for k_ in vlm_keys)  # fused, as released
+    log(f"  base_vlm written: text-only logits equal the text model's (max diff {d:.3g})")
+
+    adapters = {}
+    # (1) PEFT-saved: every target PEFT can name in this architecture (gated attention q/k/v/o,
+    # the Gated DeltaNet projections, the shared expert's gate/up/down as plain linears, the
+    # routed experts as 3-D parameters), with rank / alpha patterns on a linear-attention module.
+    d = os.path.join(root, "lora_all")
+    peft_adapter(base, d, seed=5101,
+                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *QWEN35_LINEAR,
+                                 "gate_proj", "up_proj", "down_proj"],
+                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                 rank_pattern={"layers.0.linear_attn.in_proj_qkv": 6},
+                 alpha_pattern={"layers.0.linear_attn.in_proj_qkv": 3})
+    adapters["lora_all"] = {"dir": d, "oracle": lambda d=d: peft_oracle(base, d),
+                            "notes": "saved by PEFT get_peft_model/save_pretrained"}
+    # (2) PEFT-saved, linear attention and the shared expert only, rsLoRA, rank 8.
+    d = os.path.join(root, "lora_linear")
+    peft_adapter(base, d, seed=5102, r=8, alpha=16, use_rslora=True,
+                 target_modules=[*QWEN35_LINEAR, "shared_expert.gate_proj",
+                                 "shared_expert.up_proj", "shared_expert.down_proj"])
+    adapters["lora_linear"] = {"dir": d, "oracle": lambda d=d: peft_oracle(base, d),
+                               "notes": "saved by PEFT get_peft_model/save_pretrained"}
+
+    meta = {"model": "qwen3_5_moe", "config": jsonable(cfg.to_dict()),
+            "layer_types": list(cfg.layer_types), "k": k, "num_experts": cfg.num_experts,
+            "prompt_len": QWEN35_PROMPT_LEN,
+            "router": "softmax(fp32) -> top-k (torch.topk, sorted) -> renormalise (always)",
+            "gated_delta_rule": "forward: torch_chunk_gated_delta_rule (chunk 64); greedy: chunked "
+                                "prefill, then torch_recurrent_gated_delta_rule per token"}
+    # 2 x 88 tokens through 5 MoE layers are ~900 routing decisions per model, too many for every
+    # top-k margin to clear 1e-3; 1e-4 still leaves a hundred times the fp32 differences between
+    # implementations (router probabilities agree to ~1e-6).
+    meta["router_margin_min"] = QWEN35_MARGIN_MIN
+    build_references(root, base, MoeSpec("softmax", k), V, adapters, meta, seed0=5200,
+                     prompt_len=QWEN35_PROMPT_LEN, margin_min=QWEN35_MARGIN_MIN)
+    return {"dir": root}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1699,6 +1828,7 @@ STAGE_FUNCS = {
     "qwen3_moe": stage_qwen3_moe,
     "deepseek_v3": stage_deepseek_v3,
     "kimi_like": stage_kimi_like,
+    "qwen3_5_moe": stage_qwen3_5_moe,
     "fp8": stage_fp8,
     "nvfp4": stage_nvfp4,
 }

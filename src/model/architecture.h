@@ -1,6 +1,9 @@
 // Internal interface between the generic model loop (model.cpp) and the attention blocks of
 // each architecture (qwen3_moe.cpp, deepseek_v3.cpp). Not part of the public model API.
 //
+// Blocks: GQA (qwen3_moe.cpp; with Qwen3.5's output gate), MLA (deepseek_v3.cpp) and Gated
+// DeltaNet linear attention (gated_deltanet.cpp, Qwen3.5).
+//
 // An attention block gets the normalized activations of the whole batch h [T, H] and returns
 // the attention output after o_proj [T, H]. Projections (and their LoRA, per token slot) run over
 // all T tokens at once; the attention core runs per sequence segment against that sequence's
@@ -38,15 +41,28 @@ struct AttentionContext {
 
 // y = x W^T plus, for every token whose slot adapts `target` in this layer, the LoRA delta.
 // x: F32 [T, in]; w: F32 [out, in] -> F32 [T, out].
-Tensor project(const Tensor& x, const Tensor& w, const AttentionContext& ctx, LoraTargetMember target);
+Tensor project(const Tensor& x, const Tensor& w, const AttentionContext& ctx,
+               LoraTargetMember target);
 
-// Qwen3-MoE: GQA with per-head q_norm / k_norm before rotate_half RoPE.
-void check_qwen3_attention(const AttentionWeightsF32& w, const io::ModelConfig& config, int64_t layer);
+// Qwen3-MoE: GQA with per-head q_norm / k_norm before rotate_half RoPE. Qwen3.5 full-attention
+// layers (config.attention_output_gate): q_proj also emits a per-head gate and the attention output
+// is multiplied by sigmoid(gate) before o_proj; RoPE rotates the first rotary_dim dims only.
+void check_qwen3_attention(const AttentionWeightsF32& w, const io::ModelConfig& config,
+                           int64_t layer);
 LayerCache make_qwen3_cache(const io::ModelConfig& config);
 Tensor qwen3_attention(const AttentionWeightsF32& w, const Tensor& h, const AttentionContext& ctx);
 
+// Qwen3.5 Gated DeltaNet ("linear_attention" layers): the projections (and their LoRA) over the
+// whole batch, the conv + gated delta rule + gated norm per sequence against its state.
+void check_linear_attention(const LinearAttentionWeightsF32& w, const io::ModelConfig& config,
+                            int64_t layer);
+LayerCache make_linear_attention_cache(const io::ModelConfig& config);
+Tensor linear_attention(const LinearAttentionWeightsF32& w, const Tensor& h,
+                        const AttentionContext& ctx);
+
 // DeepSeek-V3 / Kimi: MLA (with or without q_lora_rank), interleaved RoPE on the rope dims.
-void check_mla_attention(const AttentionWeightsF32& w, const io::ModelConfig& config, int64_t layer);
+void check_mla_attention(const AttentionWeightsF32& w, const io::ModelConfig& config,
+                         int64_t layer);
 LayerCache make_mla_cache(const io::ModelConfig& config);
 Tensor mla_attention(const AttentionWeightsF32& w, const Tensor& h, const AttentionContext& ctx);
 

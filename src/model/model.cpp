@@ -1,7 +1,8 @@
 // The generic model loop shared by all architectures (see model.h): construction and checks,
 // the batch layout (ids, slots, positions, per-sequence segments), the residual stream, the
 // dense / MoE halves of every layer and the output head. The attention blocks live in
-// qwen3_moe.cpp and deepseek_v3.cpp.
+// qwen3_moe.cpp (GQA, also Qwen3.5's gated attention), deepseek_v3.cpp (MLA) and gated_deltanet.cpp
+// (Qwen3.5 linear attention).
 #include "model/model.h"
 
 #include <algorithm>
@@ -54,7 +55,15 @@ void check_layer(const LayerWeightsF32& layer, const io::ModelConfig& config, in
   };
   require(layer.input_layernorm, {hidden}, "input_layernorm");
   require(layer.post_attention_layernorm, {hidden}, "post_attention_layernorm");
-  if (config.use_mla) {
+  const bool linear = static_cast<size_t>(l) < config.layer_types.size() &&
+                      config.layer_types[l] == "linear_attention";
+  MOELORA_CHECK(linear == layer.is_linear_attention, ErrorCode::kInvalidArgument, where,
+                "the config declares a ", linear ? "linear_attention" : "full-attention",
+                " layer but the weights are those of a ",
+                layer.is_linear_attention ? "linear-attention" : "full-attention", " layer");
+  if (linear) {
+    detail::check_linear_attention(layer.linear_attn, config, l);
+  } else if (config.use_mla) {
     detail::check_mla_attention(layer.attention, config, l);
   } else {
     detail::check_qwen3_attention(layer.attention, config, l);
@@ -86,7 +95,8 @@ void check_layer(const LayerWeightsF32& layer, const io::ModelConfig& config, in
     const int64_t shared_inter = moe.shared_w13.dim(0) / 2;
     check_shape(moe.shared_w2, {hidden, shared_inter}, where + "shared expert down_proj");
   }
-  if (moe.shared_gate.defined()) check_shape(moe.shared_gate, {1, hidden}, where + "shared_expert_gate");
+  if (moe.shared_gate.defined())
+    check_shape(moe.shared_gate, {1, hidden}, where + "shared_expert_gate");
   ops::check_route_params(moe_params(config, layer).route);
 }
 
@@ -111,7 +121,8 @@ ops::RopeParams rope_params(const io::ModelConfig& config) {
 
 namespace detail {
 
-Tensor project(const Tensor& x, const Tensor& w, const AttentionContext& ctx, LoraTargetMember target) {
+Tensor project(const Tensor& x, const Tensor& w, const AttentionContext& ctx,
+               LoraTargetMember target) {
   Tensor y = ops::linear_ref(x, w);
   if (ctx.adapters.any(ctx.layer, target) &&
       std::any_of(ctx.slot.begin(), ctx.slot.end(), [](int32_t s) { return s >= 0; })) {
@@ -133,23 +144,20 @@ Model Model::load(const std::filesystem::path& dir, const ModelOptions& options)
 Model::Model(const io::ModelWeights& weights, const ModelOptions& options)
     : config_(weights.config), dir_(weights.dir), id_(next_model_id++) {
   const std::string source = weights.dir.empty() ? std::string("model") : weights.dir.string();
-  MOELORA_CHECK(config_.arch == io::Architecture::kQwen3Moe || config_.arch == io::Architecture::kDeepseekV3,
-                ErrorCode::kUnsupported, source, ": the CPU model does not implement ",
-                io::architecture_name(config_.arch), " (model_type '", config_.model_type,
-                "'); supported: qwen3_moe, deepseek_v3 / kimi_k2");
-  MOELORA_CHECK(config_.arch != io::Architecture::kDeepseekV3 || config_.use_mla, ErrorCode::kUnsupported,
-                source, ": DeepSeek-V3 models without MLA are not supported");
-  MOELORA_CHECK(!config_.attention_output_gate, ErrorCode::kUnsupported, source,
-                ": gated attention is not implemented by the CPU model");
+  MOELORA_CHECK(config_.arch != io::Architecture::kDeepseekV3 || config_.use_mla,
+                ErrorCode::kUnsupported, source,
+                ": DeepSeek-V3 models without MLA are not supported");
 
-  weights_ = std::make_shared<const ModelWeightsF32>(convert_weights(weights, options.show_progress));
+  weights_ =
+      std::make_shared<const ModelWeightsF32>(convert_weights(weights, options.show_progress));
   const ModelWeightsF32& w = *weights_;
   const int64_t vocab = config_.vocab_size, hidden = config_.hidden_size;
   MOELORA_CHECK(static_cast<int64_t>(w.layers.size()) == config_.num_hidden_layers,
                 ErrorCode::kInvalidArgument, source, ": the checkpoint loaded ", w.layers.size(),
                 " layers but the config has ", config_.num_hidden_layers);
   MOELORA_CHECK(w.embed_tokens.defined() && w.lm_head.defined() && w.final_norm.defined(),
-                ErrorCode::kInvalidArgument, source, ": embed_tokens, lm_head or the final norm is missing");
+                ErrorCode::kInvalidArgument, source,
+                ": embed_tokens, lm_head or the final norm is missing");
   check_shape(w.embed_tokens, {vocab, hidden}, source + " embed_tokens");
   check_shape(w.lm_head, {vocab, hidden}, source + " lm_head");
   check_shape(w.final_norm, {hidden}, source + " norm");
@@ -157,9 +165,9 @@ Model::Model(const io::ModelWeights& weights, const ModelOptions& options)
 
   const ops::RopeParams rope = rope_params(config_);
   rope_ = ops::make_rope_table(rope);
-  attention_scale_ = config_.use_mla
-                         ? static_cast<float>(ops::mla_softmax_scale(config_.qk_head_dim(), rope))
-                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(config_.head_dim)));
+  attention_scale_ =
+      config_.use_mla ? static_cast<float>(ops::mla_softmax_scale(config_.qk_head_dim(), rope))
+                      : static_cast<float>(1.0 / std::sqrt(static_cast<double>(config_.head_dim)));
   adapters_ = AdapterSet(weights_, config_);
 }
 
@@ -168,15 +176,17 @@ int32_t Model::load_adapter(const std::string& name, const std::filesystem::path
 }
 
 Sequence Model::new_sequence(int32_t slot) const {
-  MOELORA_CHECK(slot >= -1 && slot < adapters_.size(), ErrorCode::kOutOfRange, "adapter slot ", slot,
-                " is not loaded; valid: -1 (base) or [0, ", adapters_.size(), ")");
+  MOELORA_CHECK(slot >= -1 && slot < adapters_.size(), ErrorCode::kOutOfRange, "adapter slot ",
+                slot, " is not loaded; valid: -1 (base) or [0, ", adapters_.size(), ")");
   Sequence seq;
   seq.model_id_ = id_;
   seq.slot_ = slot;
   seq.layers_.reserve(static_cast<size_t>(num_layers()));
   for (int64_t l = 0; l < num_layers(); ++l) {
-    seq.layers_.push_back(config_.use_mla ? detail::make_mla_cache(config_)
-                                          : detail::make_qwen3_cache(config_));
+    seq.layers_.push_back(weights_->layers[l].is_linear_attention
+                              ? detail::make_linear_attention_cache(config_)
+                          : config_.use_mla ? detail::make_mla_cache(config_)
+                                            : detail::make_qwen3_cache(config_));
   }
   return seq;
 }
@@ -185,12 +195,14 @@ Sequence Model::new_sequence(const std::string& adapter_name) const {
   return new_sequence(adapter_name.empty() ? -1 : adapters_.slot_of(adapter_name));
 }
 
-Tensor Model::forward(Sequence& sequence, std::span<const int32_t> tokens, const ForwardOptions& options) {
+Tensor Model::forward(Sequence& sequence, std::span<const int32_t> tokens,
+                      const ForwardOptions& options) {
   const SequenceInput input{&sequence, tokens};
   return forward(std::span<const SequenceInput>(&input, 1), options).front();
 }
 
-std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch, const ForwardOptions& options) {
+std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch,
+                                   const ForwardOptions& options) {
   const ModelWeightsF32& w = *weights_;
   const int64_t vocab = config_.vocab_size, hidden = config_.hidden_size;
 
@@ -201,22 +213,24 @@ std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch, const F
   for (size_t i = 0; i < batch.size(); ++i) {
     const Sequence* seq = batch[i].sequence;
     MOELORA_CHECK(seq != nullptr, ErrorCode::kInvalidArgument, "forward: sequence ", i, " is null");
-    MOELORA_CHECK(seq->model_id_ == id_ && static_cast<int64_t>(seq->layers_.size()) == num_layers(),
-                  ErrorCode::kInvalidArgument, "forward: sequence ", i,
-                  " was not made by this model (use Model::new_sequence)");
+    MOELORA_CHECK(
+        seq->model_id_ == id_ && static_cast<int64_t>(seq->layers_.size()) == num_layers(),
+        ErrorCode::kInvalidArgument, "forward: sequence ", i,
+        " was not made by this model (use Model::new_sequence)");
     MOELORA_CHECK(seen.insert(seq).second, ErrorCode::kInvalidArgument, "forward: sequence ", i,
                   " appears twice in the batch");
     MOELORA_CHECK(!batch[i].tokens.empty(), ErrorCode::kInvalidArgument, "forward: sequence ", i,
                   " has no new tokens");
     MOELORA_CHECK(seq->slot_ >= -1 && seq->slot_ < adapters_.size(), ErrorCode::kOutOfRange,
-                  "forward: sequence ", i, " uses adapter slot ", seq->slot_, ", which is not loaded");
+                  "forward: sequence ", i, " uses adapter slot ", seq->slot_,
+                  ", which is not loaded");
     for (size_t t = 0; t < batch[i].tokens.size(); ++t) {
       const int32_t id = batch[i].tokens[t];
-      MOELORA_CHECK(
-          id >= 0 && id<vocab, ErrorCode::kOutOfRange, "token id ", id, " at position ", t, batch.size()> 1
-              ? " of sequence " + std::to_string(i)
-              : std::string(),
-          " is outside the vocabulary [0, ", vocab, ")");
+      MOELORA_CHECK(id >= 0 && id<vocab, ErrorCode::kOutOfRange, "token id ", id, " at position ",
+                                  t, batch.size()> 1
+                        ? " of sequence " + std::to_string(i)
+                        : std::string(),
+                    " is outside the vocabulary [0, ", vocab, ")");
     }
     total += static_cast<int64_t>(batch[i].tokens.size());
   }
@@ -229,7 +243,8 @@ std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch, const F
   slot.reserve(total);
   positions.reserve(total);
   for (const SequenceInput& in : batch) {
-    segments.push_back({static_cast<int64_t>(ids.size()), static_cast<int64_t>(in.tokens.size()), nullptr});
+    segments.push_back(
+        {static_cast<int64_t>(ids.size()), static_cast<int64_t>(in.tokens.size()), nullptr});
     for (size_t t = 0; t < in.tokens.size(); ++t) {
       ids.push_back(in.tokens[t]);
       slot.push_back(in.sequence->slot_);
@@ -250,8 +265,9 @@ std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch, const F
                                          l,       slot,  positions,        segments};
 
       Tensor h = ops::rms_norm_ref(x, layer.input_layernorm, norm);
-      add_inplace(x, config_.use_mla ? detail::mla_attention(layer.attention, h, ctx)
-                                     : detail::qwen3_attention(layer.attention, h, ctx));
+      add_inplace(x, layer.is_linear_attention ? detail::linear_attention(layer.linear_attn, h, ctx)
+                     : config_.use_mla         ? detail::mla_attention(layer.attention, h, ctx)
+                                               : detail::qwen3_attention(layer.attention, h, ctx));
 
       h = ops::rms_norm_ref(x, layer.post_attention_layernorm, norm);
       if (layer.is_moe) {
@@ -261,8 +277,9 @@ std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch, const F
           const auto it = options.forced_routes->find(l);
           if (it != options.forced_routes->end()) forced = it->second;
         }
-        add_inplace(x, ops::moe_forward_ref(h, slot, layer.moe, adapters_.moe(l), moe_params(config_, layer),
-                                            options.trace ? &moe_trace : nullptr, Tensor(), forced));
+        add_inplace(x, ops::moe_forward_ref(
+                           h, slot, layer.moe, adapters_.moe(l), moe_params(config_, layer),
+                           options.trace ? &moe_trace : nullptr, Tensor(), forced));
         if (options.trace) options.trace->routes[l] = moe_trace.route;
       } else {
         add_inplace(x, ops::mlp_forward_ref(h, slot, layer.mlp_gate, layer.mlp_up, layer.mlp_down,
@@ -279,6 +296,7 @@ std::vector<Tensor> Model::forward(std::span<const SequenceInput> batch, const F
   }
   for (const SequenceInput& in : batch) {
     in.sequence->tokens_.insert(in.sequence->tokens_.end(), in.tokens.begin(), in.tokens.end());
+    for (LayerCache& cache : in.sequence->layers_) cache.commit();
   }
 
   // ---- output head ----

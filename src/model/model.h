@@ -1,5 +1,5 @@
-// The CPU reference model: Qwen3-MoE and DeepSeek-V3 / Kimi-K2 built from a loaded checkpoint,
-// fp32 throughout, with any number of LoRA adapters served at once.
+// The CPU reference model: Qwen3-MoE, Qwen3.5-MoE and DeepSeek-V3 / Kimi-K2 built from a loaded
+// checkpoint, fp32 throughout, with any number of LoRA adapters served at once.
 //
 // A Model is made once from io::ModelWeights (every weight dequantized to fp32, weights.h) and is
 // then read-only apart from its AdapterSet. Generation state lives in Sequence objects (one per
@@ -15,11 +15,15 @@
 //   for each layer: x += attention(rms_norm(x, input_layernorm))
 //                   x += ffn(rms_norm(x, post_attention_layernorm))     (dense MLP or MoE)
 //   logits = lm_head(rms_norm(x, norm))
-// attention is GQA with per-head q/k RMSNorm and rotate_half RoPE (Qwen3-MoE, qwen3_moe.cpp) or
-// MLA with interleaved RoPE on the rope dims and YaRN (DeepSeek-V3 / Kimi, deepseek_v3.cpp).
-// ffn is ops::mlp_forward_ref on dense layers (Qwen mlp_only_layers / decoder_sparse_step,
-// DeepSeek first_k_dense_replace) and ops::moe_forward_ref on MoE layers (softmax top-k or
-// noaux_tc router, shared experts, both LoRA seams).
+// attention is GQA with per-head q/k RMSNorm and rotate_half RoPE (Qwen3-MoE, qwen3_moe.cpp;
+// Qwen3.5's full-attention layers add the sigmoid output gate and partial RoPE), MLA with
+// interleaved RoPE on the rope dims and YaRN (DeepSeek-V3 / Kimi, deepseek_v3.cpp), or Gated
+// DeltaNet linear attention (Qwen3.5's "linear_attention" layers, gated_deltanet.cpp), whose
+// per-sequence state (conv + recurrent) lives in the Sequence beside the KV caches of the
+// full-attention layers. Qwen3.5 norms are (1 + w) RMSNorms and its shared expert is sigmoid-gated
+// (ops::moe_forward_ref). ffn is ops::mlp_forward_ref on dense layers (Qwen mlp_only_layers /
+// decoder_sparse_step, DeepSeek first_k_dense_replace) and ops::moe_forward_ref on MoE layers
+// (softmax top-k or noaux_tc router, shared experts, both LoRA seams).
 #pragma once
 
 #include <cstdint>
@@ -76,8 +80,8 @@ class Model {
  public:
   // load_checkpoint(dir) then Model(weights).
   static Model load(const std::filesystem::path& dir, const ModelOptions& options = {});
-  // Converts the weights to fp32. kUnsupported for an architecture this CPU model does not
-  // implement (Qwen3.5 hybrid attention) or a model without routed experts.
+  // Converts the weights to fp32. kUnsupported for a DeepSeek-V3 model without MLA;
+  // kInvalidArgument naming the layer and tensor for weights that do not match the config.
   explicit Model(const io::ModelWeights& weights, const ModelOptions& options = {});
 
   const io::ModelConfig& config() const { return config_; }
@@ -101,9 +105,11 @@ class Model {
   // !options.all_logits). Everything is validated before any cache changes: token ids in
   // [0, vocab) (kOutOfRange naming the sequence, position and id), non-empty inputs, sequences
   // of this model, no sequence twice, slots that are loaded.
-  std::vector<Tensor> forward(std::span<const SequenceInput> batch, const ForwardOptions& options = {});
+  std::vector<Tensor> forward(std::span<const SequenceInput> batch,
+                              const ForwardOptions& options = {});
   // One sequence.
-  Tensor forward(Sequence& sequence, std::span<const int32_t> tokens, const ForwardOptions& options = {});
+  Tensor forward(Sequence& sequence, std::span<const int32_t> tokens,
+                 const ForwardOptions& options = {});
 
  private:
   io::ModelConfig config_;

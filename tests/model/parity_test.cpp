@@ -1,6 +1,7 @@
 // Parity of the CPU model with Hugging Face transformers + PEFT (fp32) on the committed fixtures
 // of tests/data/parity (tests/data/README.md): logits for every prompt position, hidden states,
-// routing, greedy continuations through the KV cache, and a mixed-adapter batch.
+// routing, greedy continuations through the KV cache (and Qwen3.5's linear-attention state), a
+// mixed-adapter batch, and for Qwen3.5 prompts prefilled in chunks.
 //
 // Tolerances (PERF.md and tests/data/README.md §2.4): logits and hidden states within
 // min(1e-3, 1e-4 * max(1, max |ref|)); routing ids equal as sets per token (DeepSeek's slot order
@@ -27,7 +28,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int64_t kPromptTokens = 12;
 constexpr int64_t kGreedyTokens = 16;
 
 fs::path parity_dir(const std::string& name) {
@@ -37,7 +37,8 @@ fs::path parity_dir(const std::string& name) {
 // Largest |ref| of a tensor, for the relative part of the tolerance.
 double max_abs(const Tensor& t) {
   double m = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(static_cast<double>(t.item_f32(i))));
+  for (int64_t i = 0; i < t.numel(); ++i)
+    m = std::max(m, std::fabs(static_cast<double>(t.item_f32(i))));
   return m;
 }
 
@@ -100,13 +101,15 @@ class ParityCase {
       const Tensor want = expected.select0(b);
       ASSERT_EQ(logits.shape(), want.shape());
       worst = std::max(worst, test::max_abs_diff(logits, want));
-      EXPECT_TRUE(test::all_close(logits, want, static_cast<float>(tol), 0.0f)) << label << " row " << b;
+      EXPECT_TRUE(test::all_close(logits, want, static_cast<float>(tol), 0.0f))
+          << label << " row " << b;
     }
     report(label + " logits", worst, tol);
   }
 
-  // Hidden states and routing of the base model, both rows in one batch.
-  void check_hidden_and_routing(const std::string& label) {
+  // Hidden states and routing of the base model, both rows in one batch. Routing weights within
+  // `weight_tol` (absolute; they lie in [0, 1]).
+  void check_hidden_and_routing(const std::string& label, double weight_tol = 1e-5) {
     std::vector<Sequence> seqs;
     std::vector<std::vector<int32_t>> ids;
     for (int64_t b = 0; b < batch(); ++b) {
@@ -148,7 +151,8 @@ class ParityCase {
         // (expert, weight) pairs sorted by expert id on both sides.
         std::vector<std::pair<int32_t, float>> got, want;
         for (int64_t j = 0; j < k; ++j) {
-          got.emplace_back(route.ids.data<int32_t>()[t * k + j], route.weights.data<float>()[t * k + j]);
+          got.emplace_back(route.ids.data<int32_t>()[t * k + j],
+                           route.weights.data<float>()[t * k + j]);
           want.emplace_back(ids_ref.data<int32_t>()[t * k + j], w_ref.data<float>()[t * k + j]);
         }
         std::sort(got.begin(), got.end());
@@ -158,8 +162,8 @@ class ParityCase {
           w_diff = std::max(w_diff, static_cast<double>(std::fabs(got[j].second - want[j].second)));
         }
       }
-      report(label + " route_w." + suffix, w_diff, 1e-5);
-      EXPECT_LE(w_diff, 1e-5) << label << " " << suffix;
+      report(label + " route_w." + suffix, w_diff, weight_tol);
+      EXPECT_LE(w_diff, weight_tol) << label << " " << suffix;
       ++checked;
     }
     EXPECT_GT(checked, 0) << "the model has no MoE layer";
@@ -169,7 +173,8 @@ class ParityCase {
   void check_greedy(const std::string& adapter, const std::string& label) {
     for (int64_t b = 0; b < batch(); ++b) {
       const std::vector<int32_t> expected = ref_.row("greedy." + adapter, b);
-      ASSERT_EQ(static_cast<int64_t>(expected.size()), kPromptTokens + kGreedyTokens);
+      const int64_t prompt_tokens = static_cast<int64_t>(prompt(b).size());
+      ASSERT_EQ(static_cast<int64_t>(expected.size()), prompt_tokens + kGreedyTokens);
       Sequence seq = model_->new_sequence(slot(adapter));
       std::vector<int32_t> generated;
       ForwardOptions last_only;
@@ -181,7 +186,7 @@ class ParityCase {
         if (i + 1 < kGreedyTokens)
           logits = model_->forward(seq, std::span<const int32_t>(&token, 1), last_only);
       }
-      const std::vector<int32_t> want(expected.begin() + kPromptTokens, expected.end());
+      const std::vector<int32_t> want(expected.begin() + prompt_tokens, expected.end());
       EXPECT_EQ(generated, want) << label << " greedy row " << b;
     }
     std::printf("[parity] %-48s greedy %lld x %lld tokens checked\n", (label).c_str(),
@@ -215,7 +220,8 @@ class ParityCase {
       const Tensor expected = ref_.f32("logits." + items[i].adapter).select0(items[i].row);
       tol_ref = std::min(tol_ref, tolerance_for(expected));
       vs_ref = std::max(vs_ref, test::max_abs_diff(batched[i], expected));
-      EXPECT_TRUE(test::all_close(batched[i], expected, static_cast<float>(tolerance_for(expected)), 0.0f))
+      EXPECT_TRUE(
+          test::all_close(batched[i], expected, static_cast<float>(tolerance_for(expected)), 0.0f))
           << label << " sequence " << i;
     }
     report(label + " mixed batch vs single runs", vs_single, 1e-5);
@@ -231,7 +237,8 @@ class ParityCase {
     std::vector<int32_t> next(items.size());
     for (size_t i = 0; i < items.size(); ++i) {
       const Tensor& l = batched[i];
-      next[i] = argmax(std::span<const float>(l.data<float>() + (l.dim(0) - 1) * l.dim(1), l.dim(1)));
+      next[i] =
+          argmax(std::span<const float>(l.data<float>() + (l.dim(0) - 1) * l.dim(1), l.dim(1)));
     }
     for (int step = 0; step < 4; ++step) {
       std::vector<SequenceInput> step_inputs;
@@ -246,6 +253,34 @@ class ParityCase {
     }
     report(label + " mixed batch decode vs single", decode_diff, 1e-5);
     EXPECT_LE(decode_diff, 1e-5);
+  }
+
+  // The prompt fed in chunks of the given sizes (cycled) into one sequence: every chunk's logits
+  // equal the reference rows of those positions, i.e. the caches (KV and linear-attention state)
+  // carry everything a one-call prefill sees.
+  void check_chunked_prefill(const std::string& adapter, const std::vector<int64_t>& chunks,
+                             const std::string& label) {
+    const Tensor expected = ref_.f32("logits." + adapter);  // [B, T, V]
+    const double tol = tolerance_for(expected);
+    double worst = 0;
+    for (int64_t b = 0; b < batch(); ++b) {
+      Sequence seq = model_->new_sequence(slot(adapter));
+      const std::vector<int32_t> ids = prompt(b);
+      const int64_t total = static_cast<int64_t>(ids.size());
+      size_t next_chunk = 0;
+      for (int64_t begin = 0; begin < total;) {
+        const int64_t end = std::min(total, begin + chunks[next_chunk++ % chunks.size()]);
+        const Tensor logits = model_->forward(
+            seq, std::span<const int32_t>(ids.data() + begin, static_cast<size_t>(end - begin)));
+        const Tensor want = expected.select0(b).slice0(begin, end);
+        worst = std::max(worst, test::max_abs_diff(logits, want));
+        EXPECT_TRUE(test::all_close(logits, want, static_cast<float>(tol), 0.0f))
+            << label << " row " << b << " positions [" << begin << ", " << end << ")";
+        begin = end;
+      }
+      EXPECT_EQ(seq.length(), total);
+    }
+    report(label + " chunked prefill logits", worst, tol);
   }
 
   // The model's fp32 copy of a quantized weight equals the fixture's exact dequantization.
@@ -268,8 +303,10 @@ Tensor expert_rows(const Tensor& stacked, int64_t e, int64_t begin, int64_t end)
   return stacked.select0(e).slice0(begin, end).clone();
 }
 
-const std::vector<std::string> kQwenAdapters = {"lora_peft3d", "lora_per_expert", "lora_shared_outer"};
-const std::vector<std::string> kDeepseekAdapters = {"lora_peft3d", "lora_dense_shared", "lora_per_expert"};
+const std::vector<std::string> kQwenAdapters = {"lora_peft3d", "lora_per_expert",
+                                                "lora_shared_outer"};
+const std::vector<std::string> kDeepseekAdapters = {"lora_peft3d", "lora_dense_shared",
+                                                    "lora_per_expert"};
 
 // ---------------------------------------------------------------- Qwen3-MoE
 
@@ -283,7 +320,8 @@ TEST_P(Qwen3MoeCheckpoint, BaseLogitsHiddenRoutingGreedy) {
   c.check_greedy("base", label);
 }
 
-INSTANTIATE_TEST_SUITE_P(Parity, Qwen3MoeCheckpoint, ::testing::Values("base", "base_fused", "base_sharded"));
+INSTANTIATE_TEST_SUITE_P(Parity, Qwen3MoeCheckpoint,
+                         ::testing::Values("base", "base_fused", "base_sharded"));
 
 TEST(Qwen3MoeParity, Adapters) {
   ParityCase c("qwen3_moe", "base", kQwenAdapters);
@@ -298,6 +336,102 @@ TEST(Qwen3MoeParity, MixedAdapterBatch) {
   ParityCase c("qwen3_moe", "base", kQwenAdapters);
   c.check_mixed_batch("lora_peft3d", "lora_per_expert", "qwen3_moe peft3d+per_expert+base");
   c.check_mixed_batch("lora_shared_outer", "lora_peft3d", "qwen3_moe shared_outer+peft3d+base");
+}
+
+// ---------------------------------------------------------------- Qwen3.5-MoE
+// 5 layers: Gated DeltaNet x 3, gated full attention, Gated DeltaNet; 72-token prompts (past the
+// 64-token chunk of transformers' chunked delta rule); greedy decoding through the
+// linear-attention state (transformers' recurrent step) and the KV cache.
+
+const std::vector<std::string> kQwen35Adapters = {"lora_all", "lora_linear"};
+
+class Qwen35MoeCheckpoint : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Qwen35MoeCheckpoint, BaseLogitsHiddenRoutingGreedy) {
+  ParityCase c("qwen3_5_moe", GetParam(), {});
+  const std::string label = "qwen3_5_moe/" + GetParam();
+  const io::ModelConfig& config = c.model().config();
+  ASSERT_EQ(config.arch, io::Architecture::kQwen35Moe);
+  ASSERT_EQ(c.model().num_layers(), 5);
+  for (int64_t l = 0; l < 5; ++l)
+    EXPECT_EQ(c.model().weights().layers[l].is_linear_attention, l != 3) << "layer " << l;
+  c.check_logits("base", label);
+  // 144 tokens through four Gated DeltaNet layers, each a different fp32 summation order from
+  // transformers' chunked form: the last router's inputs differ by ~1e-5 (hidden.base.4 above),
+  // so its weights get 3e-5 instead of 1e-5.
+  c.check_hidden_and_routing(label, 3e-5);
+  c.check_greedy("base", label);
+}
+
+// base: the text model as transformers saves it (per-expert keys under model.); base_vlm: the
+// published form (Qwen3_5MoeForConditionalGeneration, decoder under model.language_model., fused
+// experts, a vision tower that is ignored).
+INSTANTIATE_TEST_SUITE_P(Parity, Qwen35MoeCheckpoint, ::testing::Values("base", "base_vlm"));
+
+TEST(Qwen35MoeParity, Adapters) {
+  ParityCase c("qwen3_5_moe", "base", kQwen35Adapters);
+  for (const std::string& adapter : kQwen35Adapters) {
+    SCOPED_TRACE(adapter);
+    c.check_logits(adapter, "qwen3_5_moe/" + adapter);
+    c.check_greedy(adapter, "qwen3_5_moe/" + adapter);
+  }
+}
+
+TEST(Qwen35MoeParity, MixedAdapterBatch) {
+  ParityCase c("qwen3_5_moe", "base", kQwen35Adapters);
+  c.check_mixed_batch("lora_all", "lora_linear", "qwen3_5_moe all+linear+base");
+  c.check_mixed_batch("lora_linear", "lora_all", "qwen3_5_moe linear+all+base");
+}
+
+TEST(Qwen35MoeParity, ChunkedPrefillCarriesTheLinearAttentionState) {
+  ParityCase c("qwen3_5_moe", "base", kQwen35Adapters);
+  c.check_chunked_prefill("base", {1, 7, 30}, "qwen3_5_moe/base 1+7+30");
+  c.check_chunked_prefill("base", {64}, "qwen3_5_moe/base 64");
+  c.check_chunked_prefill("lora_all", {5, 40}, "qwen3_5_moe/lora_all 5+40");
+}
+
+// A sequence's linear-attention state has no per-token history: truncation goes back to 0 tokens
+// (then the prompt runs again to the same logits) or nowhere; a forward pass that fails after
+// some layers changed their state leaves the sequence as it was.
+TEST(Qwen35MoeParity, StateTruncationAndFailedPassRollback) {
+  ParityCase c("qwen3_5_moe", "base", {});
+  Model& model = c.model();
+  const std::vector<int32_t> ids = c.prompt(0);
+  const std::span<const int32_t> head(ids.data(), 40), tail(ids.data() + 40, ids.size() - 40);
+  const Tensor want_tail = c.ref().f32("logits.base").select0(0).slice0(40, ids.size());
+  const double tol = tolerance_for(want_tail);
+
+  Sequence seq = model.new_sequence(-1);
+  model.forward(seq, head);
+  EXPECT_GT(seq.cache_bytes(), 0u);
+  try {
+    seq.truncate(20);
+    ADD_FAILURE() << "truncating a linear-attention state to 20 of 40 tokens did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("truncate to 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(seq.length(), 40);
+  seq.truncate(40);  // no-op
+
+  // A pass that throws in layer 3's MoE (a forced routing of the wrong shape), after the three
+  // Gated DeltaNet layers before it advanced their states.
+  std::map<int64_t, Tensor> bad_routes;
+  bad_routes[3] = Tensor::zeros(DType::kI32, {1, 1});
+  ForwardOptions failing;
+  failing.forced_routes = &bad_routes;
+  EXPECT_THROW(model.forward(seq, tail, failing), Error);
+  EXPECT_EQ(seq.length(), 40);
+  const Tensor after_failure = model.forward(seq, tail);
+  EXPECT_TRUE(test::all_close(after_failure, want_tail, static_cast<float>(tol), 0.0f));
+  report("qwen3_5_moe/base after a failed pass", test::max_abs_diff(after_failure, want_tail), tol);
+
+  // Back to 0 tokens: a fresh state, the same logits again.
+  seq.truncate(0);
+  EXPECT_EQ(seq.length(), 0);
+  model.forward(seq, head);
+  const Tensor again = model.forward(seq, tail);
+  EXPECT_EQ(test::max_abs_diff(again, after_failure), 0.0);
 }
 
 // ---------------------------------------------------------------- DeepSeek-V3
@@ -341,7 +475,8 @@ TEST(KimiLikeParity, BaseAndAdapter) {
 TEST(Fp8Parity, DeepseekV3BlockFp8) {
   ParityCase c("fp8", "deepseek_v3_fp8", {});
   const LayerWeightsF32& layer1 = c.model().weights().layers[1];
-  c.check_dequant("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", layer1.attention.kv_a_proj_with_mqa);
+  c.check_dequant("model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+                  layer1.attention.kv_a_proj_with_mqa);
   c.check_dequant("model.layers.1.self_attn.kv_b_proj.weight", layer1.attention.kv_b_proj);
   c.check_dequant("model.layers.1.self_attn.q_b_proj.weight", layer1.attention.q_b_proj);
   const int64_t inter = layer1.moe.w13.dim(1) / 2;

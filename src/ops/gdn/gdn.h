@@ -18,13 +18,13 @@
 namespace moelora::ops {
 
 struct GdnShape {
-  int64_t hidden = 0;        // H
-  int64_t num_k_heads = 0;   // nk
-  int64_t num_v_heads = 0;   // nv
-  int64_t head_k_dim = 0;    // dk
-  int64_t head_v_dim = 0;    // dv
-  int64_t conv_kernel = 0;   // K
-  double norm_eps = 1e-6;    // the gated RMSNorm's eps (config rms_norm_eps)
+  int64_t hidden = 0;       // H
+  int64_t num_k_heads = 0;  // nk
+  int64_t num_v_heads = 0;  // nv
+  int64_t head_k_dim = 0;   // dk
+  int64_t head_v_dim = 0;   // dv
+  int64_t conv_kernel = 0;  // K
+  double norm_eps = 1e-6;   // the gated RMSNorm's eps (config rms_norm_eps)
 
   int64_t key_dim() const { return num_k_heads * head_k_dim; }
   int64_t value_dim() const { return num_v_heads * head_v_dim; }
@@ -78,6 +78,15 @@ Tensor gated_delta_rule_chunked_ref(const Tensor& q, const Tensor& k, const Tens
 //   y = w * (x / sqrt(mean(x^2) + eps)) * silu(z)
 // x, z: F32 [..., D] of one shape, w [D] (any float dtype). Returns F32 with x's shape.
 Tensor rms_norm_gated_ref(const Tensor& x, const Tensor& z, const Tensor& w, double eps);
+
+// The layer between its projections (what a model runs per sequence once the projections, and
+// their LoRA deltas, have been computed for the whole batch), for T tokens of one sequence:
+//   qkv F32 [T, conv_dim] (in_proj_qkv output, before the conv), z F32 [T, value_dim],
+//   b, a F32 [T, nv] -> F32 [T, value_dim], the gated RMSNorm output that out_proj takes.
+// Uses weights.conv1d, a_log, dt_bias and norm (the projections may be left undefined); the
+// state is updated.
+Tensor gdn_mix_ref(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                   const GdnWeights& weights, const GdnShape& shape, GdnState& state, bool chunked);
 
 // The whole layer for T tokens of one sequence: x F32 [T, H] -> F32 [T, H], the state updated.
 //   qkv = conv_silu(x Wqkv^T); z = x Wz^T; beta = sigmoid(x Wb^T);

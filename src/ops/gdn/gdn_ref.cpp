@@ -4,8 +4,8 @@
 // The chunked form. With S_0 the state at the chunk's start, Gamma_t = exp(G_t), G_t = the sum of
 // g over the chunk up to and including t, the recurrence unrolls to
 //   S_t     = Gamma_t S_0 + sum_{j <= t} (Gamma_t / Gamma_j) k_j d_j^T
-//   d_t     = beta_t (v_t - Gamma_t S_0^T k_t) - sum_{j < t} beta_t (Gamma_t / Gamma_j) (k_t . k_j) d_j
-//   o_t     = Gamma_t S_0^T q_t + sum_{j <= t} (Gamma_t / Gamma_j) (q_t . k_j) d_j
+//   d_t     = beta_t (v_t - Gamma_t S_0^T k_t) - sum_{j < t} beta_t (Gamma_t / Gamma_j) (k_t . k_j)
+//   d_j o_t     = Gamma_t S_0^T q_t + sum_{j <= t} (Gamma_t / Gamma_j) (q_t . k_j) d_j
 // so the deltas d of a chunk solve a unit lower-triangular system (forward substitution), and the
 // outputs and the next state S_L (t = L - 1) are sums over the chunk. Gamma_t / Gamma_j =
 // exp(G_t - G_j) <= 1 for j <= t (g <= 0), computed from the difference so that long chunks of
@@ -56,10 +56,10 @@ RuleDims check_rule_inputs(const Tensor& q, const Tensor& k, const Tensor& v, co
                 ErrorCode::kInvalidArgument, "gated delta rule q: expected F32 [T, nv, dk], got ",
                 describe(q));
   const int64_t T = q.dim(0), nv = q.dim(1), dk = q.dim(2);
-  MOELORA_CHECK(v.defined() && v.ndim() == 3 && v.dtype() == DType::kF32 && v.dim(0) == T &&
-                    v.dim(1) == nv,
-                ErrorCode::kInvalidArgument, "gated delta rule v: expected F32 [", T, ", ", nv,
-                ", dv], got ", describe(v));
+  MOELORA_CHECK(
+      v.defined() && v.ndim() == 3 && v.dtype() == DType::kF32 && v.dim(0) == T && v.dim(1) == nv,
+      ErrorCode::kInvalidArgument, "gated delta rule v: expected F32 [", T, ", ", nv, ", dv], got ",
+      describe(v));
   const int64_t dv = v.dim(2);
   check_f32(k, {T, nv, dk}, "gated delta rule k");
   check_f32(g, {T, nv}, "gated delta rule g");
@@ -161,7 +161,9 @@ Tensor gated_delta_rule_chunked_ref(const Tensor& q, const Tensor& k, const Tens
         s0k(static_cast<size_t>(dv)), next(static_cast<size_t>(dk * dv));
     for (int64_t h = h0; h < h1; ++h) {
       float* S = sp + h * dk * dv;  // S_0 of the current chunk, [dk, dv]
-      auto kv_ptr = [&](const float* base, int64_t t, int64_t width) { return base + (t * nv + h) * width; };
+      auto kv_ptr = [&](const float* base, int64_t t, int64_t width) {
+        return base + (t * nv + h) * width;
+      };
       for (int64_t c0 = 0; c0 < d.T; c0 += chunk) {
         const int64_t L = std::min(chunk, d.T - c0);
         float run = 0.f;
@@ -177,7 +179,8 @@ Tensor gated_delta_rule_chunked_ref(const Tensor& q, const Tensor& k, const Tens
           float* di = delta.data() + i * dv;
           for (int64_t j = 0; j < dv; ++j) di[j] = b * (vi[j] - gamma * s0k[j]);
           for (int64_t jj = 0; jj < i; ++jj) {
-            const float coef = b * std::exp(G[i] - G[jj]) * dot_f32(ki, kv_ptr(kp, c0 + jj, dk), dk);
+            const float coef =
+                b * std::exp(G[i] - G[jj]) * dot_f32(ki, kv_ptr(kp, c0 + jj, dk), dk);
             const float* dj = delta.data() + jj * dv;
             for (int64_t j = 0; j < dv; ++j) di[j] -= coef * dj[j];
           }
@@ -221,7 +224,8 @@ Tensor rms_norm_gated_ref(const Tensor& x, const Tensor& z, const Tensor& w, dou
   check_f32(z, x.shape(), "gated rms_norm gate z");
   const int64_t D = x.dim(-1);
   check_float(w, {D}, "gated rms_norm weight");
-  MOELORA_CHECK(eps >= 0.0, ErrorCode::kInvalidArgument, "gated rms_norm eps must be >= 0, got ", eps);
+  MOELORA_CHECK(eps >= 0.0, ErrorCode::kInvalidArgument, "gated rms_norm eps must be >= 0, got ",
+                eps);
   const Tensor wf = w.to_f32();
   const float* wp = wf.data<float>();
   const float *xp = x.data<float>(), *zp = z.data<float>();
@@ -235,44 +239,50 @@ Tensor rms_norm_gated_ref(const Tensor& x, const Tensor& z, const Tensor& w, dou
       double sum_sq = 0.0;  // squares in fp32, summed in double and rounded once (as rms_norm_ref)
       for (int64_t i = 0; i < D; ++i) sum_sq += xr[i] * xr[i];
       const float inv = 1.f / std::sqrt(static_cast<float>(sum_sq) / static_cast<float>(D) + e);
-      for (int64_t i = 0; i < D; ++i) yp[r * D + i] = wp[i] * (xr[i] * inv) * silu_f32(zp[r * D + i]);
+      for (int64_t i = 0; i < D; ++i)
+        yp[r * D + i] = wp[i] * (xr[i] * inv) * silu_f32(zp[r * D + i]);
     }
   });
   return y;
 }
 
-Tensor gdn_forward_ref(const Tensor& x, const GdnWeights& wt, const GdnShape& s, GdnState& state,
-                       bool chunked) {
+namespace {
+
+void check_gdn_shape(const GdnShape& s) {
   MOELORA_CHECK(s.hidden > 0 && s.num_k_heads > 0 && s.num_v_heads > 0 && s.head_k_dim > 0 &&
                     s.head_v_dim > 0 && s.conv_kernel >= 1 && s.num_v_heads % s.num_k_heads == 0,
-                ErrorCode::kInvalidArgument, "gated deltanet shape: H = ", s.hidden, ", nk = ",
-                s.num_k_heads, ", nv = ", s.num_v_heads, " (a multiple of nk), dk = ", s.head_k_dim,
-                ", dv = ", s.head_v_dim, ", conv kernel = ", s.conv_kernel);
-  MOELORA_CHECK(x.defined() && x.ndim() == 2 && x.dtype() == DType::kF32 && x.dim(1) == s.hidden,
-                ErrorCode::kInvalidArgument, "gated deltanet input: expected F32 [T, ", s.hidden,
-                "], got ", describe(x));
-  const int64_t T = x.dim(0), H = s.hidden, nk = s.num_k_heads, nv = s.num_v_heads;
+                ErrorCode::kInvalidArgument, "gated deltanet shape: H = ", s.hidden,
+                ", nk = ", s.num_k_heads, ", nv = ", s.num_v_heads,
+                " (a multiple of nk), dk = ", s.head_k_dim, ", dv = ", s.head_v_dim,
+                ", conv kernel = ", s.conv_kernel);
+}
+
+}  // namespace
+
+Tensor gdn_mix_ref(const Tensor& qkv, const Tensor& z, const Tensor& b, const Tensor& a,
+                   const GdnWeights& wt, const GdnShape& s, GdnState& state, bool chunked) {
+  check_gdn_shape(s);
+  MOELORA_CHECK(
+      qkv.defined() && qkv.ndim() == 2 && qkv.dtype() == DType::kF32 && qkv.dim(1) == s.conv_dim(),
+      ErrorCode::kInvalidArgument, "gated deltanet qkv: expected F32 [T, ", s.conv_dim(), "], got ",
+      describe(qkv));
+  const int64_t T = qkv.dim(0), nk = s.num_k_heads, nv = s.num_v_heads;
   const int64_t dk = s.head_k_dim, dv = s.head_v_dim, kd = s.key_dim(), vd = s.value_dim();
-  check_float(wt.in_proj_qkv, {s.conv_dim(), H}, "gated deltanet in_proj_qkv");
-  check_float(wt.in_proj_z, {vd, H}, "gated deltanet in_proj_z");
-  check_float(wt.in_proj_b, {nv, H}, "gated deltanet in_proj_b");
-  check_float(wt.in_proj_a, {nv, H}, "gated deltanet in_proj_a");
+  check_f32(z, {T, vd}, "gated deltanet z");
+  check_f32(b, {T, nv}, "gated deltanet b");
+  check_f32(a, {T, nv}, "gated deltanet a");
   check_float(wt.a_log, {nv}, "gated deltanet A_log");
   check_float(wt.dt_bias, {nv}, "gated deltanet dt_bias");
   check_float(wt.norm, {dv}, "gated deltanet norm");
-  check_float(wt.out_proj, {H, vd}, "gated deltanet out_proj");
 
-  const Tensor qkv = causal_conv1d_silu_ref(linear_ref(x, wt.in_proj_qkv.to_f32()), wt.conv1d, state.conv);
-  const Tensor z = linear_ref(x, wt.in_proj_z.to_f32());
-  const Tensor b = linear_ref(x, wt.in_proj_b.to_f32());
-  const Tensor a = linear_ref(x, wt.in_proj_a.to_f32());
+  const Tensor conv = causal_conv1d_silu_ref(qkv, wt.conv1d, state.conv);
   const Tensor a_log = wt.a_log.to_f32(), dt_bias = wt.dt_bias.to_f32();
 
   // q, k normalised and repeated to the value heads; v, beta, g per value head
   Tensor q = Tensor::empty(DType::kF32, {T, nv, dk}), k = Tensor::empty(DType::kF32, {T, nv, dk});
   Tensor v = Tensor::empty(DType::kF32, {T, nv, dv});
   Tensor beta = Tensor::empty(DType::kF32, {T, nv}), g = Tensor::empty(DType::kF32, {T, nv});
-  const float* src = qkv.data<float>();
+  const float* src = conv.data<float>();
   const int64_t group = nv / nk;
   const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
   auto l2norm = [&](const float* in, float* out, float scale) {
@@ -287,16 +297,36 @@ Tensor gdn_forward_ref(const Tensor& x, const GdnWeights& wt, const GdnShape& s,
       const int64_t kh = h / group;
       l2norm(row + kh * dk, q.data<float>() + (t * nv + h) * dk, q_scale);
       l2norm(row + kd + kh * dk, k.data<float>() + (t * nv + h) * dk, 1.f);
-      std::copy(row + 2 * kd + h * dv, row + 2 * kd + (h + 1) * dv, v.data<float>() + (t * nv + h) * dv);
+      std::copy(row + 2 * kd + h * dv, row + 2 * kd + (h + 1) * dv,
+                v.data<float>() + (t * nv + h) * dv);
       beta.data<float>()[t * nv + h] = sigmoid_f32(b.data<float>()[t * nv + h]);
-      g.data<float>()[t * nv + h] = -std::exp(a_log.data<float>()[h]) *
-                                    softplus_f32(a.data<float>()[t * nv + h] + dt_bias.data<float>()[h]);
+      g.data<float>()[t * nv + h] =
+          -std::exp(a_log.data<float>()[h]) *
+          softplus_f32(a.data<float>()[t * nv + h] + dt_bias.data<float>()[h]);
     }
   }
   const Tensor o = chunked ? gated_delta_rule_chunked_ref(q, k, v, g, beta, state.recurrent)
                            : gated_delta_rule_recurrent_ref(q, k, v, g, beta, state.recurrent);
-  const Tensor normed = rms_norm_gated_ref(o, z.reshape({T, nv, dv}), wt.norm, s.norm_eps);
-  return linear_ref(normed.reshape({T, vd}), wt.out_proj.to_f32());
+  return rms_norm_gated_ref(o, z.reshape({T, nv, dv}), wt.norm, s.norm_eps).reshape({T, vd});
+}
+
+Tensor gdn_forward_ref(const Tensor& x, const GdnWeights& wt, const GdnShape& s, GdnState& state,
+                       bool chunked) {
+  check_gdn_shape(s);
+  MOELORA_CHECK(x.defined() && x.ndim() == 2 && x.dtype() == DType::kF32 && x.dim(1) == s.hidden,
+                ErrorCode::kInvalidArgument, "gated deltanet input: expected F32 [T, ", s.hidden,
+                "], got ", describe(x));
+  const int64_t H = s.hidden, nv = s.num_v_heads, vd = s.value_dim();
+  check_float(wt.in_proj_qkv, {s.conv_dim(), H}, "gated deltanet in_proj_qkv");
+  check_float(wt.in_proj_z, {vd, H}, "gated deltanet in_proj_z");
+  check_float(wt.in_proj_b, {nv, H}, "gated deltanet in_proj_b");
+  check_float(wt.in_proj_a, {nv, H}, "gated deltanet in_proj_a");
+  check_float(wt.out_proj, {H, vd}, "gated deltanet out_proj");
+  const Tensor normed =
+      gdn_mix_ref(linear_ref(x, wt.in_proj_qkv.to_f32()), linear_ref(x, wt.in_proj_z.to_f32()),
+                  linear_ref(x, wt.in_proj_b.to_f32()), linear_ref(x, wt.in_proj_a.to_f32()), wt, s,
+                  state, chunked);
+  return linear_ref(normed, wt.out_proj.to_f32());
 }
 
 }  // namespace moelora::ops
