@@ -6,7 +6,8 @@
 //     among adapter requests, cancellation; KV page reservation: requests wait in arrival order
 //     until their pages are free, a random load through a tiny real page pool never runs it dry,
 //     a request larger than the pool is refused);
-//   - the Engine end to end on the committed tiny fixtures: greedy and sampled outputs equal
+//   - the Engine end to end on the committed tiny fixtures (Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3):
+//     greedy and sampled outputs equal
 //     model::generate of each request alone while requests join and leave at different steps with
 //     mixed adapters and chunked prompts; the per-step limits as the backend sees them;
 //     cancellation frees the KV cache and the slot; adapter eviction and reloads; unregistering;
@@ -941,6 +942,24 @@ TEST(Engine, ContinuousBatchingEqualsEachRequestAloneQwen) {
                                  cases, small_options());
 }
 
+// Qwen3.5: Gated DeltaNet layers carry a per-sequence recurrent state instead of KV rows. Prompts
+// longer than prefill_chunk (7) are prefilled over several steps beside other requests' decodes,
+// so each state must survive its chunks untouched by the others; the state is freed with the
+// request (kv_cache_bytes back to 0).
+TEST(Engine, ContinuousBatchingEqualsEachRequestAloneQwen35) {
+  std::mt19937_64 rng(test::test_seed(73));
+  std::vector<Case> cases = {
+      {random_tokens(rng, 17, 512), "all", 6, 0},
+      {random_tokens(rng, 4, 512), "", 9, 0},
+      {random_tokens(rng, 12, 512), "linear", 5, 1},
+      {random_tokens(rng, 1, 512), "all", 7, 3},
+      {random_tokens(rng, 9, 512), "", 4, 4, /*temperature=*/0.8},
+      {random_tokens(rng, 21, 512), "linear", 3, 6},
+  };
+  expect_engine_matches_generate("qwen3_5_moe", {{"all", "lora_all"}, {"linear", "lora_linear"}},
+                                 cases, small_options());
+}
+
 TEST(Engine, ContinuousBatchingEqualsEachRequestAloneDeepseek) {
   std::mt19937_64 rng(test::test_seed(72));
   std::vector<Case> cases = {
@@ -1800,7 +1819,7 @@ TEST(BenchCli, TableAndJson) {
   EXPECT_EQ(j["adapter_slots"], 2);
   EXPECT_EQ(j["max_lora_rank"], pool_rank);
   EXPECT_EQ(j["attention_kernel"], "reference");  // the CPU backend
-  EXPECT_EQ(j["kv_cache_pages"], 0);  // the CPU backend has no page pool
+  EXPECT_EQ(j["kv_cache_pages"], 0);              // the CPU backend has no page pool
   EXPECT_EQ(j["device"], "cpu");
   EXPECT_EQ(j["input_len"], 5);
   EXPECT_EQ(j["output_len"], 4);
@@ -1836,7 +1855,8 @@ TEST(BenchCli, TableAndJson) {
 
   // scripts/engine-report renders the file: one row per run, the LoRA runs' share of no-LoRA as
   // percentages taken from the JSON, and CPU runs without GPU fields shown as "-".
-  const fs::path report = test::data_dir().parent_path().parent_path() / "scripts" / "engine-report";
+  const fs::path report =
+      test::data_dir().parent_path().parent_path() / "scripts" / "engine-report";
   const auto rendered = test::run_command("python3 " + quote(report) + " " + quote(json));
   ASSERT_EQ(rendered.exit_code, 0) << rendered.output;
   EXPECT_TRUE(contains(rendered.output, "| model | B | adapters | in / out |")) << rendered.output;
@@ -1847,10 +1867,12 @@ TEST(BenchCli, TableAndJson) {
       << rendered.output;
   EXPECT_TRUE(contains(rendered.output, share)) << share << "\n" << rendered.output;
   size_t rows = 0;
-  for (size_t pos = 0; (pos = rendered.output.find("\n| qwen3_moe (", pos)) != std::string::npos; ++pos)
+  for (size_t pos = 0; (pos = rendered.output.find("\n| qwen3_moe (", pos)) != std::string::npos;
+       ++pos)
     ++rows;
   EXPECT_EQ(rows, 4u) << rendered.output;
-  const auto broken = test::run_command("python3 " + quote(report) + " " + quote(tmp / "missing.json"));
+  const auto broken =
+      test::run_command("python3 " + quote(report) + " " + quote(tmp / "missing.json"));
   EXPECT_NE(broken.exit_code, 0);
   EXPECT_TRUE(contains(broken.output, "missing.json")) << broken.output;
 }
