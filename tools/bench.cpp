@@ -126,8 +126,8 @@ struct BenchArgs {
   int64_t random_adapters = 0;
   int64_t max_layers = 0;
   double gpu_memory_fraction = 0.9;
-  int64_t adapter_slots = 0;  // 0 = the run's adapters (at least 1)
-  int64_t max_lora_rank = 0;  // 0 = the run's largest rank, rounded up to a multiple of 8
+  int64_t adapter_slots = 0;       // 0 = the run's adapters (at least 1)
+  int64_t max_lora_rank = 0;       // 0 = the run's largest rank, rounded up to a multiple of 8
   std::string attention = "auto";  // EngineOptions::attention
 };
 
@@ -561,6 +561,11 @@ int run_bench(const BenchArgs& arg_in) {
   options.attention = a.attention;
   if (gpu) options.max_seq_len = std::max<int64_t>(a.input_len + a.output_len, 64);
   moelora::Result<std::unique_ptr<moelora::Engine>> created = moelora::Engine::create(options);
+  if (!created.status() && !a.preset.empty()) {
+    // e.g. a preset the backend cannot run (Qwen3.5's Gated DeltaNet layers on the GPU)
+    throw moelora::Error(created.status().code(),
+                         "--preset " + a.preset + ": " + created.status().message());
+  }
   check(created.status());
   moelora::Engine& engine = *created.value();
   for (size_t i = 0; i < registered.size(); ++i) {

@@ -4,7 +4,10 @@
 // A model directory (config.json + safetensors) is described from its config (architecture,
 // layers, attention, experts, router, RoPE, quantization) and from the safetensors headers
 // (dtypes, bytes, parameters); then load_checkpoint validates every tensor against the config
-// and the "check" row says ok or gives the loader's one-line error. An adapter directory
+// and the "check" row says ok or gives the loader's one-line error; tensors the loader skips as
+// transformers does (a vision tower, an MTP layer) are counted, with the reason, in an "ignored"
+// row. Qwen3.5's hybrid layers are shown as counts and as their repeating pattern ("10 x (3
+// linear + 1 full)"). An adapter directory
 // (adapter_config.json) is described from its config (r, alpha, rsLoRA, patterns, targets) and
 // its tensor names and shapes (expert layout, per-target ranks and scalings); when the base
 // model can be found (--model, or base_model_name_or_path as a directory) load_adapter checks it
@@ -22,8 +25,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
-#include "format.h"
 #include "core/error.h"
+#include "format.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
 #include "io/peft.h"
@@ -110,6 +113,79 @@ json read_json(const fs::path& path) {
 // ============================================================================================
 // model directories
 
+// Qwen3.5's layer_types as runs, folded when a block repeats: "10 x (3 linear + 1 full)",
+// "3 linear + 1 full + 2 linear".
+std::string layer_pattern(const std::vector<std::string>& types) {
+  auto runs = [&](size_t end) {
+    std::string out;
+    for (size_t i = 0; i < end;) {
+      size_t j = i;
+      while (j < end && types[j] == types[i]) ++j;
+      const std::string& t = types[i];
+      const std::string kind = t == "linear_attention" ? "linear"
+                               : t == "full_attention" ? "full"
+                                                       : t;
+      out += (out.empty() ? "" : " + ") + std::to_string(j - i) + " " + kind;
+      i = j;
+    }
+    return out;
+  };
+  const size_t n = types.size();
+  for (size_t period = 1; period < n; ++period) {
+    if (n % period != 0) continue;
+    bool repeats = true;
+    for (size_t i = period; i < n && repeats; ++i) repeats = types[i] == types[i % period];
+    if (repeats) return std::to_string(n / period) + " x (" + runs(period) + ")";
+  }
+  return runs(n);
+}
+
+// Tensors the loader skipped (ModelWeights::ignored_tensors), grouped by what they are and why
+// the text decoder does not need them.
+struct IgnoredGroup {
+  std::string pattern;  // "mtp.*", "model.visual.*", ...
+  std::string why;
+  size_t count = 0;
+};
+
+std::vector<IgnoredGroup> group_ignored(const std::vector<std::string>& names, const ModelConfig& c,
+                                        const std::string& prefix) {
+  std::vector<IgnoredGroup> groups;
+  auto add = [&](const std::string& pattern, const std::string& why) {
+    for (IgnoredGroup& g : groups) {
+      if (g.pattern == pattern) {
+        ++g.count;
+        return;
+      }
+    }
+    groups.push_back({pattern, why, 1});
+  };
+  const std::string layers = prefix + "layers.";
+  for (const std::string& name : names) {
+    if (starts_with(name, "mtp.")) {
+      add("mtp.*", "the multi-token prediction layer (speculative decoding), not run here");
+    } else if (ends_with(name, ".rotary_emb.inv_freq")) {
+      add("*.rotary_emb.inv_freq", "RoPE frequencies, recomputed from config.json");
+    } else if (ends_with(name, ".k_scale") || ends_with(name, ".v_scale")) {
+      add("*.self_attn.{k,v}_scale", "FP8 KV-cache scales; the engine keeps a bf16 KV cache");
+    } else if (c.tie_word_embeddings && ends_with(name, "lm_head.weight")) {
+      add(name, "tied to the embeddings");
+    } else if (starts_with(name, layers)) {
+      const std::string index =
+          name.substr(layers.size(), name.find('.', layers.size()) - layers.size());
+      add(layers + index + ".*", "beyond num_hidden_layers " + std::to_string(c.num_hidden_layers) +
+                                     " (DeepSeek's MTP layer)");
+    } else {
+      // outside the text decoder: the vision tower and projector of a VLM checkpoint
+      const size_t first = name.find('.');
+      const bool nested = first != std::string::npos && name.substr(0, first) == "model";
+      const size_t end = nested ? name.find('.', first + 1) : first;
+      add(name.substr(0, end) + ".*", "outside the text model (vision tower / projector)");
+    }
+  }
+  return groups;
+}
+
 std::string describe_attention(const ModelConfig& c, json& j) {
   std::ostringstream os;
   if (c.use_mla) {
@@ -139,10 +215,24 @@ std::string describe_attention(const ModelConfig& c, json& j) {
                     {"output_gate", c.attention_output_gate}};
   if (!c.layer_types.empty()) {
     const auto full = std::count(c.layer_types.begin(), c.layer_types.end(), "full_attention");
+    const std::string pattern = layer_pattern(c.layer_types);
     os << "\nfull attention in " << full << " of " << c.layer_types.size()
-       << " layers, Gated DeltaNet in " << c.layer_types.size() - static_cast<size_t>(full);
+       << " layers, Gated DeltaNet in " << c.layer_types.size() - static_cast<size_t>(full) << ": "
+       << pattern;
     j["attention"]["full_attention_layers"] = full;
     j["attention"]["linear_attention_layers"] = static_cast<int64_t>(c.layer_types.size()) - full;
+    j["attention"]["layer_pattern"] = pattern;
+    if (full < static_cast<int64_t>(c.layer_types.size())) {
+      const io::LinearAttentionConfig& la = c.linear_attention;
+      os << "\nGated DeltaNet: " << la.num_key_heads << " key heads of " << la.key_head_dim << ", "
+         << la.num_value_heads << " value heads of " << la.value_head_dim << ", conv kernel "
+         << la.conv_kernel_dim;
+      j["attention"]["linear_attention"] = {{"num_key_heads", la.num_key_heads},
+                                            {"num_value_heads", la.num_value_heads},
+                                            {"key_head_dim", la.key_head_dim},
+                                            {"value_head_dim", la.value_head_dim},
+                                            {"conv_kernel_dim", la.conv_kernel_dim}};
+    }
   }
   return os.str();
 }
@@ -220,18 +310,29 @@ int inspect_model(const fs::path& dir, bool as_json) {
   j["model_type"] = c.model_type;
   j["text_model_type"] = c.text_model_type;
 
-  std::vector<int64_t> moe_layers, dense_layers;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+  std::vector<int64_t> moe_layers, dense_layers, linear_layers;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     (c.is_moe_layer(l) ? moe_layers : dense_layers).push_back(l);
-  report.row(
-      "layers",
-      std::to_string(c.num_hidden_layers) + " (" + std::to_string(moe_layers.size()) + " MoE" +
-          (dense_layers.empty() ? "" : ", dense MLP in " + format_ranges(dense_layers)) + ")");
+    if (!c.layer_types.empty() && c.layer_types[static_cast<size_t>(l)] == "linear_attention")
+      linear_layers.push_back(l);
+  }
+  // Qwen3.5: how many layers are Gated DeltaNet (linear attention) and how many full attention
+  const std::string attention_mix =
+      c.layer_types.empty()
+          ? ""
+          : "; " + std::to_string(linear_layers.size()) + " Gated DeltaNet + " +
+                std::to_string(c.layer_types.size() - linear_layers.size()) + " full attention";
+  report.row("layers",
+             std::to_string(c.num_hidden_layers) + " (" + std::to_string(moe_layers.size()) +
+                 " MoE" +
+                 (dense_layers.empty() ? "" : ", dense MLP in " + format_ranges(dense_layers)) +
+                 attention_mix + ")");
   report.row("hidden size", std::to_string(c.hidden_size));
   report.row("vocabulary", std::to_string(c.vocab_size));
   j["layers"] = c.num_hidden_layers;
   j["moe_layers"] = moe_layers;
   j["dense_layers"] = dense_layers;
+  if (!c.layer_types.empty()) j["linear_attention_layers"] = linear_layers;
   j["hidden_size"] = c.hidden_size;
   j["vocab_size"] = c.vocab_size;
   report.row("attention", describe_attention(c, j));
@@ -375,6 +476,8 @@ int inspect_model(const fs::path& dir, bool as_json) {
   }
 
   // Full validation through the loader.
+  // The loader also names the tensors it skips (as transformers does): a vision tower, an MTP
+  // layer, ... Say how many and why, so a checkpoint larger than its model is no surprise.
   std::string check = "ok";
   bool ok = true;
   try {
@@ -382,8 +485,18 @@ int inspect_model(const fs::path& dir, bool as_json) {
     options.show_progress = false;
     const io::ModelWeights weights = io::load_checkpoint(dir, options);
     if (!weights.ignored_tensors.empty()) {
-      check += " (" + std::to_string(weights.ignored_tensors.size()) + " tensors ignored, e.g. " +
-               weights.ignored_tensors.front() + ")";
+      const std::vector<IgnoredGroup> groups =
+          group_ignored(weights.ignored_tensors, c, weights.weight_prefix);
+      const size_t n = weights.ignored_tensors.size();
+      std::string note = std::to_string(n) + (n == 1 ? " tensor" : " tensors") +
+                         " not used by the " + c.text_model_type + " text model (skipped on load)";
+      json jg = json::array();
+      for (const IgnoredGroup& g : groups) {
+        note += "\n" + std::to_string(g.count) + " " + g.pattern + ": " + g.why;
+        jg.push_back({{"tensors", g.pattern}, {"count", g.count}, {"why", g.why}});
+      }
+      report.row("ignored", note);
+      j["ignored_tensors"] = {{"count", n}, {"groups", jg}};
     }
   } catch (const Error& e) {
     check = std::string("FAILED: ") + e.what();

@@ -194,6 +194,17 @@ class GpuModelImpl final : public GpuModel {
   GpuModelImpl(const io::ModelConfig& config, const GpuModelLimits& limits,
                const GpuModelOptions& options)
       : config_(config), limits_(limits), options_(options), fork_(false), join_(false) {
+    // Qwen3.5's hybrid layers: name the first Gated DeltaNet layer, the part that is missing,
+    // before the architecture check below refuses the model as a whole.
+    const auto linear = std::count(config_.layer_types.begin(), config_.layer_types.end(),
+                                   std::string("linear_attention"));
+    for (size_t l = 0; l < config_.layer_types.size(); ++l) {
+      MOELORA_CHECK(config_.layer_types[l] != "linear_attention", ErrorCode::kUnsupported,
+                    "GpuModel: layer ", l, " of the ", config_.model_type,
+                    " model is a linear_attention layer (", linear, " of its ",
+                    config_.layer_types.size(),
+                    " layers are); Gated DeltaNet layers are not implemented on the GPU yet");
+    }
     MOELORA_CHECK(config_.arch == io::Architecture::kQwen3Moe ||
                       (config_.arch == io::Architecture::kDeepseekV3 && config_.use_mla),
                   ErrorCode::kUnsupported, "GpuModel: ", io::architecture_name(config_.arch),
