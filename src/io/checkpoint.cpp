@@ -557,6 +557,8 @@ bool ignorable(const std::string& name, const ModelConfig& config, const std::st
     if (layer >= loaded_layers && layer < declared_layers) return true;  // cut by max_layers
     return layer >= declared_layers && config.arch == Architecture::kDeepseekV3;  // MTP layer(s)
   }
+  // Qwen3_5MoeForCausalLM also drops the vision tower of a checkpoint saved from the VLM.
+  if (config.arch == Architecture::kQwen35Moe && starts_with(name, "model.visual.")) return true;
   const bool vlm = config.model_type == "qwen3_5_moe" || config.model_type == "kimi_k25";
   return vlm && !starts_with(name, prefix) && !starts_with(name, lm_head + ".");
 }

@@ -73,7 +73,8 @@
 //   - mtp.* (Qwen3.5 MTP), *.rotary_emb.inv_freq, attention *.k_scale / *.v_scale (ModelOpt FP8
 //     KV-cache scales; the engine keeps a bf16 cache);
 //   - for the VLM configs (qwen3_5_moe, kimi_k25): everything outside the text decoder and lm_head
-//     (vision tower, projector);
+//     (vision tower, projector); for the Qwen3.5 text config, model.visual.* (a VLM checkpoint
+//     read as qwen3_5_moe_text);
 //   - lm_head.weight when the embeddings are tied.
 // LoadOptions::allow_unused_tensors turns the unused-tensor error into a skip. The names skipped
 // are listed in ModelWeights::ignored_tensors either way.

@@ -12,12 +12,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "model/model.h"
 #include "model/sampler.h"
@@ -367,6 +371,42 @@ TEST_P(Qwen35MoeCheckpoint, BaseLogitsHiddenRoutingGreedy) {
 // published form (Qwen3_5MoeForConditionalGeneration, decoder under model.language_model., fused
 // experts, a vision tower that is ignored).
 INSTANTIATE_TEST_SUITE_P(Parity, Qwen35MoeCheckpoint, ::testing::Values("base", "base_vlm"));
+
+// The published VLM checkpoint read through a text-only config (qwen3_5_moe_text, as
+// Qwen3_5MoeForCausalLM reads it): the decoder prefix is found, the vision tower is skipped and
+// listed as ignored, and the logits are the text model's.
+TEST(Qwen35MoeParity, VlmCheckpointUnderATextConfig) {
+  const fs::path src = parity_dir("qwen3_5_moe") / "base_vlm";
+  const test::TempDir tmp;
+  const fs::path dir = tmp.path();
+  for (const auto& entry : fs::directory_iterator(src))
+    fs::copy(entry.path(), dir / entry.path().filename());
+  nlohmann::json vlm = nlohmann::json::parse(std::ifstream(src / "config.json"));
+  nlohmann::json text = vlm["text_config"];
+  text["model_type"] = "qwen3_5_moe_text";
+  text["architectures"] = {"Qwen3_5MoeForCausalLM"};
+  test::write_text_file(dir / "config.json", text.dump(2));
+
+  io::LoadOptions load;
+  load.show_progress = false;
+  const io::ModelWeights weights = io::load_checkpoint(dir, load);
+  EXPECT_EQ(weights.weight_prefix, "model.language_model.");
+  const auto visual =
+      std::count_if(weights.ignored_tensors.begin(), weights.ignored_tensors.end(),
+                    [](const std::string& n) { return n.rfind("model.visual.", 0) == 0; });
+  EXPECT_GT(visual, 0) << "the vision tower is not listed as ignored";
+  ModelOptions options;
+  options.show_progress = false;
+  Model model(weights, options);
+  const Reference ref(parity_dir("qwen3_5_moe") / "reference.safetensors");
+  const std::vector<int32_t> ids = ref.row("input_ids", 1);
+  Sequence seq = model.new_sequence(-1);
+  const Tensor logits = model.forward(seq, ids);
+  const Tensor want = ref.f32("logits.base").select0(1);
+  const double tol = tolerance_for(want);
+  report("qwen3_5_moe/base_vlm as text logits", test::max_abs_diff(logits, want), tol);
+  EXPECT_TRUE(test::all_close(logits, want, static_cast<float>(tol), 0.0f));
+}
 
 TEST(Qwen35MoeParity, Adapters) {
   ParityCase c("qwen3_5_moe", "base", kQwen35Adapters);
