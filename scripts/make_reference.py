@@ -1256,7 +1256,8 @@ def qwen3_5_moe_config(**over):
     from transformers import Qwen3_5MoeTextConfig
     kw = dict(vocab_size=512, hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
-              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+              # dk = dv = 64: the smallest head dims the GPU's Gated DeltaNet kernels serve
+              linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
               linear_num_value_heads=4, moe_intermediate_size=32,
               shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
               max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,

@@ -398,6 +398,9 @@ StepBytes decode_step_bytes(const moelora::io::ModelConfig& c, int64_t batch, do
   b.lora += static_cast<double>(adapters) * dense_lora;
   b.base += static_cast<double>(batch) * context *
             static_cast<double>(moelora::runtime::estimate_kv_bytes_per_token(c));
+  // Linear-attention layers read and write each sequence's state once per step.
+  b.base += 2.0 * static_cast<double>(batch) *
+            static_cast<double>(moelora::runtime::linear_attention_state_bytes(c));
   return b;
 }
 

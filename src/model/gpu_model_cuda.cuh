@@ -1,5 +1,7 @@
-// The whole decoder on the GPU: Qwen3-MoE (GQA, per-head q/k norms, rotate-half RoPE) and
-// DeepSeek-V3 / Kimi (MLA in its absorbed form, YaRN, dense first layers), bf16 activations with
+// The whole decoder on the GPU: Qwen3-MoE (GQA, per-head q/k norms, rotate-half RoPE), Qwen3.5-MoE
+// (Gated DeltaNet linear-attention layers with a per-sequence state, gated full attention with
+// partial RoPE, (1 + w) norms) and DeepSeek-V3 / Kimi (MLA in its absorbed form, YaRN, dense first
+// layers), bf16 activations with
 // fp32 accumulation, FP8-block or bf16 routed experts through ops::cuda::MoeLayerCuda, a paged KV
 // cache, multi-LoRA on every target a PEFT adapter can name, and sampling on the device.
 //
@@ -84,6 +86,11 @@ struct StepMetadata {
   int32_t* lora_segments;               // [num_slots, 4] {slot, 0, begin, end} (int4)
   ops::SampleRowParams* sample_params;  // [max_seqs]
   float* uniform;                       // [max_seqs] u in [0, 1) per sequence
+  // Linear-attention layers (Qwen3.5): sequence k's rows are [cu_seqlens[k], cu_seqlens[k + 1])
+  // (padding sequences: empty ranges at num_tokens) and its recurrent state lives in state slot
+  // state_slot[k] (-1: padding, skipped).
+  int32_t* cu_seqlens;  // [max_seqs + 1]
+  int32_t* state_slot;  // [max_seqs]
 };
 
 struct ForwardShape {
@@ -123,6 +130,17 @@ class GpuModel {
   // dense-MLP and attention target (benchmarks); shared_outer: the routed experts' gate_up A and
   // down B are shared by all experts.
   virtual void randomize_slot(int32_t slot, int rank, bool shared_outer, uint64_t seed) = 0;
+
+  // Linear-attention state slots (Qwen3.5's Gated DeltaNet layers): limits().max_seqs of them, one
+  // per live sequence, assigned by the caller (StepMetadata::state_slot). reset_state zeroes a
+  // slot's conv and recurrent states in every linear-attention layer: call it on `stream` before a
+  // new sequence's first forward (not during a capture). Models without such layers have none
+  // (num_state_slots() 0; reset_state is a no-op).
+  virtual int num_state_slots() const = 0;
+  virtual void reset_state(int32_t state_slot, cudaStream_t stream) = 0;
+  // Copies state slot `src` into `dst` in every linear-attention layer (a sequence forked at its
+  // current position, e.g. several samples of one prompt); same rules as reset_state.
+  virtual void copy_state(int32_t src, int32_t dst, cudaStream_t stream) = 0;
 
   // Step metadata: host mirror (pinned, write it, then upload_step) and device copy.
   // upload_step copies the mirror to the device and plans the forward of `shape` (FlashInfer's

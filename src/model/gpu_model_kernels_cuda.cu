@@ -91,7 +91,28 @@ void check_cublas(cublasStatus_t status, const char* what) {
                 " failed with cuBLAS status ", static_cast<int>(status));
 }
 
+// One CTA per token row, threads over the width.
+__global__ void sigmoid_gate_kernel(SigmoidGateArgs p) {
+  const int t = blockIdx.x;
+  if (p.num_tokens != nullptr && t >= *p.num_tokens) return;
+  __nv_bfloat16* x = p.x + static_cast<int64_t>(t) * p.width;
+  const __nv_bfloat16* g = p.gate + static_cast<int64_t>(t) * p.gate_stride;
+  for (int i = threadIdx.x; i < p.width; i += blockDim.x) {
+    const float gate = __bfloat162float(g[i]);
+    x[i] = __float2bfloat16(__bfloat162float(x[i]) * (1.0f / (1.0f + expf(-gate))));
+  }
+}
+
 }  // namespace
+
+void launch_sigmoid_gate(const SigmoidGateArgs& args, cudaStream_t stream) {
+  MOELORA_CHECK(args.x && args.gate && args.width > 0 && args.gate_stride >= args.width,
+                ErrorCode::kInvalidArgument, "sigmoid_gate: x, gate, width = ", args.width,
+                " and gate_stride = ", args.gate_stride, " (>= width) are required");
+  if (args.tokens <= 0) return;
+  sigmoid_gate_kernel<<<args.tokens, 256, 0, stream>>>(args);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
 
 void launch_head_rms_norm(const HeadNormArgs& args, cudaStream_t stream) {
   MOELORA_CHECK(

@@ -1,5 +1,6 @@
 // Small kernels of the GPU decoder that no operator folder owns: the per-head RMSNorm of
 // Qwen3's q/k (heads are slices of the fused qkv rows, so the rows are not uniformly strided),
+// Qwen3.5's sigmoid output gate of the attention,
 // the gather of each sequence's last row for the output head, the bf16 dense GEMM wrapper over
 // cuBLAS, and the counter-based random fills that GpuModel::random() and randomize_slot() use.
 //
@@ -32,6 +33,19 @@ struct HeadNormArgs {
   NormStyle style = NormStyle::kWeight;
 };
 void launch_head_rms_norm(const HeadNormArgs& args, cudaStream_t stream);
+
+// Qwen3.5's attention output gate, in place: x[t, i] *= sigmoid(gate[t, i]) for i < width
+// (x [T, width] contiguous rows; gate rows gate_stride apart, e.g. a column block of the fused
+// qkv rows). fp32 math, one rounding to bf16, as transformers' attn_output * sigmoid(gate).
+struct SigmoidGateArgs {
+  __nv_bfloat16* x = nullptr;
+  const __nv_bfloat16* gate = nullptr;
+  int64_t gate_stride = 0;
+  int width = 0;
+  int tokens = 0;                       // grid capacity
+  const int32_t* num_tokens = nullptr;  // [1] valid tokens (device), nullptr = tokens
+};
+void launch_sigmoid_gate(const SigmoidGateArgs& args, cudaStream_t stream);
 
 // dst[b, :] = src[rows[b], :] for b < count (bf16 [*, cols] -> [count, cols]); a row index
 // outside [0, src_rows) writes a zero row.

@@ -189,6 +189,8 @@ void plan_gpu_step(std::span<const BatchEntry> batch, std::span<const ops::Sampl
   plan.kv_len.assign(ms, 0);
   plan.last_row.assign(ms, 0);
   plan.page_table.assign(ms * mp, 0);  // padding entries name page 0: in bounds, never read
+  plan.cu_seqlens.assign(ms + 1, static_cast<int32_t>(tokens));
+  plan.state_slot.assign(ms, -1);
   plan.lora_segments.assign(static_cast<size_t>(std::max(cap.num_slots, 0)) * 4, 0);
   plan.sample_params.assign(ms, ops::SampleRowParams{});
   plan.uniform.assign(ms, 0.0f);
@@ -216,6 +218,7 @@ void plan_gpu_step(std::span<const BatchEntry> batch, std::span<const ops::Sampl
     const int32_t q = static_cast<int32_t>(b.tokens.size());
     plan.q_start[k] = row;
     plan.q_len[k] = q;
+    plan.cu_seqlens[k] = row;
     plan.kv_len[k] = length + q;
     plan.last_row[k] = row + q - 1;
     max_kv_len = std::max(max_kv_len, length + q);
@@ -270,7 +273,28 @@ uint64_t estimate_kv_bytes_per_token(const io::ModelConfig& c) {
   const uint64_t per_layer =
       c.use_mla ? static_cast<uint64_t>(c.kv_lora_rank + c.qk_rope_head_dim) * 2
                 : static_cast<uint64_t>(c.num_key_value_heads * (c.head_dim + c.head_dim)) * 2;
-  return per_layer * static_cast<uint64_t>(c.num_hidden_layers);
+  int64_t attention_layers = 0;  // Gated DeltaNet layers keep a fixed-size state, no KV rows
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    attention_layers += is_linear_attention_layer(c, l) ? 0 : 1;
+  return per_layer * static_cast<uint64_t>(attention_layers);
+}
+
+bool is_linear_attention_layer(const io::ModelConfig& c, int64_t layer) {
+  return layer >= 0 && static_cast<size_t>(layer) < c.layer_types.size() &&
+         c.layer_types[static_cast<size_t>(layer)] == "linear_attention";
+}
+
+uint64_t linear_attention_state_bytes(const io::ModelConfig& c) {
+  const io::LinearAttentionConfig& la = c.linear_attention;
+  const uint64_t conv_dim = static_cast<uint64_t>(2 * la.num_key_heads * la.key_head_dim +
+                                                  la.num_value_heads * la.value_head_dim);
+  const uint64_t per_layer =
+      conv_dim * static_cast<uint64_t>(std::max<int64_t>(la.conv_kernel_dim - 1, 0)) * 2 +
+      static_cast<uint64_t>(la.num_value_heads * la.key_head_dim * la.value_head_dim) * 4;
+  uint64_t layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    layers += is_linear_attention_layer(c, l) ? 1 : 0;
+  return per_layer * layers;
 }
 
 void for_each_dense_linear(const io::ModelConfig& c, int64_t layer,
@@ -287,6 +311,15 @@ void for_each_dense_linear(const io::ModelConfig& c, int64_t layer,
     fn(c.kv_lora_rank + c.qk_rope_head_dim, H);
     fn(Hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank);
     fn(H, Hq * c.v_head_dim);
+  } else if (is_linear_attention_layer(c, layer)) {
+    const io::LinearAttentionConfig& la = c.linear_attention;
+    const int64_t kd = la.num_key_heads * la.key_head_dim,
+                  vd = la.num_value_heads * la.value_head_dim;
+    fn(2 * kd + vd, H);         // in_proj_qkv
+    fn(vd, H);                  // in_proj_z
+    fn(la.num_value_heads, H);  // in_proj_b
+    fn(la.num_value_heads, H);  // in_proj_a
+    fn(H, vd);                  // out_proj
   } else {
     const int64_t D = c.head_dim, Hkv = c.num_key_value_heads;
     fn(Hq * D * (c.attention_output_gate ? 2 : 1), H);
@@ -332,7 +365,10 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
              static_cast<uint64_t>(std::max(c.moe_intermediate_size, c.intermediate_size)));
   const uint64_t workspace =
       8 * T * width * 4 + static_cast<uint64_t>(std::max(limits.max_sequences, 1)) * V * 4;
-  return weights + S * lora_elems * 2 + workspace;
+  // Linear-attention states: one per sequence of a step.
+  const uint64_t states =
+      linear_attention_state_bytes(c) * static_cast<uint64_t>(std::max(limits.max_sequences, 1));
+  return weights + S * lora_elems * 2 + workspace + states;
 }
 
 // ============================================================================ stubs

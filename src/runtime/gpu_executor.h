@@ -166,6 +166,11 @@ struct GpuStepPlan {
   std::vector<int32_t> token_ids, token_slot, token_seq, token_pos;  // [max_tokens]
   std::vector<int32_t> q_start, q_len, kv_len, last_row;             // [max_seqs]
   std::vector<int32_t> page_table;                                   // [max_seqs * max_pages]
+  // Linear-attention layers: row offsets (sequence k's rows are [cu_seqlens[k], cu_seqlens[k +
+  // 1]); padding sequences empty at num_tokens) and state slots (-1 here; the executor fills the
+  // valid sequences' slots).
+  std::vector<int32_t> cu_seqlens;     // [max_seqs + 1]
+  std::vector<int32_t> state_slot;     // [max_seqs]
   std::vector<int32_t> lora_segments;  // [num_slots * 4] {slot, 0, begin, end}, then zeros
   std::vector<ops::SampleRowParams> sample_params;  // [max_seqs] (padding: greedy)
   std::vector<float> uniform;                       // [max_seqs]
@@ -193,7 +198,8 @@ void plan_gpu_step(std::span<const BatchEntry> batch, std::span<const ops::Sampl
                    PageAllocator& pages, GpuStepPlan& plan);
 
 // Every dense (non-expert) linear of decoder layer `layer` as fn(out_features, in_features):
-// the attention projections (GQA q/k/v/o, or MLA q_a/q_b or q_proj, kv_a, kv_b, o) and the SwiGLU
+// the attention projections (GQA q/k/v/o, or MLA q_a/q_b or q_proj, kv_a, kv_b, o, or Gated
+// DeltaNet in_proj_qkv / z / b / a and out_proj) and the SwiGLU
 // gate/up/down of the dense MLP or of the MoE layer's shared expert. The memory estimate below
 // and `moelora bench`'s byte model both walk the model through it.
 void for_each_dense_linear(const io::ModelConfig& config, int64_t layer,
@@ -205,8 +211,13 @@ void for_each_dense_linear(const io::ModelConfig& config, int64_t layer,
 uint64_t estimate_gpu_model_bytes(const io::ModelConfig& config, bool fp8_experts,
                                   const ExecutorLimits& limits);
 // KV bytes per token over all layers as the paged cache stores them (bf16; GQA: K and V of every
-// KV head; MLA: the latent kv_lora_rank + rope part).
+// KV head; MLA: the latent kv_lora_rank + rope part); Gated DeltaNet layers hold none.
 uint64_t estimate_kv_bytes_per_token(const io::ModelConfig& config);
+// Whether decoder layer `layer` is a Qwen3.5 Gated DeltaNet ("linear_attention") layer.
+bool is_linear_attention_layer(const io::ModelConfig& config, int64_t layer);
+// Bytes of one sequence's linear-attention states over all such layers: the conv state (bf16
+// [conv_dim, K - 1]) and the recurrent state (fp32 [nv, dk, dv]); 0 without such layers.
+uint64_t linear_attention_state_bytes(const io::ModelConfig& config);
 // The first `layers` decoder layers of `config` (per-layer lists cut to match); 0 = unchanged.
 io::ModelConfig first_layers(io::ModelConfig config, int64_t layers);
 

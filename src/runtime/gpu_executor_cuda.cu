@@ -135,6 +135,7 @@ class GpuExecutor final : public Executor {
     capacity_ = {m.max_tokens, m.max_seqs, m.num_slots, m.max_pages_per_seq,
                  model_->config().vocab_size};
     if (options.cuda_graphs) buckets_ = decode_buckets(m.max_seqs);
+    for (int32_t s = model_->num_state_slots() - 1; s >= 0; --s) free_state_slots_.push_back(s);
     // Buckets above the token capacity cannot be graphs (plan_gpu_step runs them eagerly).
     buckets_.erase(
         std::remove_if(buckets_.begin(), buckets_.end(), [&](int b) { return b > m.max_tokens; }),
@@ -176,13 +177,29 @@ class GpuExecutor final : public Executor {
   }
 
   SequenceHandle new_sequence() override {
+    int32_t state = -1;
+    if (model_->num_state_slots() > 0) {
+      // Linear-attention layers: the sequence's recurrent state, zeroed before its first forward.
+      MOELORA_CHECK(!free_state_slots_.empty(), ErrorCode::kInternal,
+                    "no free linear-attention state slot: ", model_->num_state_slots(),
+                    " sequences are live (the limit is max_sequences)");
+      state = free_state_slots_.back();
+      model_->reset_state(state, model_->main_stream());
+      free_state_slots_.pop_back();
+    }
     const SequenceHandle s = pages_.new_sequence();
     slot_of_[s] = kUnbound;
+    if (state >= 0) state_slot_of_[s] = state;
     return s;
   }
   void free_sequence(SequenceHandle sequence) override {
     pages_.free_sequence(sequence);
     slot_of_.erase(sequence);
+    auto it = state_slot_of_.find(sequence);
+    if (it != state_slot_of_.end()) {
+      free_state_slots_.push_back(it->second);
+      state_slot_of_.erase(it);
+    }
   }
   int64_t sequence_length(SequenceHandle sequence) const override {
     return pages_.length(sequence);
@@ -246,6 +263,11 @@ class GpuExecutor final : public Executor {
                     " but runs on slot ", b.slot);
     }
     plan_gpu_step(batch, params, uniforms, capacity_, buckets_, occupied_, pages_, plan_);
+    if (!state_slot_of_.empty()) {
+      for (int32_t k = 0; k < plan_.num_seqs; ++k)
+        plan_.state_slot[static_cast<size_t>(k)] = state_slot_of_.at(
+            batch[static_cast<size_t>(plan_.order[static_cast<size_t>(k)])].sequence);
+    }
     try {
       launch(sample);
     } catch (...) {
@@ -275,6 +297,8 @@ class GpuExecutor final : public Executor {
     if (!plan_.lora_segments.empty()) copy_into(h.lora_segments, plan_.lora_segments);
     copy_into(h.sample_params, plan_.sample_params);
     copy_into(h.uniform, plan_.uniform);
+    copy_into(h.cu_seqlens, plan_.cu_seqlens);
+    copy_into(h.state_slot, plan_.state_slot);
   }
 
   model::ForwardShape shape_of(bool sample) const {
@@ -367,6 +391,10 @@ class GpuExecutor final : public Executor {
   std::vector<bool> occupied_;
   std::map<SequenceHandle, int32_t> slot_of_;
   GpuStepPlan plan_;
+  // Linear-attention state slots (GpuModel::num_state_slots): free ones (a stack) and each live
+  // sequence's.
+  std::vector<int32_t> free_state_slots_;
+  std::map<SequenceHandle, int32_t> state_slot_of_;
   PinnedArray<int32_t> tokens_host_;                  // [max_seqs]
   PinnedArray<float> logits_host_;                    // [max_seqs, V]
   std::map<std::pair<int, bool>, GraphExec> graphs_;  // empty GraphExec: capture failed

@@ -250,6 +250,21 @@ TEST(Sm90_EngineGpu, ContinuousBatchingMatchesCpuQwen) {
                          cases);
 }
 
+// Qwen3.5: each request's linear-attention state slot is taken at admission, zeroed, carried
+// through chunked prefill beside other requests' decodes and graph replays, and given back when
+// the request ends (later requests reuse the slots).
+TEST(Sm90_EngineGpu, ContinuousBatchingMatchesCpuQwen35) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(203));
+  const std::vector<Case> cases = {
+      {random_tokens(rng, 17), "all", 16, 0},   {random_tokens(rng, 4), "", 12, 0},
+      {random_tokens(rng, 12), "linear", 9, 0}, {random_tokens(rng, 2), "all", 14, 2},
+      {random_tokens(rng, 21), "", 5, 3},       {random_tokens(rng, 1), "linear", 16, 5},
+      {random_tokens(rng, 9), "", 7, 6},        {random_tokens(rng, 13), "all", 10, 9},
+  };
+  expect_gpu_matches_cpu("qwen3_5_moe", {{"all", "lora_all"}, {"linear", "lora_linear"}}, cases);
+}
+
 TEST(Sm90_EngineGpu, ContinuousBatchingMatchesCpuDeepseek) {
   MOELORA_REQUIRE_SM90();
   std::mt19937_64 rng(test::test_seed(202));
@@ -358,7 +373,6 @@ TEST(Sm90_EngineGpu, BadAdapterFailsOnlyItsRequest) {
   EXPECT_EQ(engine.stats().requests_failed, 1);
 }
 
-
 // The runtime's GPU executor with FlashInfer's attention and with moelora's, driven through the
 // same steps: prompts in chunks beside decodes, a sequence leaving, decode steps that replay graph
 // buckets (one with a padding sequence), an adapter on one sequence. Each step's logits agree
@@ -368,14 +382,24 @@ TEST(Sm90_EngineGpu, BadAdapterFailsOnlyItsRequest) {
 TEST(Sm90_EngineGpu, FlashInferExecutorMatchesMoeloraExecutor) {
   MOELORA_REQUIRE_SM90();
   test::TempDir dir;
-  const nlohmann::json config = {
-      {"model_type", "qwen3_moe"}, {"vocab_size", 1024}, {"hidden_size", 512},
-      {"num_hidden_layers", 2}, {"num_attention_heads", 32}, {"num_key_value_heads", 4},
-      {"head_dim", 128}, {"intermediate_size", 1024}, {"moe_intermediate_size", 256},
-      {"num_experts", 8}, {"num_experts_per_tok", 8}, {"norm_topk_prob", true},
-      {"rms_norm_eps", 1e-6}, {"rope_theta", 1000000.0}, {"max_position_embeddings", 4096},
-      {"decoder_sparse_step", 1}, {"mlp_only_layers", nlohmann::json::array()},
-      {"tie_word_embeddings", false}};
+  const nlohmann::json config = {{"model_type", "qwen3_moe"},
+                                 {"vocab_size", 1024},
+                                 {"hidden_size", 512},
+                                 {"num_hidden_layers", 2},
+                                 {"num_attention_heads", 32},
+                                 {"num_key_value_heads", 4},
+                                 {"head_dim", 128},
+                                 {"intermediate_size", 1024},
+                                 {"moe_intermediate_size", 256},
+                                 {"num_experts", 8},
+                                 {"num_experts_per_tok", 8},
+                                 {"norm_topk_prob", true},
+                                 {"rms_norm_eps", 1e-6},
+                                 {"rope_theta", 1000000.0},
+                                 {"max_position_embeddings", 4096},
+                                 {"decoder_sparse_step", 1},
+                                 {"mlp_only_layers", nlohmann::json::array()},
+                                 {"tie_word_embeddings", false}};
   std::ofstream(dir.path() / "config.json") << config.dump(2);
   runtime::GpuExecutorOptions o;
   o.model_dir = dir.path();
@@ -392,7 +416,8 @@ TEST(Sm90_EngineGpu, FlashInferExecutorMatchesMoeloraExecutor) {
   try {
     fi = runtime::make_gpu_executor(o);
   } catch (const Error& e) {
-    if (e.code() == ErrorCode::kUnsupported) GTEST_SKIP() << e.what();  // a build without FlashInfer
+    if (e.code() == ErrorCode::kUnsupported)
+      GTEST_SKIP() << e.what();  // a build without FlashInfer
     throw;
   }
   o.attention = "moelora";
@@ -423,7 +448,7 @@ TEST(Sm90_EngineGpu, FlashInferExecutorMatchesMoeloraExecutor) {
   // Each step: (sequence, prompt tokens to feed; empty = decode its next token).
   using Step = std::vector<std::pair<int, std::vector<int32_t>>>;
   std::vector<Step> steps = {{{0, tokens(40)}, {1, tokens(7)}}};
-  for (int i = 0; i < 3; ++i) steps.push_back({{0, {}}, {1, {}}});          // bucket 2
+  for (int i = 0; i < 3; ++i) steps.push_back({{0, {}}, {1, {}}});           // bucket 2
   steps.push_back({{2, tokens(30)}, {0, {}}, {1, {}}});                      // chunk + decodes
   for (int i = 0; i < 3; ++i) steps.push_back({{0, {}}, {1, {}}, {2, {}}});  // bucket 4, 1 padding
   steps.push_back({{2, tokens(25)}, {0, {}}});                               // B has left
@@ -469,8 +494,10 @@ TEST(Sm90_EngineGpu, FlashInferExecutorMatchesMoeloraExecutor) {
   // Decode steps of buckets 2 and 4 replayed graphs on both executors.
   EXPECT_GT(fi->counters().graph_replays, 0);
   EXPECT_EQ(fi->counters().graph_replays, own->counters().graph_replays);
-  std::printf("[engine-gpu] FlashInfer vs moelora attention through the executor: worst logit "
-              "cosine %.6f\n", worst_cosine);
+  std::printf(
+      "[engine-gpu] FlashInfer vs moelora attention through the executor: worst logit "
+      "cosine %.6f\n",
+      worst_cosine);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Sm90 GpuModel (the whole decoder on the GPU) against the CPU model on the parity fixtures of
-// tests/data/parity: Qwen3-MoE (bf16 experts, GQA with q/k norms), DeepSeek-V3 and Kimi-like
+// tests/data/parity: Qwen3-MoE (bf16 experts, GQA with q/k norms), Qwen3.5-MoE (Gated DeltaNet and
+// gated attention), DeepSeek-V3 and Kimi-like
 // (MLA, noaux_tc routing, dense first layer), the FP8 DeepSeek checkpoint (FP8 experts), every
 // adapter of each fixture and mixed batches of adapters and base-only sequences. The test drives
 // GpuModel directly: it fills the step metadata, orders rows by slot, builds the LoRA segments
@@ -44,9 +45,9 @@
 #include "io/peft.h"
 #include "io/safetensors.h"
 #include "model/gpu_model_cuda.cuh"
-#include "ops/attention/attention_flashinfer.cuh"
 #include "model/model.h"
 #include "model/sampler.h"
+#include "ops/attention/attention_flashinfer.cuh"
 #include "support/test_support.h"
 
 namespace moelora::model {
@@ -61,16 +62,17 @@ fs::path parity_dir(const std::string& name) {
   return test::data_dir() / "parity" / name;
 }
 
-// Limits for batches of up to `max_batch` sequences of at most kPromptTokens new tokens each
-// (prefill of every prompt in one forward) and kPromptTokens + kGreedyTokens positions.
-GpuModelLimits small_limits(int max_batch = 6) {
+// Limits for batches of up to `max_batch` sequences of at most `prompt_tokens` new tokens each
+// (prefill of every prompt in one forward) and prompt_tokens + kGreedyTokens positions.
+GpuModelLimits small_limits(int max_batch = 6, int prompt_tokens = kPromptTokens) {
   GpuModelLimits limits;
-  limits.max_tokens = std::max(64, max_batch * kPromptTokens);
+  limits.max_tokens = std::max(64, max_batch * prompt_tokens);
   limits.max_seqs = max_batch;
   limits.num_slots = 4;
   limits.max_rank = 16;
   limits.page_size = 16;
-  limits.max_pages_per_seq = 4;  // 64 positions >= prompt 12 + 16 generated
+  // e.g. 64 positions >= prompt 12 + 16 generated
+  limits.max_pages_per_seq = std::max(4, (prompt_tokens + kGreedyTokens + 15) / 16);
   // Every sequence of a batch at full length, plus the graph test's replacement sequences.
   limits.num_pages = static_cast<int64_t>(max_batch + 2) * limits.max_pages_per_seq;
   return limits;
@@ -85,6 +87,7 @@ struct GpuSequence {
   int32_t slot = -1;
   int kv_len = 0;
   std::vector<int32_t> pages;
+  int32_t state = -1;  // linear-attention state slot (models with Gated DeltaNet layers)
 };
 
 // Fills the step metadata of GpuModel for a batch of (sequence, new tokens), runs forwards and
@@ -95,18 +98,39 @@ class Driver {
   explicit Driver(GpuModel& model) : model_(model) {
     const GpuModelLimits& l = model.limits();
     for (int64_t p = l.num_pages - 1; p >= 0; --p) free_pages_.push_back(static_cast<int32_t>(p));
+    for (int32_t s = model.num_state_slots() - 1; s >= 0; --s) free_states_.push_back(s);
   }
 
+  // Linear-attention models: a new sequence takes a free state slot, zeroed here, as the executor
+  // does at admission.
   int add_sequence(int32_t slot) {
+    const int id = static_cast<int>(seqs_.size());
     seqs_.push_back({slot, 0, {}});
-    return static_cast<int>(seqs_.size()) - 1;
+    if (model_.num_state_slots() > 0) {
+      if (free_states_.empty()) throw std::logic_error("the test ran out of state slots");
+      seqs_[id].state = free_states_.back();
+      free_states_.pop_back();
+      model_.reset_state(seqs_[id].state, model_.main_stream());
+    }
+    return id;
+  }
+  // A state slot for the test's own use (taken from the free ones).
+  int32_t take_state_slot() {
+    if (free_states_.empty()) throw std::logic_error("the test ran out of state slots");
+    const int32_t s = free_states_.back();
+    free_states_.pop_back();
+    return s;
   }
   void drop_sequence(int id) {
     for (int32_t p : seqs_[id].pages) free_pages_.push_back(p);
     seqs_[id].pages.clear();
     seqs_[id].kv_len = 0;
+    if (seqs_[id].state >= 0) free_states_.push_back(seqs_[id].state);
+    seqs_[id].state = -1;
   }
   GpuSequence& sequence(int id) { return seqs_[id]; }
+  // Batch row of the last prepare()'s item i (rows are ordered by adapter slot).
+  int position(size_t item) const { return position_[item]; }
 
   struct Item {
     int seq;
@@ -154,6 +178,8 @@ class Driver {
       }
       EXPECT_LE(static_cast<int>(s.pages.size()), l.max_pages_per_seq);
       item_rows_[order[b]] = {row, len};
+      h.cu_seqlens[b] = row;
+      h.state_slot[b] = s.state;
       h.q_start[b] = row;
       h.q_len[b] = len;
       h.kv_len[b] = kv;
@@ -183,6 +209,8 @@ class Driver {
       h.token_seq[r] = -1;
       h.token_pos[r] = 0;
     }
+    for (int b = static_cast<int>(items.size()); b <= l.max_seqs; ++b) h.cu_seqlens[b] = row;
+    for (int b = static_cast<int>(items.size()); b < l.max_seqs; ++b) h.state_slot[b] = -1;
     for (int b = static_cast<int>(items.size()); b < shape.seqs; ++b) {
       h.q_start[b] = 0;
       h.q_len[b] = 0;
@@ -291,6 +319,7 @@ class Driver {
   GpuModel& model_;
   std::vector<GpuSequence> seqs_;
   std::vector<int32_t> free_pages_;
+  std::vector<int32_t> free_states_;  // a stack of free linear-attention state slots
   std::vector<int> position_;
   std::vector<std::pair<int, int>> item_rows_;  // per caller item: first row, rows
   bool capture_routes_ = false;
@@ -333,7 +362,8 @@ Reference cpu_run(Model& cpu, int32_t slot, const std::vector<int32_t>& prompt,
     ref.tokens.push_back(argmax(std::span<const float>(ref.logits.back())));
     RouteMap routes;
     for (const auto& [layer, route] : trace.routes)
-      routes[layer].assign(route.ids.data<int32_t>(), route.ids.data<int32_t>() + route.ids.numel());
+      routes[layer].assign(route.ids.data<int32_t>(),
+                           route.ids.data<int32_t>() + route.ids.numel());
     ref.routes.push_back(std::move(routes));
     tokens = {feed != nullptr ? (*feed)[i] : ref.tokens.back()};
   }
@@ -431,8 +461,8 @@ LogitsDiff expect_logits_close(const std::vector<float>& gpu, const std::vector<
   d.cosine = dot / std::sqrt(na * nb + 1e-30);
   d.range = hi - lo;
   if (strict) {
-    EXPECT_GE(d.cosine, kMinLogitCosine) << label << " (max abs diff " << d.max_diff << ", logit range "
-                               << d.range << ")";
+    EXPECT_GE(d.cosine, kMinLogitCosine)
+        << label << " (max abs diff " << d.max_diff << ", logit range " << d.range << ")";
     EXPECT_LE(d.max_diff, 0.03 * d.range) << label << " (cosine " << d.cosine << ")";
   }
   return d;
@@ -538,9 +568,10 @@ void check_run(Model& cpu, int32_t slot, const std::vector<int32_t>& prompt, con
       const LogitsDiff d = expect_logits_close(gpu.logits[i], own.logits[i], step_label, false);
       if (!logits_within_bf16(d)) {
         ++off_bound_steps;
-        EXPECT_TRUE(flipped) << step_label << ": logits outside the bf16 bound of the CPU's (cosine "
-                             << d.cosine << ", max abs diff " << d.max_diff << " of range "
-                             << d.range << ") although every row so far was routed alike";
+        EXPECT_TRUE(flipped) << step_label
+                             << ": logits outside the bf16 bound of the CPU's (cosine " << d.cosine
+                             << ", max abs diff " << d.max_diff << " of range " << d.range
+                             << ") although every row so far was routed alike";
       }
     }
     tally.add(gpu.logits[i], gpu.sampled[i], imposed.logits[i], step_label + " (GPU routing)");
@@ -591,12 +622,12 @@ class Fixture {
     ModelOptions options;
     options.show_progress = false;
     cpu_ = std::make_unique<Model>(weights_, options);
-    GpuModelOptions gpu_options;
-    gpu_options.show_progress = false;
-    gpu_ = GpuModel::load(weights_, small_limits(max_batch), gpu_options);
     const io::SafetensorsFile ref = io::SafetensorsFile::open(dir_ / "reference.safetensors");
     const Tensor ids = ref.tensor("input_ids").clone();
-    EXPECT_EQ(ids.dim(1), kPromptTokens);
+    GpuModelOptions gpu_options;
+    gpu_options.show_progress = false;
+    gpu_ = GpuModel::load(weights_, small_limits(max_batch, static_cast<int>(ids.dim(1))),
+                          gpu_options);
     for (int64_t b = 0; b < ids.dim(0); ++b) {
       prompts_.emplace_back(ids.data<int32_t>() + b * ids.dim(1),
                             ids.data<int32_t>() + (b + 1) * ids.dim(1));
@@ -712,6 +743,28 @@ TEST(Sm90_GpuModel, Qwen3MoeMixedBatch) {
                 "qwen3_moe mixed");
 }
 
+// Qwen3.5: Gated DeltaNet layers (the recurrent state per state slot, 72-token prompts prefilled
+// in one forward, then one token per step), gated full attention with partial RoPE, (1 + w) norms,
+// the sigmoid-gated shared expert, and LoRA on every target (lora_all: attention, linear
+// attention, shared expert, routed experts; lora_linear: linear attention and shared expert).
+const std::vector<std::string> kQwen35Adapters = {"lora_all", "lora_linear"};
+
+TEST(Sm90_GpuModel, Qwen35MoeBaseAndAdapters) {
+  MOELORA_REQUIRE_SM90();
+  Fixture f("qwen3_5_moe", "base", kQwen35Adapters);
+  f.check_single("base", "qwen3_5_moe/base");
+  for (const std::string& a : kQwen35Adapters) f.check_single(a, "qwen3_5_moe/" + a);
+}
+
+TEST(Sm90_GpuModel, Qwen35MoePublishedFormAndMixedBatch) {
+  MOELORA_REQUIRE_SM90();
+  Fixture vlm("qwen3_5_moe", "base_vlm", {});
+  vlm.check_single("base", "qwen3_5_moe/base_vlm");
+  Fixture f("qwen3_5_moe", "base", kQwen35Adapters);
+  f.check_mixed({{"lora_all", 0}, {"base", 1}, {"lora_linear", 1}, {"base", 0}, {"lora_all", 1}},
+                "qwen3_5_moe mixed");
+}
+
 TEST(Sm90_GpuModel, DeepseekV3BaseAndAdapters) {
   MOELORA_REQUIRE_SM90();
   Fixture f("deepseek_v3", "base", kDeepseekAdapters);
@@ -776,6 +829,13 @@ void check_graph_replay(GpuModel& gpu, const std::vector<std::vector<int32_t>>& 
   std::vector<Driver::Item> batch;
   for (int i = 0; i < kBatch; ++i)
     batch.push_back({driver.add_sequence(slots[i]), prompts[i % prompts.size()]});
+  // Linear-attention models: the eager forward advances the states it reads, so the replay of
+  // the same step runs on shadow state slots holding copies of the states from before it.
+  const bool stateful = gpu.num_state_slots() > 0;
+  std::vector<int32_t> shadow;
+  if (stateful) {
+    for (int i = 0; i < kBatch; ++i) shadow.push_back(driver.take_state_slot());
+  }
   Driver::Output out = driver.step(batch);  // eager prefill
 
   // Capture one decode forward (metadata uploaded outside the graph).
@@ -805,9 +865,18 @@ void check_graph_replay(GpuModel& gpu, const std::vector<std::vector<int32_t>>& 
     ForwardShape eager = driver.prepare(batch, kBatch, kBatch, true);
     eager.lora = true;
     eager.single_slot = -1;
+    if (stateful) {
+      for (int i = 0; i < kBatch; ++i)
+        gpu.copy_state(driver.sequence(batch[i].seq).state, shadow[i], stream);
+    }
     gpu.upload_step(eager, stream);
     gpu.forward(eager);
     const Driver::Output want = driver.read(batch.size());
+    if (stateful) {  // the same step again from the copies (item i is batch row position(i))
+      StepMetadata& h = gpu.host_step();
+      for (int i = 0; i < kBatch; ++i) h.state_slot[driver.position(i)] = shadow[i];
+      gpu.upload_step(eager, stream);
+    }
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);  // same metadata, same KV rows rewritten
     const Driver::Output got = driver.read(batch.size());
     for (int i = 0; i < kBatch; ++i) {
@@ -885,6 +954,37 @@ io::ModelConfig qwen3_30b_a3b_shape() {
   return io::parse_model_config(c, "qwen3-30b-a3b shape");
 }
 
+// Qwen3.5-35B-A3B's layer shapes, 4 layers (3 Gated DeltaNet + 1 gated full attention): 16 / 2
+// heads of 256 with RoPE on 64 dims, linear attention 16 key / 32 value heads of 128, 256 experts
+// top-8 of 512 with a gated shared expert.
+io::ModelConfig qwen35_35b_a3b_shape() {
+  nlohmann::json c = {
+      {"model_type", "qwen3_5_moe_text"},
+      {"vocab_size", 8192},
+      {"hidden_size", 2048},
+      {"num_hidden_layers", 4},
+      {"layer_types",
+       {"linear_attention", "linear_attention", "linear_attention", "full_attention"}},
+      {"num_attention_heads", 16},
+      {"num_key_value_heads", 2},
+      {"head_dim", 256},
+      {"linear_conv_kernel_dim", 4},
+      {"linear_key_head_dim", 128},
+      {"linear_value_head_dim", 128},
+      {"linear_num_key_heads", 16},
+      {"linear_num_value_heads", 32},
+      {"moe_intermediate_size", 512},
+      {"shared_expert_intermediate_size", 512},
+      {"num_experts", 256},
+      {"num_experts_per_tok", 8},
+      {"rms_norm_eps", 1e-6},
+      {"rope_parameters",
+       {{"rope_type", "default"}, {"rope_theta", 10000000.0}, {"partial_rotary_factor", 0.25}}},
+      {"max_position_embeddings", 4096},
+      {"tie_word_embeddings", false}};
+  return io::parse_model_config(c, "qwen3.5-35b-a3b shape");
+}
+
 io::ModelConfig kimi_k25_shape() {
   nlohmann::json c = {{"model_type", "kimi_k2"},
                       {"vocab_size", 8192},
@@ -927,7 +1027,8 @@ io::ModelConfig kimi_k25_shape() {
 
 void check_random_model(const io::ModelConfig& config, const std::string& label) {
   const uint64_t seed = test::test_seed(20240611);
-  GpuModelLimits limits = small_limits();
+  // 10 sequences: the graph test's 4 and their 4 shadow state slots (linear-attention models)
+  GpuModelLimits limits = small_limits(10);
   limits.max_tokens = 96;
   GpuModelOptions options;
   options.show_progress = false;
@@ -970,6 +1071,11 @@ TEST(Sm90_GpuModel, RandomQwen3_30bA3bShape) {
   check_random_model(qwen3_30b_a3b_shape(), "qwen3-30b-a3b shape");
 }
 
+TEST(Sm90_GpuModel, RandomQwen35_35bA3bShape) {
+  MOELORA_REQUIRE_SM90();
+  check_random_model(qwen35_35b_a3b_shape(), "qwen3.5-35b-a3b shape");
+}
+
 TEST(Sm90_GpuModel, RandomKimiK25Shape) {
   MOELORA_REQUIRE_SM90();
   check_random_model(kimi_k25_shape(), "kimi-k2.5 shape");
@@ -1007,7 +1113,8 @@ TEST(Sm90_GpuModel, FlashInferAttentionMatchesMoeloraAttention) {
   std::mt19937_64 rng(seed);
   auto random_tokens = [&](int n) {
     std::vector<int32_t> t(n);
-    for (int32_t& id : t) id = static_cast<int32_t>(rng() % static_cast<uint64_t>(config.vocab_size));
+    for (int32_t& id : t)
+      id = static_cast<int32_t>(rng() % static_cast<uint64_t>(config.vocab_size));
     return t;
   };
   const int a = df.add_sequence(-1), b = df.add_sequence(0);
@@ -1028,12 +1135,14 @@ TEST(Sm90_GpuModel, FlashInferAttentionMatchesMoeloraAttention) {
     const Driver::Output om = dm.step(items);
     for (size_t i = 0; i < items.size(); ++i) {
       next[i] = om.sampled[i];  // both runs continue with the same token
-      const LogitsDiff d = expect_logits_close(
-          of.logits[i], om.logits[i], "step " + std::to_string(k) + " sequence " + std::to_string(i));
+      const LogitsDiff d =
+          expect_logits_close(of.logits[i], om.logits[i],
+                              "step " + std::to_string(k) + " sequence " + std::to_string(i));
       worst_cosine = std::min(worst_cosine, d.cosine);
     }
   }
-  std::printf("FlashInfer vs moelora attention, whole model: worst logit cosine %.6f\n", worst_cosine);
+  std::printf("FlashInfer vs moelora attention, whole model: worst logit cosine %.6f\n",
+              worst_cosine);
 }
 
 }  // namespace

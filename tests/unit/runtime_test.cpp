@@ -1688,6 +1688,10 @@ TEST(GpuExecutorHost, PlanGroupsRowsBySlotWithSegmentsPositionsAndPages) {
     }
     EXPECT_EQ(row, expected) << "sequence " << k;
   }
+  // Linear-attention rows: sequence k's rows [cu_seqlens[k], cu_seqlens[k + 1]), padding
+  // sequences empty at num_tokens; state slots left for the executor (-1).
+  EXPECT_EQ(p.cu_seqlens, (std::vector<int32_t>{0, 2, 3, 4, 7, 7, 7}));
+  EXPECT_EQ(p.state_slot, (std::vector<int32_t>(6, -1)));
   EXPECT_FLOAT_EQ(p.sample_params[1].temperature, 0.5f);  // batch entry 1 is sequence 1
   EXPECT_FLOAT_EQ(p.uniform[1], 0.25f);
   EXPECT_EQ(p.sample_params[0].temperature, 0.0f);
@@ -1783,6 +1787,37 @@ TEST(GpuExecutorHost, EstimatesScaleWithTheShapes) {
   EXPECT_LT(estimate_gpu_model_bytes(one, false, none), bf16);
   EXPECT_EQ(first_layers(qwen, 0), qwen);
   EXPECT_EQ(first_layers(qwen, 99), qwen);
+
+  // Qwen3.5: only the full-attention layers hold KV rows; each Gated DeltaNet layer holds a bf16
+  // conv state [conv_dim, K - 1] and an fp32 recurrent state [nv, dk, dv] per sequence.
+  const io::ModelConfig q35 = io::load_model_config(fixture("qwen3_5_moe") / "base");
+  const io::LinearAttentionConfig& la = q35.linear_attention;
+  int64_t linear = 0;
+  for (int64_t l = 0; l < q35.num_hidden_layers; ++l) linear += is_linear_attention_layer(q35, l);
+  EXPECT_EQ(linear, 4);
+  EXPECT_EQ(estimate_kv_bytes_per_token(q35),
+            static_cast<uint64_t>(1 * 2 * q35.num_key_value_heads * q35.head_dim * 2));
+  const int64_t conv_dim =
+      2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim;
+  EXPECT_EQ(linear_attention_state_bytes(q35),
+            static_cast<uint64_t>(linear *
+                                  (conv_dim * (la.conv_kernel_dim - 1) * 2 +
+                                   la.num_value_heads * la.key_head_dim * la.value_head_dim * 4)));
+  EXPECT_EQ(linear_attention_state_bytes(qwen), 0u);
+  // The linear layers' projections are what for_each_dense_linear lists for them.
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for_each_dense_linear(q35, 0, [&](int64_t out, int64_t in) { shapes.emplace_back(out, in); });
+  const int64_t H = q35.hidden_size, vd = la.num_value_heads * la.value_head_dim;
+  const std::vector<std::pair<int64_t, int64_t>> expected = {
+      {conv_dim, H},
+      {vd, H},
+      {la.num_value_heads, H},
+      {la.num_value_heads, H},
+      {H, vd},
+      {q35.shared_expert_intermediate_size, H},
+      {q35.shared_expert_intermediate_size, H},
+      {H, q35.shared_expert_intermediate_size}};
+  EXPECT_EQ(shapes, expected);
 }
 
 // ================================================================ moelora bench

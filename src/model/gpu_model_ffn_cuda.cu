@@ -1,0 +1,55 @@
+// The FFN half of a GPU model layer: the dense SwiGLU MLP (gate_up GEMM, SiLU * up, down, LoRA
+// on each) or the fused MoE layer (ops::cuda::MoeLayerCuda: router, experts, shared expert, both
+// LoRA seams).
+#include "model/gpu_model_impl_cuda.cuh"
+
+namespace moelora::model::gpu_impl {
+
+ops::cuda::MoeLayerConfig GpuModelImpl::moe_config(const Layer& layer, bool shared_gate) const {
+  ops::cuda::MoeLayerConfig mc;
+  mc.hidden = hidden_;
+  mc.inter = layer.moe_inter;
+  mc.num_experts = layer.experts;
+  mc.top_k = static_cast<int>(config_.num_experts_per_tok);
+  mc.route.kind = config_.router;
+  mc.route.num_experts = layer.experts;
+  mc.route.top_k = config_.num_experts_per_tok;
+  mc.route.renormalize = config_.norm_topk_prob;
+  mc.route.n_group = config_.n_group;
+  mc.route.topk_group = config_.topk_group;
+  mc.route.routed_scaling_factor = static_cast<float>(config_.routed_scaling_factor);
+  mc.shared_inter = layer.shared_inter;
+  mc.shared_gate = layer.shared_inter > 0 && shared_gate;
+  mc.max_tokens = limits_.max_tokens;
+  mc.num_slots = limits_.num_slots;
+  mc.max_rank = limits_.num_slots > 0 ? limits_.max_rank : 0;
+  mc.per_expert_pool = true;
+  return mc;
+}
+
+void GpuModelImpl::ffn(const ForwardShape& shape, const Layer& layer) {
+  const StepMetadata& d = device_step_;
+  if (layer.is_moe) {
+    ops::cuda::MoeForwardArgs a;
+    a.x = hnorm_;
+    a.slot = d.token_slot;
+    a.num_tokens = d.num_tokens;
+    a.tokens = shape.tokens;
+    a.lora = shape.lora && limits_.num_slots > 0;
+    a.single_slot = shape.single_slot;
+    a.out = branch_;
+    layer.moe->forward(a);
+    return;
+  }
+  project(shape, layer, hnorm_, layer.gate_up, gate_up_, {{kMlpGate, 0}, {kMlpUp, layer.inter}});
+  ops::cuda::SiluMulArgs s;
+  s.gate_up = gate_up_;
+  s.out = act_;
+  s.tokens = shape.tokens;
+  s.num_tokens = d.num_tokens;
+  s.inter = layer.inter;
+  ops::cuda::launch_silu_mul(s, main_.get());
+  project(shape, layer, act_, layer.down, branch_, {{kMlpDown, 0}});
+}
+
+}  // namespace moelora::model::gpu_impl
