@@ -154,7 +154,8 @@ struct StepScale {
   double margin = 0, range = 0, tolerance = 0;  // top-1 minus top-2; max - min; near-tie bound
 };
 
-StepScale step_scale(const std::vector<float>& logits) {
+StepScale step_scale(const std::vector<float>& logits,
+                     double near_tie_fraction = kNearTieFraction) {
   StepScale s;
   s.top = model::argmax(std::span<const float>(logits));
   float second = -INFINITY, lo = logits[0];
@@ -164,7 +165,7 @@ StepScale step_scale(const std::vector<float>& logits) {
   }
   s.margin = static_cast<double>(logits[s.top]) - second;
   s.range = static_cast<double>(logits[s.top]) - lo;
-  s.tolerance = kNearTieFraction * s.range;
+  s.tolerance = near_tie_fraction * s.range;
   return s;
 }
 
@@ -174,9 +175,12 @@ double reference_gap(const std::vector<float>& ref, const StepScale& s, int32_t 
   return static_cast<double>(ref[s.top]) - ref[token];
 }
 
+// near_tie_fraction: a CPU step whose top-1 minus top-2 is below this share of the logit range
+// counts as a near-tie (see the top of the file).
 void expect_gpu_matches_cpu(const std::string& model,
                             const std::map<std::string, std::string>& adapters,
-                            const std::vector<Case>& cases) {
+                            const std::vector<Case>& cases,
+                            double near_tie_fraction = kNearTieFraction) {
   const fs::path base = fixture(model) / "base";
   EngineStats gpu_stats;
   const std::vector<Outcome> gpu =
@@ -200,7 +204,7 @@ void expect_gpu_matches_cpu(const std::string& model,
         reference_logits(reference, cases[i].adapter, cases[i].prompt, cpu[i].tokens, n);
     size_t first_near_tie = n, leading = n;
     for (size_t j = 0; j < n; ++j) {
-      const StepScale s = step_scale(ref[j]);
+      const StepScale s = step_scale(ref[j], near_tie_fraction);
       // The reference reproduces the CPU engine (fp32 both; only summation order differs).
       EXPECT_LT(reference_gap(ref[j], s, cpu[i].tokens[j]), 1e-3 * s.range + 1e-6)
           << label << " step " << j << ": the CPU engine's token " << cpu[i].tokens[j]
@@ -262,7 +266,11 @@ TEST(Sm90_EngineGpu, ContinuousBatchingMatchesCpuQwen35) {
       {random_tokens(rng, 21), "", 5, 3},       {random_tokens(rng, 1), "linear", 16, 5},
       {random_tokens(rng, 9), "", 7, 6},        {random_tokens(rng, 13), "all", 10, 9},
   };
-  expect_gpu_matches_cpu("qwen3_5_moe", {{"all", "lora_all"}, {"linear", "lora_linear"}}, cases);
+  // Near-ties up to 5 % of the range, the bound of a first differing token: the Gated DeltaNet
+  // layers carry the bf16 rounding of their gates' inputs across tokens (see model_gpu_test.cu's
+  // ScopedQwen35Bound), so a step whose top two logits lie within it may go either way.
+  expect_gpu_matches_cpu("qwen3_5_moe", {{"all", "lora_all"}, {"linear", "lora_linear"}}, cases,
+                         kRoutingFlipFraction);
 }
 
 TEST(Sm90_EngineGpu, ContinuousBatchingMatchesCpuDeepseek) {

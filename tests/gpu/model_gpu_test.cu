@@ -431,13 +431,30 @@ struct LogitsDiff {
   double cosine = 1, max_diff = 0, range = 0;
 };
 
-// GPU logits against the reference: cosine >= kMinLogitCosine and max abs diff <= 3 % of the logit
+// GPU logits against the reference: cosine >= 0.998 and max abs diff <= 3 % of the logit
 // range. The whole model carries bf16 rounding of the residual stream through every layer (and,
 // for the FP8 checkpoint, the FP8 quantization of the expert inputs, which the HF-equivalent
 // reference does not do); with the GPU's routing imposed the worst steps measured on the H200 were
 // cosine 0.99882 (FP8 experts) and 0.99897 (bf16), max abs diff 2.7 % of the range, while a
 // single routing flip moves a step to 0.81-0.99.
-constexpr double kMinLogitCosine = 0.998;
+//
+// Qwen3.5 (ScopedQwen35Bound): its Gated DeltaNet layers feed bf16 projections into an fp32
+// recurrence over 72 prompt tokens and more, and its gates (beta = sigmoid(b), decay = exp(-A
+// softplus(a + dt_bias))) pass the bf16 rounding of b and a on to every later token; with the
+// GPU's routing imposed the worst steps measured on the H200 were cosine 0.9966 and max abs diff
+// 4.0 % of the range (the Gated DeltaNet kernels alone match the reference on the same bf16
+// inputs to 1e-4: tests/gpu/gdn_test.cu), so these fixtures get cosine 0.995 and 5 %.
+double g_min_logit_cosine = 0.998, g_max_diff_fraction = 0.03;
+struct ScopedQwen35Bound {
+  ScopedQwen35Bound() {
+    g_min_logit_cosine = 0.995;
+    g_max_diff_fraction = 0.05;
+  }
+  ~ScopedQwen35Bound() {
+    g_min_logit_cosine = 0.998;
+    g_max_diff_fraction = 0.03;
+  }
+};
 LogitsDiff expect_logits_close(const std::vector<float>& gpu, const std::vector<float>& cpu,
                                const std::string& label, bool strict = true) {
   LogitsDiff d;
@@ -461,15 +478,15 @@ LogitsDiff expect_logits_close(const std::vector<float>& gpu, const std::vector<
   d.cosine = dot / std::sqrt(na * nb + 1e-30);
   d.range = hi - lo;
   if (strict) {
-    EXPECT_GE(d.cosine, kMinLogitCosine)
+    EXPECT_GE(d.cosine, g_min_logit_cosine)
         << label << " (max abs diff " << d.max_diff << ", logit range " << d.range << ")";
-    EXPECT_LE(d.max_diff, 0.03 * d.range) << label << " (cosine " << d.cosine << ")";
+    EXPECT_LE(d.max_diff, g_max_diff_fraction * d.range) << label << " (cosine " << d.cosine << ")";
   }
   return d;
 }
 
 bool logits_within_bf16(const LogitsDiff& d) {
-  return d.cosine >= kMinLogitCosine && d.max_diff <= 0.03 * d.range;
+  return d.cosine >= g_min_logit_cosine && d.max_diff <= g_max_diff_fraction * d.range;
 }
 
 void expect_sampler_is_argmax(const Driver::Output& out, const std::string& label) {
@@ -751,6 +768,7 @@ const std::vector<std::string> kQwen35Adapters = {"lora_all", "lora_linear"};
 
 TEST(Sm90_GpuModel, Qwen35MoeBaseAndAdapters) {
   MOELORA_REQUIRE_SM90();
+  const ScopedQwen35Bound bound;
   Fixture f("qwen3_5_moe", "base", kQwen35Adapters);
   f.check_single("base", "qwen3_5_moe/base");
   for (const std::string& a : kQwen35Adapters) f.check_single(a, "qwen3_5_moe/" + a);
@@ -758,6 +776,7 @@ TEST(Sm90_GpuModel, Qwen35MoeBaseAndAdapters) {
 
 TEST(Sm90_GpuModel, Qwen35MoePublishedFormAndMixedBatch) {
   MOELORA_REQUIRE_SM90();
+  const ScopedQwen35Bound bound;
   Fixture vlm("qwen3_5_moe", "base_vlm", {});
   vlm.check_single("base", "qwen3_5_moe/base_vlm");
   Fixture f("qwen3_5_moe", "base", kQwen35Adapters);
