@@ -41,12 +41,14 @@ void LayerCache::truncate(int64_t size) {
   if (gqa) {
     gqa->truncate(size);
   } else if (gdn) {
-    if (size == gdn->tokens) {
-      return;
-    } else if (size == gdn->tokens_before) {
+    // The backup first: a pass that failed inside the state update left the state changed but
+    // the token count not yet advanced.
+    if (gdn->tokens_before >= 0 && size == gdn->tokens_before) {
       gdn->state = gdn->before;
       gdn->tokens = gdn->tokens_before;
       gdn->commit();
+    } else if (size == gdn->tokens) {
+      return;
     } else if (size == 0) {
       gdn->state = {Tensor::zeros(DType::kF32, gdn->state.conv.shape()),
                     Tensor::zeros(DType::kF32, gdn->state.recurrent.shape())};

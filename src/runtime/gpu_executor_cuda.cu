@@ -177,19 +177,19 @@ class GpuExecutor final : public Executor {
   }
 
   SequenceHandle new_sequence() override {
-    int32_t state = -1;
-    if (model_->num_state_slots() > 0) {
-      // Linear-attention layers: the sequence's recurrent state, zeroed before its first forward.
-      MOELORA_CHECK(!free_state_slots_.empty(), ErrorCode::kInternal,
-                    "no free linear-attention state slot: ", model_->num_state_slots(),
-                    " sequences are live (the limit is max_sequences)");
-      state = free_state_slots_.back();
-      model_->reset_state(state, model_->main_stream());
-      free_state_slots_.pop_back();
-    }
+    const bool stateful = model_->num_state_slots() > 0;
+    // Linear-attention layers: the sequence's recurrent state, zeroed before its first forward.
+    MOELORA_CHECK(!stateful || !free_state_slots_.empty(), ErrorCode::kInternal,
+                  "no free linear-attention state slot: ", model_->num_state_slots(),
+                  " sequences are live (the limit is max_sequences)");
     const SequenceHandle s = pages_.new_sequence();
     slot_of_[s] = kUnbound;
-    if (state >= 0) state_slot_of_[s] = state;
+    if (stateful) {
+      const int32_t state = free_state_slots_.back();
+      model_->reset_state(state, model_->main_stream());
+      free_state_slots_.pop_back();
+      state_slot_of_[s] = state;
+    }
     return s;
   }
   void free_sequence(SequenceHandle sequence) override {
@@ -271,6 +271,8 @@ class GpuExecutor final : public Executor {
     try {
       launch(sample);
     } catch (...) {
+      // Pages go back; the batch's linear-attention states may already have advanced on the
+      // device, which is fine because the engine ends every request of a failed forward.
       for (const BatchEntry& b : batch) pages_.rollback(b.sequence);
       throw;
     }
