@@ -54,6 +54,10 @@ void GpuModelImpl::linear_attention(const ForwardShape& shape, const Layer& laye
   a.workspace_bytes = gdn_ws_bytes_;
   a.num_sms = num_sms_;  // the rule kernel's persistent grid (two CTAs per SM, state prefetch)
   a.pdl = true;          // the conv kernel's launch overlaps the projection's tail
+  // Prefill chunks of long prompts take the chunked (tensor-core) rule; decode steps (max_q_len 1)
+  // never launch it.
+  a.chunked_min_tokens =
+      shape.max_q_len >= ops::cuda::kGdnChunkedMinTokens ? ops::cuda::kGdnChunkedMinTokens : 0;
   ops::cuda::launch_gdn_mix(a, main_.get());
   project(shape, layer, gdn_mix_, layer.gdn_out, branch_, {{kOutProj, 0}});
 }

@@ -1,4 +1,5 @@
-// Gated DeltaNet mix on the GPU (see gdn_cuda.cuh; gdn_mix_ref is the oracle). Two kernels:
+// Gated DeltaNet mix on the GPU (see gdn_cuda.cuh; gdn_mix_ref is the oracle). Two kernels here,
+// and the chunked rule kernel for long sequences in gdn_chunk_cuda.cu:
 //
 // 1. gdn_conv_kernel<dk, dv, K>, grid (max_tokens, ceil((nk + nv) / 8)), 8 warps: one warp per
 //    "segment" of a row: a key head (its q and k channels: causal conv + SiLU, L2 norms, q scaled,
@@ -47,43 +48,18 @@
 #include "core/cuda_utils.h"
 #include "core/sm90_ptx.cuh"
 #include "ops/gdn/gdn_cuda.cuh"
+#include "ops/gdn/gdn_internal_cuda.cuh"
 
 namespace moelora::ops::cuda {
 
 namespace {
 
+using namespace gdn_detail;
+
 constexpr int kConvWarps = 8;
 constexpr int kRuleThreads = 256;
 constexpr int kRuleCtasPerSm = 2;    // __launch_bounds__ below; 2 x (64 + 23) KB shared memory
 constexpr float kL2NormEps = 1e-6f;  // as the reference (and transformers' l2norm)
-
-// Workspace regions (fp32), rows of the call's batch.
-struct GdnScratch {
-  float* q = nullptr;     // [max_tokens, nk * dk] normalised, scaled by 1 / sqrt(dk)
-  float* k = nullptr;     // [max_tokens, nk * dk] normalised
-  float* v = nullptr;     // [max_tokens, nv * dv]
-  float* beta = nullptr;  // [max_tokens, nv]
-  float* g = nullptr;     // [max_tokens, nv]
-  float* kq = nullptr;    // [max_tokens, nk] k . q of each key head
-};
-
-// Kernel-side parameters: the public arguments with int sizes and the workspace split.
-struct GdnParams {
-  int nk, nv, dk, dv, conv_kernel, conv_dim, key_dim, value_dim, group;
-  float norm_eps, q_scale;
-  const int32_t* cu_seqlens;
-  const int32_t* slots;
-  int max_seqs, num_slots;
-  const __nv_bfloat16 *qkv, *z, *b, *a;
-  int64_t qkv_stride, z_stride, b_stride, a_stride;
-  const __nv_bfloat16* conv_weight;
-  const float *a_log, *dt_bias, *norm_weight;
-  __nv_bfloat16* conv_state;
-  float* recurrent_state;
-  __nv_bfloat16* out;
-  int64_t out_stride;
-  GdnScratch ws;
-};
 
 size_t align256(size_t bytes) {
   return (bytes + 255) / 256 * 256;
@@ -96,18 +72,6 @@ void scratch_bytes(const GdnShape& s, int max_tokens, size_t out[6]) {
   const size_t nv = static_cast<size_t>(s.num_v_heads), nk = static_cast<size_t>(s.num_k_heads);
   const size_t widths[6] = {kd, kd, vd, nv, nv, nk};
   for (int i = 0; i < 6; ++i) out[i] = align256(rows * widths[i] * sizeof(float));
-}
-
-__device__ __forceinline__ float silu(float v) {
-  return v / (1.0f + expf(-v));  // as silu_f32
-}
-__device__ __forceinline__ float softplus(float v) {
-  return v > 20.0f ? v : log1pf(expf(v));  // torch's softplus (beta 1, threshold 20)
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // The sequence holding batch row `row` (the last b with cu_seqlens[b] <= row), or -1 for a row
@@ -132,10 +96,6 @@ __device__ int sequence_of_row(const GdnParams& p, int row) {
     n = min(step, n - step * count);
   }
   return lo;
-}
-
-__device__ __forceinline__ bool slot_valid(const GdnParams& p, int slot) {
-  return slot >= 0 && slot < p.num_slots;
 }
 
 // The conv taps of channel c for the sequence's token t (batch row `row`): u[t .. t + K - 1] with
@@ -267,40 +227,6 @@ __device__ __forceinline__ void add4(float4& acc, const float4& v) {
   acc.w += v.w;
 }
 
-// The sequence's new conv state for the channels this CTA owns (see the file comment): u = [old
-// state ; the call's T rows], new state = u[T .. T + K - 2]. Each channel is read whole before it
-// is written, by one thread.
-__device__ void update_conv_state(const GdnParams& p, int h, int slot, int start, int T) {
-  if (T == 1) return;  // the conv kernel did it
-  const int k1 = p.conv_kernel - 1;
-  const int kh = h / p.group;
-  const int count = p.dv + (h % p.group == 0 ? 2 * p.dk : 0);
-  for (int i = threadIdx.x; i < count; i += blockDim.x) {
-    int c;
-    if (i < p.dv) {
-      c = 2 * p.key_dim + h * p.dv + i;
-    } else if (i < p.dv + p.dk) {
-      c = kh * p.dk + (i - p.dv);
-    } else {
-      c = p.key_dim + kh * p.dk + (i - p.dv - p.dk);
-    }
-    __nv_bfloat16* state = p.conv_state + (static_cast<int64_t>(slot) * p.conv_dim + c) * k1;
-    __nv_bfloat16 next[kGdnMaxConvKernel - 1];
-#pragma unroll
-    for (int j = 0; j < kGdnMaxConvKernel - 1; ++j) {
-      if (j < k1) {
-        const int u = T + j;
-        next[j] =
-            u < k1 ? state[u] : p.qkv[(static_cast<int64_t>(start) + u - k1) * p.qkv_stride + c];
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kGdnMaxConvKernel - 1; ++j) {
-      if (j < k1) state[j] = next[j];
-    }
-  }
-}
-
 // Shared-memory staging of one token for the rule kernel: [q (dk) | k (dk) | v (dv) | z (dv) |
 // beta, decay, k.q, pad], fp32.
 template <int kDk, int kDv>
@@ -387,7 +313,9 @@ __device__ int next_item(const GdnParams& p, int item, int items, RuleItem& it) 
     it.start = p.cu_seqlens[seq];
     it.T = p.cu_seqlens[seq + 1] - it.start;
     it.slot = p.slots[seq];
-    if (it.T > 0 && slot_valid(p, it.slot)) return item;
+    const bool chunked =
+        p.chunk_min_tokens > 0 && it.T >= p.chunk_min_tokens;  // the other kernel's
+    if (it.T > 0 && !chunked && slot_valid(p, it.slot)) return item;
   }
   return items;
 }
@@ -577,6 +505,10 @@ void launch_pair(const GdnParams& p, const GdnMixArgs& args, cudaStream_t stream
   MOELORA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   ::moelora::cuda::launch_kernel(kernel, dim3(grid), dim3(kRuleThreads), kSmem, stream, true, p);
+  // The chunked rule kernel (gdn_chunk_cuda.cu) for the long sequences, only when the call can
+  // hold one: a decode step's graph never contains it.
+  if (p.chunk_min_tokens > 0 && args.max_tokens >= p.chunk_min_tokens)
+    launch_gdn_chunk_rule(p, args.max_seqs, stream);
 }
 
 }  // namespace
@@ -609,6 +541,9 @@ Status can_implement_gdn_mix(const GdnMixArgs& a) {
                           " too large (<= 2^30 / 65535)"));
   if (a.max_seqs < 0 || a.max_seqs > INT32_MAX / s.num_v_heads)
     return invalid(concat("max_seqs must be in [0, 2^31 / nv], got ", a.max_seqs));
+  if (a.chunked_min_tokens < 0)
+    return invalid(
+        concat("chunked_min_tokens must be >= 0 (0: no chunked form), got ", a.chunked_min_tokens));
   if (a.num_sms < 0) return invalid(concat("num_sms must be >= 0, got ", a.num_sms));
   if (a.max_tokens < 0) return invalid(concat("max_tokens must be >= 0, got ", a.max_tokens));
   if (a.max_seqs == 0 || a.max_tokens == 0) return Status::ok();  // nothing to run
@@ -675,6 +610,7 @@ void launch_gdn_mix(const GdnMixArgs& args, cudaStream_t stream) {
   p.slots = args.slots;
   p.max_seqs = args.max_seqs;
   p.num_slots = args.num_slots;
+  p.chunk_min_tokens = args.chunked_min_tokens;
   p.qkv = args.qkv;
   p.z = args.z;
   p.b = args.b;

@@ -13,14 +13,18 @@
 //            S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; o = S^T q;
 //     out:   y = w * o / sqrt(mean(o^2) + eps) * silu(z) per value head, bf16, ready for out_proj.
 //
-// Two kernels (gdn_cuda.cu): a conv kernel writes the normalised q, k, the v and the gates of every
-// row to the workspace in fp32; a rule kernel, one CTA at a time per (sequence, value head), keeps
-// S in registers over the sequence's tokens (read and written once per call) and writes y. The new
-// conv state is written by the conv kernel for one-row sequences and by the rule kernel for longer
-// ones. The rule kernel is a programmatic dependent of the conv kernel: it starts copying S in
-// before waiting for it. A sequence fed in several calls gives bitwise the outputs and states of
-// one call (the per-token arithmetic does not depend on the split). Prefill runs the recurrence
-// token by token (one CTA per (sequence, head) walks its tokens); the chunked form is not here.
+// Two kernels (gdn_cuda.cu), and a third for long sequences: a conv kernel writes the normalised q,
+// k, the v and the gates of every row to the workspace in fp32; a recurrent rule kernel, one CTA
+// at a time per (sequence, value head), keeps S in registers over the sequence's tokens (read and
+// written once per call) and writes y; sequences of chunked_min_tokens tokens or more instead go to
+// the chunked rule kernel (gdn_chunk_cuda.cu), which runs the rule over 64-token chunks as matrix
+// products on the tensor cores (TF32, fp32 accumulation) with S in shared memory. The new conv
+// state is written by the conv kernel for one-row sequences and by the rule kernels for longer
+// ones. The recurrent rule kernel is a programmatic dependent of the conv kernel: it starts copying
+// S in before waiting for it; the chunked one follows it the same way. With the recurrent kernel a
+// sequence fed in several calls gives bitwise the outputs and states of one call (the per-token
+// arithmetic does not depend on the split); the chunked kernel's results depend on where its
+// chunks start, within its TF32 bounds (gdn_test.cu).
 //
 // States: conv_state is bf16 because it only ever holds copies of bf16 conv inputs (the in_proj_qkv
 // output rows), so bf16 is exact and half the bytes of fp32; the recurrent state is fp32 (it
@@ -43,6 +47,13 @@
 #include "ops/gdn/gdn.h"
 
 namespace moelora::ops::cuda {
+
+// The chunked rule's chunk length (tokens) and the sequence length from which the model uses it.
+// Measured on an H200 at Qwen3.5's shape, one prefill call of 2048 tokens (Sm90_Gdn.
+// PrefillQwen35Shape), chunked against recurrent: 2.08x as 1 x 2048 prompts, 2.11x as 4 x 512,
+// 1.20x as 16 x 128, 1.16x as 32 x 64, 0.87x as 64 x 32; so from one whole chunk on.
+inline constexpr int kGdnChunkTokens = 64;
+inline constexpr int kGdnChunkedMinTokens = 64;
 
 // Widest causal conv the kernels take (Qwen3.5 / Qwen3-Next use K = 4); the narrowest is 2.
 inline constexpr int kGdnMaxConvKernel = 4;
@@ -91,6 +102,12 @@ struct GdnMixArgs {
   // loop over the (sequence, value head) items, each streaming the next item's state in while it
   // works on the current one. 0: one CTA per item.
   int num_sms = 0;
+
+  // Prefill: sequences with at least this many tokens in the call run the gated delta rule in its
+  // chunked form (kGdnChunkTokens-token chunks on the tensor cores, see the file comment), the
+  // others token by token. 0: every sequence token by token (what decode steps pass: the chunked
+  // kernel is then not launched at all). kGdnChunkedMinTokens is the default the model uses.
+  int chunked_min_tokens = 0;
 
   // Launch the conv kernel with programmatic stream serialization: it waits for the previous
   // kernel in the stream (griddepcontrol.wait) before reading anything. (The rule kernel is always
