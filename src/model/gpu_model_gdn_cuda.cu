@@ -20,12 +20,10 @@ void GpuModelImpl::linear_attention(const ForwardShape& shape, const Layer& laye
   const int conv_dim = static_cast<int>(g.conv_dim()), vd = static_cast<int>(g.value_dim()),
             nv = static_cast<int>(g.num_v_heads);
   const int width = layer.gdn_in.out;  // conv_dim + vd + 2 nv
-  // One GEMM for the four projections; their LoRA in two multi-target launches (at most
-  // ops::cuda::kLoraMaxTargets = 3 targets per launch), the second adding onto the GEMM's output.
+  // One GEMM for the four projections and one multi-target LoRA launch pair for their adapters
+  // (shrink beside the GEMM on the side stream, expand adding into the four column blocks).
   project(shape, layer, hnorm_, layer.gdn_in, gdn_proj_,
-          {{kInQkv, 0}, {kInZ, conv_dim}, {kInB, conv_dim + vd}});
-  const ProjectLora in_a{kInA, gdn_proj_, conv_dim + vd + nv, width};
-  project_group(shape, layer, hnorm_, {}, std::span(&in_a, 1));
+          {{kInQkv, 0}, {kInZ, conv_dim}, {kInB, conv_dim + vd}, {kInA, conv_dim + vd + nv}});
 
   ops::cuda::GdnMixArgs a;
   a.shape = g;

@@ -15,7 +15,8 @@
 // row whose slot is >= 0 without checking ranks. Rows outside every segment are never touched.
 //
 // Multi-target launches: up to kLoraMaxTargets targets that read the same x rows with the same
-// segments (q/k/v of one attention, MLA's q_a and kv_a, gate and up of a dense MLP) run as one
+// segments (q/k/v of one attention, MLA's q_a and kv_a, gate and up of a dense MLP, the four input
+// projections of a Gated DeltaNet layer) run as one
 // shrink launch and one expand launch; each target has its own pool view, partials and output
 // columns, and the CTA's blockIdx.y picks the target.
 #pragma once
@@ -103,7 +104,7 @@ struct LoraExpandArgs {
 
 // ---- multi-target launches ----
 
-constexpr int kLoraMaxTargets = 3;
+constexpr int kLoraMaxTargets = 4;  // Gated DeltaNet's in_proj_qkv / z / b / a
 
 // One target of a multi-target shrink. Every target of a launch has the same in_features (they
 // read the same x), hence the same K splits; max_rank may differ.
