@@ -13,29 +13,13 @@
 #include <cstring>
 
 #include "model/architecture.h"
+#include "model/model.h"
 
 namespace moelora::model::detail {
 
-namespace {
-
-ops::GdnShape gdn_shape(const io::ModelConfig& config) {
-  const io::LinearAttentionConfig& la = config.linear_attention;
-  ops::GdnShape s;
-  s.hidden = config.hidden_size;
-  s.num_k_heads = la.num_key_heads;
-  s.num_v_heads = la.num_value_heads;
-  s.head_k_dim = la.key_head_dim;
-  s.head_v_dim = la.value_head_dim;
-  s.conv_kernel = la.conv_kernel_dim;
-  s.norm_eps = config.rms_norm_eps;
-  return s;
-}
-
-}  // namespace
-
 void check_linear_attention(const LinearAttentionWeightsF32& w, const io::ModelConfig& config,
                             int64_t layer) {
-  const ops::GdnShape s = gdn_shape(config);
+  const ops::GdnShape s = linear_attention_shape(config);
   const std::string where = "layer " + std::to_string(layer) + " linear_attn.";
   MOELORA_CHECK(s.num_k_heads > 0 && s.num_v_heads > 0 && s.head_k_dim > 0 && s.head_v_dim > 0 &&
                     s.conv_kernel >= 1 && s.num_v_heads % s.num_k_heads == 0,
@@ -66,13 +50,13 @@ void check_linear_attention(const LinearAttentionWeightsF32& w, const io::ModelC
 LayerCache make_linear_attention_cache(const io::ModelConfig& config) {
   LayerCache cache;
   cache.gdn.emplace();
-  cache.gdn->state = ops::GdnState::zeros(gdn_shape(config));
+  cache.gdn->state = ops::GdnState::zeros(linear_attention_shape(config));
   return cache;
 }
 
 Tensor linear_attention(const LinearAttentionWeightsF32& w, const Tensor& h,
                         const AttentionContext& ctx) {
-  const ops::GdnShape shape = gdn_shape(ctx.config);
+  const ops::GdnShape shape = linear_attention_shape(ctx.config);
   const int64_t tokens = h.dim(0), vd = shape.value_dim();
   const Tensor qkv = project(h, w.in_proj_qkv, ctx, &io::LayerLora::in_proj_qkv);  // [T, conv_dim]
   const Tensor z = project(h, w.in_proj_z, ctx, &io::LayerLora::in_proj_z);        // [T, vd]

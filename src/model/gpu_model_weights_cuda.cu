@@ -195,16 +195,7 @@ float* GpuModelImpl::upload_f32(const Tensor& t, const Shape& shape, const std::
 }
 
 ops::GdnShape GpuModelImpl::gdn_shape() const {
-  const io::LinearAttentionConfig& la = config_.linear_attention;
-  ops::GdnShape g;
-  g.hidden = config_.hidden_size;
-  g.num_k_heads = la.num_key_heads;
-  g.num_v_heads = la.num_value_heads;
-  g.head_k_dim = la.key_head_dim;
-  g.head_v_dim = la.value_head_dim;
-  g.conv_kernel = la.conv_kernel_dim;
-  g.norm_eps = config_.rms_norm_eps;
-  return g;
+  return linear_attention_shape(config_);
 }
 
 Linear GpuModelImpl::upload_stacked(std::initializer_list<const io::LinearWeight*> parts) {

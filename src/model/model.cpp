@@ -119,6 +119,19 @@ ops::RopeParams rope_params(const io::ModelConfig& config) {
   return p;
 }
 
+ops::GdnShape linear_attention_shape(const io::ModelConfig& config) {
+  const io::LinearAttentionConfig& la = config.linear_attention;
+  ops::GdnShape s;
+  s.hidden = config.hidden_size;
+  s.num_k_heads = la.num_key_heads;
+  s.num_v_heads = la.num_value_heads;
+  s.head_k_dim = la.key_head_dim;
+  s.head_v_dim = la.value_head_dim;
+  s.conv_kernel = la.conv_kernel_dim;
+  s.norm_eps = config.rms_norm_eps;
+  return s;
+}
+
 namespace detail {
 
 Tensor project(const Tensor& x, const Tensor& w, const AttentionContext& ctx,

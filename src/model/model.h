@@ -40,6 +40,7 @@
 #include "model/kv_cache.h"
 #include "model/lora_binding.h"
 #include "model/weights.h"
+#include "ops/gdn/gdn.h"
 #include "ops/rope/rope.h"
 #include "ops/route/route.h"
 
@@ -123,5 +124,9 @@ class Model {
 
 // The ops::RopeParams of a config (type, theta, rotary width, YaRN fields).
 ops::RopeParams rope_params(const io::ModelConfig& config);
+
+// The Gated DeltaNet shape of a config's linear-attention layers (heads, head dims, conv width,
+// the gated norm's eps), as the CPU and GPU models and the engine's memory estimates use it.
+ops::GdnShape linear_attention_shape(const io::ModelConfig& config);
 
 }  // namespace moelora::model

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <set>
 
+#include "model/model.h"
+
 namespace moelora::runtime {
 
 // ============================================================================ decode buckets
@@ -285,12 +287,12 @@ bool is_linear_attention_layer(const io::ModelConfig& c, int64_t layer) {
 }
 
 uint64_t linear_attention_state_bytes(const io::ModelConfig& c) {
-  const io::LinearAttentionConfig& la = c.linear_attention;
-  const uint64_t conv_dim = static_cast<uint64_t>(2 * la.num_key_heads * la.key_head_dim +
-                                                  la.num_value_heads * la.value_head_dim);
-  const uint64_t per_layer =
-      conv_dim * static_cast<uint64_t>(std::max<int64_t>(la.conv_kernel_dim - 1, 0)) * 2 +
-      static_cast<uint64_t>(la.num_value_heads * la.key_head_dim * la.value_head_dim) * 4;
+  // Per layer: the bf16 conv state [conv_dim, K - 1] and the fp32 recurrent state [nv, dk, dv].
+  const ops::GdnShape s = model::linear_attention_shape(c);
+  const uint64_t per_layer = static_cast<uint64_t>(s.conv_dim()) *
+                                 static_cast<uint64_t>(std::max<int64_t>(s.conv_kernel - 1, 0)) *
+                                 2 +
+                             static_cast<uint64_t>(s.num_v_heads * s.head_k_dim * s.head_v_dim) * 4;
   uint64_t layers = 0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     layers += is_linear_attention_layer(c, l) ? 1 : 0;
