@@ -1,5 +1,6 @@
 // Tokenizer: loading tokenizer.json / tokenizer_config.json into Tokenizer::Impl, and the
-// encode/decode pipelines described in tokenizer.h. The order of the steps and the treatment of
+// encode/decode pipelines described in tokenizer.h (the tiktoken backend is in
+// tokenizer_tiktoken.cpp). The order of the steps and the treatment of
 // edge cases (empty pieces, whitespace swallowed by lstrip/rstrip, unknown ids) follow the
 // `tokenizers` library, whose ids are the ground truth for every model we serve.
 #include "io/tokenizer.h"
@@ -71,7 +72,8 @@ class Fields {
   }
   const json& require(const std::string& key) const {
     const json* value = find(key);
-    MOELORA_CHECK(value != nullptr, ErrorCode::kInvalidFile, source_, ": missing field '", path(key), "'");
+    MOELORA_CHECK(value != nullptr, ErrorCode::kInvalidFile, source_, ": missing field '",
+                  path(key), "'");
     return *value;
   }
   std::string string(const std::string& key) const {
@@ -124,8 +126,8 @@ class Fields {
   const std::string& source_;
 };
 
-[[noreturn]] void unsupported(const std::string& source, const std::string& field, const std::string& value,
-                              const char* supported) {
+[[noreturn]] void unsupported(const std::string& source, const std::string& field,
+                              const std::string& value, const char* supported) {
   MOELORA_THROW(ErrorCode::kUnsupported, source, ": field '", field, "' is '", value,
                 "', which this tokenizer does not support; supported: ", supported);
 }
@@ -148,7 +150,8 @@ void parse_normalizer(const json& node, const std::string& path, const std::stri
   } else if (type == "Sequence") {
     const json& list = fields.array("normalizers");
     for (size_t i = 0; i < list.size(); ++i) {
-      parse_normalizer(list[i], fields.path("normalizers") + "[" + std::to_string(i) + "]", source, out);
+      parse_normalizer(list[i], fields.path("normalizers") + "[" + std::to_string(i) + "]", source,
+                       out);
     }
   } else {
     unsupported(source, fields.path("type"), type, "NFC, NFD, NFKC, NFKD, Sequence, null");
@@ -157,13 +160,15 @@ void parse_normalizer(const json& node, const std::string& path, const std::stri
 
 // ---- pre-tokenizer ----
 
-SplitBehavior parse_behavior(const std::string& value, const std::string& field, const std::string& source) {
+SplitBehavior parse_behavior(const std::string& value, const std::string& field,
+                             const std::string& source) {
   if (value == "Isolated") return SplitBehavior::kIsolated;
   if (value == "Removed") return SplitBehavior::kRemoved;
   if (value == "MergedWithPrevious") return SplitBehavior::kMergedWithPrevious;
   if (value == "MergedWithNext") return SplitBehavior::kMergedWithNext;
   if (value == "Contiguous") return SplitBehavior::kContiguous;
-  unsupported(source, field, value, "Isolated, Removed, MergedWithPrevious, MergedWithNext, Contiguous");
+  unsupported(source, field, value,
+              "Isolated, Removed, MergedWithPrevious, MergedWithNext, Contiguous");
 }
 
 void parse_pre_tokenizer(const json& node, const std::string& path, const std::string& source,
@@ -173,23 +178,24 @@ void parse_pre_tokenizer(const json& node, const std::string& path, const std::s
   const std::string type = fields.type();
   // ByteLevel rewrites the text into its byte alphabet; a split after it would see that alphabet
   // instead of the text, which no supported family does.
-  MOELORA_CHECK(!impl.byte_level || type == "Sequence", ErrorCode::kUnsupported, source, ": pre-tokenizer '",
-                path, "' (", type, ") follows a ByteLevel pre-tokenizer; ByteLevel must come last");
+  MOELORA_CHECK(!impl.byte_level || type == "Sequence", ErrorCode::kUnsupported, source,
+                ": pre-tokenizer '", path, "' (", type,
+                ") follows a ByteLevel pre-tokenizer; ByteLevel must come last");
   if (type == "Sequence") {
     const json& list = fields.array("pretokenizers");
     for (size_t i = 0; i < list.size(); ++i) {
-      parse_pre_tokenizer(list[i], fields.path("pretokenizers") + "[" + std::to_string(i) + "]", source,
-                          impl);
+      parse_pre_tokenizer(list[i], fields.path("pretokenizers") + "[" + std::to_string(i) + "]",
+                          source, impl);
     }
   } else if (type == "Split") {
     const Fields pattern(fields.require("pattern"), fields.path("pattern"), source);
     PreTokenizerStep step;
     if (pattern.find("Regex")) {
-      step.regex =
-          std::make_shared<Regex>(pattern.string("Regex"), false, source + " " + pattern.path("Regex"));
+      step.regex = std::make_shared<Regex>(pattern.string("Regex"), false,
+                                           source + " " + pattern.path("Regex"));
     } else if (pattern.find("String")) {
-      step.regex =
-          std::make_shared<Regex>(pattern.string("String"), true, source + " " + pattern.path("String"));
+      step.regex = std::make_shared<Regex>(pattern.string("String"), true,
+                                           source + " " + pattern.path("String"));
     } else {
       MOELORA_THROW(ErrorCode::kInvalidFile, source, ": field '", fields.path("pattern"),
                     "' must hold \"Regex\" or \"String\", got ", show(fields.require("pattern")));
@@ -225,7 +231,8 @@ void parse_post_processor(const json& node, const std::string& path, const std::
   } else if (type == "Sequence") {
     const json& list = fields.array("processors");
     for (size_t i = 0; i < list.size(); ++i) {
-      parse_post_processor(list[i], fields.path("processors") + "[" + std::to_string(i) + "]", source, impl);
+      parse_post_processor(list[i], fields.path("processors") + "[" + std::to_string(i) + "]",
+                           source, impl);
     }
     return;
   } else if (type == "TemplateProcessing") {
@@ -252,20 +259,21 @@ void parse_post_processor(const json& node, const std::string& path, const std::
         const json& ids = entry.array("ids");
         for (size_t k = 0; k < ids.size(); ++k) {
           (seen_sequence ? suffix : prefix)
-              .push_back(Fields::to_id(ids[k], entry.path("ids") + "[" + std::to_string(k) + "]", source));
+              .push_back(
+                  Fields::to_id(ids[k], entry.path("ids") + "[" + std::to_string(k) + "]", source));
         }
       } else {
         MOELORA_THROW(ErrorCode::kInvalidFile, source, ": field '", piece_path,
                       "' must hold \"Sequence\" or \"SpecialToken\", got ", show(single[i]));
       }
     }
-    MOELORA_CHECK(seen_sequence, ErrorCode::kInvalidFile, source, ": field '", fields.path("single"),
-                  "' has no {\"Sequence\": {\"id\": \"A\"}} entry");
+    MOELORA_CHECK(seen_sequence, ErrorCode::kInvalidFile, source, ": field '",
+                  fields.path("single"), "' has no {\"Sequence\": {\"id\": \"A\"}} entry");
   } else if (type == "RobertaProcessing" || type == "BertProcessing") {
     for (const char* key : {"cls", "sep"}) {
       const json& pair = fields.require(key);
-      MOELORA_CHECK(pair.is_array() && pair.size() == 2, ErrorCode::kInvalidFile, source, ": field '",
-                    fields.path(key), "' must be [token, id], got ", show(pair));
+      MOELORA_CHECK(pair.is_array() && pair.size() == 2, ErrorCode::kInvalidFile, source,
+                    ": field '", fields.path(key), "' must be [token, id], got ", show(pair));
       const int32_t id = Fields::to_id(pair[1], fields.path(key) + "[1]", source);
       (std::string(key) == "cls" ? prefix : suffix).push_back(id);
     }
@@ -280,7 +288,8 @@ void parse_post_processor(const json& node, const std::string& path, const std::
 
 // ---- model ----
 
-std::vector<std::pair<std::string, std::string>> parse_merges(const json& list, const std::string& path,
+std::vector<std::pair<std::string, std::string>> parse_merges(const json& list,
+                                                              const std::string& path,
                                                               const std::string& source) {
   std::vector<std::pair<std::string, std::string>> merges;
   merges.reserve(list.size());
@@ -293,7 +302,8 @@ std::vector<std::pair<std::string, std::string>> parse_merges(const json& list, 
                     ErrorCode::kInvalidFile, source, ": ", path, "[", i, "] is ", show(merge),
                     "; a merge string must be two tokens separated by one space");
       merges.emplace_back(text.substr(0, space), text.substr(space + 1));
-    } else if (merge.is_array() && merge.size() == 2 && merge[0].is_string() && merge[1].is_string()) {
+    } else if (merge.is_array() && merge.size() == 2 && merge[0].is_string() &&
+               merge[1].is_string()) {
       merges.emplace_back(merge[0].get<std::string>(), merge[1].get<std::string>());
     } else {
       MOELORA_THROW(ErrorCode::kInvalidFile, source, ": ", path, "[", i, "] is ", show(merge),
@@ -319,7 +329,8 @@ void parse_model(const json& node, const std::string& source, Tokenizer::Impl& i
     const auto value = model.optional_string(key);
     if (value && !value->empty()) unsupported(source, model.path(key), *value, "null or \"\"");
   }
-  if (model.boolean("byte_fallback", false)) unsupported(source, "model.byte_fallback", "true", "false");
+  if (model.boolean("byte_fallback", false))
+    unsupported(source, "model.byte_fallback", "true", "false");
 
   const Fields vocab_fields(model.require("vocab"), "model.vocab", source);
   tokenizer_detail::StringMap<int32_t> vocab;
@@ -364,8 +375,10 @@ void parse_added_tokens(const json& list, const std::string& source, Tokenizer::
 // Builds the id tables and the added-token matchers once the model and the added tokens are known.
 void build_tables(Tokenizer::Impl& impl) {
   int64_t size = 0;
-  for (const auto& [token, id] : impl.model.vocab()) size = std::max<int64_t>(size, int64_t{id} + 1);
-  for (const AddedToken& token : impl.added_tokens) size = std::max<int64_t>(size, int64_t{token.id} + 1);
+  for (const auto& [token, id] : impl.model.vocab())
+    size = std::max<int64_t>(size, int64_t{id} + 1);
+  for (const AddedToken& token : impl.added_tokens)
+    size = std::max<int64_t>(size, int64_t{token.id} + 1);
   impl.id_to_token.assign(size, std::string());
   impl.id_flags.assign(size, 0);
   for (const auto& [token, id] : impl.model.vocab()) {
@@ -380,10 +393,12 @@ void build_tables(Tokenizer::Impl& impl) {
     if (token.normalized) {
       for (NormalForm form : impl.normalizers) content = tokenizer_detail::normalize(content, form);
     }
-    impl.id_flags[token.id] = Tokenizer::Impl::kHasToken | (token.special ? Tokenizer::Impl::kSpecial : 0);
+    impl.id_flags[token.id] =
+        Tokenizer::Impl::kHasToken | (token.special ? Tokenizer::Impl::kSpecial : 0);
     impl.added_by_content.emplace(token.content, token.id);
     if (!token.content.empty()) {  // an empty token is never matched, as in `tokenizers`
-      (token.normalized ? impl.normalized_added : impl.raw_added).add(content, static_cast<int32_t>(i));
+      (token.normalized ? impl.normalized_added : impl.raw_added)
+          .add(content, static_cast<int32_t>(i));
     }
     impl.id_to_token[token.id] = std::move(content);
   }
@@ -408,19 +423,15 @@ std::optional<std::string> special_token_content(const Fields& config, const std
   return Fields(*value, config.path(key), config.source()).string("content");
 }
 
-void apply_config(Tokenizer::Impl& impl, std::string_view config_text, const std::string& config_source) {
+void apply_config(Tokenizer::Impl& impl, std::string_view config_text,
+                  const std::string& config_source) {
   const json config = parse_json(config_text, config_source);
   const Fields fields(config, "", config_source);
-  const auto lookup = [&](const std::string& token) -> std::optional<int32_t> {
-    if (const auto it = impl.added_by_content.find(token); it != impl.added_by_content.end())
-      return it->second;
-    if (const auto it = impl.model.vocab().find(token); it != impl.model.vocab().end()) return it->second;
-    return std::nullopt;
-  };
-  const auto role = [&](const char* key, std::optional<std::string>& token, std::optional<int32_t>& id) {
+  const auto role = [&](const char* key, std::optional<std::string>& token,
+                        std::optional<int32_t>& id) {
     token = special_token_content(fields, key);
     if (!token) return;
-    id = lookup(*token);
+    id = impl.find_token(*token);
     MOELORA_CHECK(id.has_value(), ErrorCode::kInvalidFile, config_source, ": ", key, " '", *token,
                   "' is not a token of ", impl.source);
   };
@@ -437,7 +448,8 @@ void apply_config(Tokenizer::Impl& impl, std::string_view config_text, const std
                     ": field 'chat_template' must be a string or a list of {name, template}, got ",
                     show(*templates));
       for (size_t i = 0; i < templates->size(); ++i) {
-        const Fields entry((*templates)[i], "chat_template[" + std::to_string(i) + "]", config_source);
+        const Fields entry((*templates)[i], "chat_template[" + std::to_string(i) + "]",
+                           config_source);
         const std::string name = entry.string("name");
         std::string text = entry.string("template");
         if (name == "default") {
@@ -458,7 +470,8 @@ std::shared_ptr<Tokenizer::Impl> build_impl(std::string_view json_text, const st
 
   if (const json* normalizer = top.find("normalizer"))
     parse_normalizer(*normalizer, "normalizer", source, impl->normalizers);
-  if (const json* pre = top.find("pre_tokenizer")) parse_pre_tokenizer(*pre, "pre_tokenizer", source, *impl);
+  if (const json* pre = top.find("pre_tokenizer"))
+    parse_pre_tokenizer(*pre, "pre_tokenizer", source, *impl);
   if (const json* post = top.find("post_processor"))
     parse_post_processor(*post, "post_processor", source, *impl);
   if (const json* decoder = top.find("decoder"); decoder && !decoder->is_null()) {
@@ -467,7 +480,8 @@ std::shared_ptr<Tokenizer::Impl> build_impl(std::string_view json_text, const st
     if (type != "ByteLevel") unsupported(source, "decoder.type", type, "ByteLevel, null");
     impl->byte_level_decoder = true;
   }
-  MOELORA_CHECK(top.find("model") != nullptr, ErrorCode::kInvalidFile, source, ": missing field 'model'");
+  MOELORA_CHECK(top.find("model") != nullptr, ErrorCode::kInvalidFile, source,
+                ": missing field 'model'");
   parse_model(top.require("model"), source, *impl);
   if (const json* added = top.find("added_tokens"); added && !added->is_null()) {
     parse_added_tokens(top.array("added_tokens"), source, *impl);
@@ -475,6 +489,21 @@ std::shared_ptr<Tokenizer::Impl> build_impl(std::string_view json_text, const st
   build_tables(*impl);
   return impl;
 }
+
+}  // namespace
+
+std::optional<int32_t> Tokenizer::Impl::find_token(std::string_view token) const {
+  if (const auto it = added_by_content.find(token); it != added_by_content.end()) return it->second;
+  if (tiktoken) {
+    // tiktoken vocabularies are raw bytes; their vocabulary form is the byte-level alphabet.
+    const auto bytes = byte_level_decode(token);
+    return bytes ? tiktoken->rank(*bytes) : std::nullopt;
+  }
+  if (const auto it = model.vocab().find(token); it != model.vocab().end()) return it->second;
+  return std::nullopt;
+}
+
+namespace {
 
 // ---- encode helpers ----
 
@@ -562,7 +591,9 @@ size_t white_space_run_start(std::string_view text, size_t end) {
   size_t start = end;
   while (start > 0) {
     size_t begin = 0;
-    if (!tokenizer_detail::is_white_space(tokenizer_detail::previous_code_point(text, start, begin))) break;
+    if (!tokenizer_detail::is_white_space(
+            tokenizer_detail::previous_code_point(text, start, begin)))
+      break;
     start = begin;
   }
   return start;
@@ -576,7 +607,8 @@ namespace tokenizer_detail {
 
 int32_t TokenMatcher::child(int32_t node, uint8_t byte) const {
   const auto& children = nodes_[node].children;
-  const auto it = std::lower_bound(children.begin(), children.end(), std::make_pair(byte, int32_t{-1}));
+  const auto it =
+      std::lower_bound(children.begin(), children.end(), std::make_pair(byte, int32_t{-1}));
   return it != children.end() && it->first == byte ? it->second : -1;
 }
 
@@ -591,8 +623,9 @@ void TokenMatcher::add(std::string_view pattern, int32_t value) {
       next = static_cast<int32_t>(nodes_.size());
       nodes_.emplace_back();
       auto& children = nodes_[node].children;
-      children.insert(std::lower_bound(children.begin(), children.end(), std::make_pair(byte, int32_t{-1})),
-                      {byte, next});
+      children.insert(
+          std::lower_bound(children.begin(), children.end(), std::make_pair(byte, int32_t{-1})),
+          {byte, next});
     }
     node = next;
   }
@@ -639,8 +672,10 @@ class Encoder {
   void encode(std::string_view text) {
     split_added(text, impl_.raw_added, [this](std::string_view piece) {
       std::string normalized(piece);
-      for (NormalForm form : impl_.normalizers) normalized = tokenizer_detail::normalize(normalized, form);
-      split_added(normalized, impl_.normalized_added, [this](std::string_view p) { pre_tokenize(p, 0); });
+      for (NormalForm form : impl_.normalizers)
+        normalized = tokenizer_detail::normalize(normalized, form);
+      split_added(normalized, impl_.normalized_added,
+                  [this](std::string_view p) { pre_tokenize(p, 0); });
     });
   }
 
@@ -664,8 +699,8 @@ class Encoder {
       if (token.single_word) {
         size_t unused = 0;
         const bool word_before =
-            begin > 0 &&
-            tokenizer_detail::is_word_char(tokenizer_detail::previous_code_point(sentence, begin, unused));
+            begin > 0 && tokenizer_detail::is_word_char(
+                             tokenizer_detail::previous_code_point(sentence, begin, unused));
         size_t next = end;
         const bool word_after =
             end < sentence.size() &&
@@ -726,17 +761,24 @@ Tokenizer Tokenizer::load(const std::filesystem::path& dir_or_file) {
   std::error_code ec;
   if (std::filesystem::is_directory(dir_or_file, ec)) {
     const auto file = dir_or_file / "tokenizer.json";
-    if (!std::filesystem::is_regular_file(file, ec)) {
-      // Kimi-K2 ships a tiktoken vocabulary instead (FORMATS.md §5.4).
-      MOELORA_CHECK(!std::filesystem::exists(dir_or_file / "tiktoken.model", ec), ErrorCode::kUnsupported,
-                    "'", dir_or_file.string(),
-                    "' holds a tiktoken.model tokenizer (Kimi), which is not supported; a tokenizer.json "
-                    "is needed");
-      MOELORA_THROW(ErrorCode::kNotFound, "no tokenizer.json in '", dir_or_file.string(), "'");
-    }
-    auto impl = build_impl(read_file(file, kMaxTokenizerFileBytes), file.string());
+    const auto tiktoken_file = dir_or_file / "tiktoken.model";
     const auto config = dir_or_file / "tokenizer_config.json";
-    if (std::filesystem::is_regular_file(config, ec)) apply_config(*impl, read_file(config), config.string());
+    const bool has_config = std::filesystem::is_regular_file(config, ec);
+    const std::string config_text = has_config ? read_file(config) : std::string();
+    std::shared_ptr<Impl> impl;
+    if (std::filesystem::is_regular_file(file, ec)) {
+      impl = build_impl(read_file(file, kMaxTokenizerFileBytes), file.string());
+    } else if (std::filesystem::is_regular_file(tiktoken_file, ec)) {
+      // Kimi-K2 ships a tiktoken vocabulary instead (FORMATS.md §5.4); its special tokens are in
+      // the config's added_tokens_decoder.
+      impl = tokenizer_detail::build_tiktoken_impl(read_file(tiktoken_file, kMaxTokenizerFileBytes),
+                                                   tiktoken_file.string(), config_text,
+                                                   config.string());
+    } else {
+      MOELORA_THROW(ErrorCode::kNotFound, "no tokenizer.json or tiktoken.model in '",
+                    dir_or_file.string(), "'");
+    }
+    if (has_config) apply_config(*impl, config_text, config.string());
     // transformers 5 writes the template beside the config; it takes precedence (FORMATS §5.3).
     const auto jinja = dir_or_file / "chat_template.jinja";
     if (std::filesystem::is_regular_file(jinja, ec)) impl->chat_template = read_file(jinja);
@@ -750,9 +792,23 @@ Tokenizer Tokenizer::load(const std::filesystem::path& dir_or_file) {
     }
     return Tokenizer(std::move(impl));
   }
-  MOELORA_CHECK(std::filesystem::is_regular_file(dir_or_file, ec), ErrorCode::kNotFound, "tokenizer '",
-                dir_or_file.string(), "' does not exist");
-  return Tokenizer(build_impl(read_file(dir_or_file, kMaxTokenizerFileBytes), dir_or_file.string()));
+  MOELORA_CHECK(std::filesystem::is_regular_file(dir_or_file, ec), ErrorCode::kNotFound,
+                "tokenizer '", dir_or_file.string(), "' does not exist");
+  if (dir_or_file.filename() == "tiktoken.model") {
+    return Tokenizer(tokenizer_detail::build_tiktoken_impl(
+        read_file(dir_or_file, kMaxTokenizerFileBytes), dir_or_file.string(), {}, {}));
+  }
+  return Tokenizer(
+      build_impl(read_file(dir_or_file, kMaxTokenizerFileBytes), dir_or_file.string()));
+}
+
+Tokenizer Tokenizer::from_tiktoken(std::string_view tiktoken_model, std::string_view config_json,
+                                   const std::string& source) {
+  const std::string config_source = source + " (tokenizer_config.json)";
+  auto impl =
+      tokenizer_detail::build_tiktoken_impl(tiktoken_model, source, config_json, config_source);
+  if (!config_json.empty()) apply_config(*impl, config_json, config_source);
+  return Tokenizer(std::move(impl));
 }
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
@@ -765,16 +821,22 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
   if (const auto bad = find_invalid_utf8(text)) {
     char byte[8];
-    std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned>(static_cast<uint8_t>(text[*bad])));
+    std::snprintf(byte, sizeof(byte), "0x%02X",
+                  static_cast<unsigned>(static_cast<uint8_t>(text[*bad])));
     MOELORA_THROW(ErrorCode::kInvalidArgument,
-                  "tokenizer encode: the text is not valid UTF-8 at byte offset ", *bad, " (byte ", byte,
-                  ")");
+                  "tokenizer encode: the text is not valid UTF-8 at byte offset ", *bad, " (byte ",
+                  byte, ")");
   }
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 8);
   if (add_special_tokens) ids = impl_->special_prefix;
-  Encoder(*impl_, ids).encode(text);
-  if (add_special_tokens) ids.insert(ids.end(), impl_->special_suffix.begin(), impl_->special_suffix.end());
+  if (impl_->tiktoken) {
+    tokenizer_detail::encode_tiktoken(*impl_, text, ids);
+  } else {
+    Encoder(*impl_, ids).encode(text);
+  }
+  if (add_special_tokens)
+    ids.insert(ids.end(), impl_->special_suffix.begin(), impl_->special_suffix.end());
   return ids;
 }
 
@@ -803,10 +865,7 @@ int64_t Tokenizer::vocab_size() const {
 }
 
 std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
-  if (const auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end())
-    return it->second;
-  if (const auto it = impl_->model.vocab().find(token); it != impl_->model.vocab().end()) return it->second;
-  return std::nullopt;
+  return impl_->find_token(token);
 }
 
 std::string Tokenizer::id_to_token(int32_t id) const {

@@ -12,7 +12,8 @@
 //        lstrip / rstrip / single_word flags honoured;
 //     3. every remaining piece is normalized (NFC, NFD, NFKC, NFKD, a Sequence of them, or none)
 //        and then searched for the added tokens with normalized=true (matched in normalized form);
-//     4. the pre-tokenizer splits each piece: Split (Regex or String pattern, any behavior, invert),
+//     4. the pre-tokenizer splits each piece: Split (Regex or String pattern, any behavior,
+//     invert),
 //        ByteLevel (optionally with the GPT-2 regex and add_prefix_space), or a Sequence of those;
 //     5. ByteLevel maps each byte to one printable character (GPT-2 bytes_to_unicode), and the BPE
 //        model merges each pre-token by rank: lowest rank first, leftmost first among equal ranks;
@@ -32,6 +33,17 @@
 // engine never truncates or pads. PCRE2 10.42 knows Unicode 14, Oniguruma in `tokenizers` 0.23
 // Unicode 16: characters assigned since (CJK Extension H/I, a few new scripts) do not match
 // \p{L}, \p{N}, ... here, so the pieces around them can differ.
+//
+// tiktoken tokenizers (Kimi-K2 / K2.5, FORMATS.md §5.4): a folder without tokenizer.json but with
+// tiktoken.model ("base64(token bytes) rank" per line, rank = id) is read with the special tokens
+// of tokenizer_config.json (added_tokens_decoder; the 258 ids after the ranks, unnamed ones being
+// "<|reserved_token_{id}|>"). encode() then follows Kimi's TikTokenTokenizer.encode with Python
+// `tiktoken`: long whitespace / non-whitespace runs cut as that code does, special tokens
+// recognised anywhere in the text (allowed_special="all"), Kimi's pre-tokenization regex, and BPE
+// over raw bytes by rank. add_special_tokens adds nothing (Kimi's tokenizer adds no BOS/EOS).
+// decode() concatenates token bytes, special tokens as their content; skip_special_tokens skips
+// the ids whose added_tokens_decoder entry says "special": true. Vocabulary forms
+// (token_to_id/id_to_token) are the GPT-2 byte-level strings, as transformers shows them.
 //
 // Thread safety: a loaded Tokenizer is immutable apart from an internal, mutex-protected cache of
 // recently seen pre-tokens, so encode/decode may run concurrently from many threads. Copies are
@@ -69,7 +81,10 @@ class Tokenizer {
   //               dir/tokenizer_config.json (eos/bos/pad/unk tokens, chat_template) and
   //               dir/chat_template.jinja (preferred over tokenizer_config's template) and
   //               dir/additional_chat_templates/<name>.jinja (named templates).
-  //   dir_or_file a file: reads that tokenizer.json only (no special-token roles, no template).
+  //               Without tokenizer.json, dir/tiktoken.model is read instead (see the file
+  //               comment).
+  //   dir_or_file a file: reads that tokenizer.json only (no special-token roles, no template); a
+  //               file named tiktoken.model is read as such, without special-token names.
   // Throws moelora::Error: kNotFound (missing file), kInvalidFile (bad JSON, missing or
   // ill-typed field, merge referencing a token not in the vocabulary, bad regex, ...),
   // kUnsupported (a type or option this reader does not implement, see the file comment).
@@ -79,6 +94,12 @@ class Tokenizer {
   // `source` names the origin in error messages.
   static Tokenizer from_json(std::string_view tokenizer_json, std::string_view config_json = {},
                              const std::string& source = "tokenizer.json");
+
+  // A tiktoken tokenizer (see the file comment) from the text of a tiktoken.model file and of its
+  // tokenizer_config.json (may be empty). Throws kInvalidFile naming `source`, the line and the
+  // problem (bad base64, duplicate token or rank, ranks not 0..n-1, a byte without a rank, ...).
+  static Tokenizer from_tiktoken(std::string_view tiktoken_model, std::string_view config_json = {},
+                                 const std::string& source = "tiktoken.model");
 
   // Text -> token ids, identical to `tokenizers` Tokenizer.encode(text, add_special_tokens).
   // Throws kInvalidArgument if `text` is not valid UTF-8 (the message names the byte offset).

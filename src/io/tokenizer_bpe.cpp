@@ -12,8 +12,9 @@
 
 namespace moelora::io::tokenizer_detail {
 
-BpeModel::BpeModel(StringMap<int32_t> vocab, const std::vector<std::pair<std::string, std::string>>& merges,
-                   Options options, const std::string& source)
+BpeModel::BpeModel(StringMap<int32_t> vocab,
+                   const std::vector<std::pair<std::string, std::string>>& merges, Options options,
+                   const std::string& source)
     : vocab_(std::move(vocab)), options_(options) {
   const auto& alphabet = byte_to_unicode_table();
   for (int b = 0; b < 256; ++b) {
@@ -59,14 +60,17 @@ void BpeModel::merge_symbols(std::vector<int32_t>& symbols) const {
   // leftmost position; a candidate goes stale when either symbol changed since it was pushed.
   struct Candidate {
     int32_t rank, pos, new_id;
-    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
+    }
   };
   std::vector<Candidate> storage;
   storage.reserve(n);
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap(
       std::greater<Candidate>{}, std::move(storage));
   for (int32_t i = 0; i + 1 < n; ++i) {
-    if (const MergeResult* m = find_merge(list[i].id, list[i + 1].id)) heap.push({m->rank, i, m->new_id});
+    if (const MergeResult* m = find_merge(list[i].id, list[i + 1].id))
+      heap.push({m->rank, i, m->new_id});
   }
 
   while (!heap.empty()) {
@@ -107,12 +111,13 @@ void BpeModel::tokenize(std::string_view pre_token, std::vector<int32_t>& out) c
       return;
     }
   }
-  const bool cacheable = pre_token.size() <= kMaxCachedWordBytes;
+  const bool cacheable = pre_token.size() <= WordCache::kMaxWordBytes;
   if (cacheable && cache_->get(pre_token, out)) return;
   const size_t first = out.size();
 
   if (options_.ignore_merges) {
-    const std::string whole = options_.byte_level ? byte_level_encode(pre_token) : std::string(pre_token);
+    const std::string whole =
+        options_.byte_level ? byte_level_encode(pre_token) : std::string(pre_token);
     if (const auto it = vocab_.find(whole); it != vocab_.end()) {
       out.push_back(it->second);
       if (cacheable) cache_->put(pre_token, std::span<const int32_t>(out).subspan(first));
@@ -153,7 +158,7 @@ void BpeModel::tokenize(std::string_view pre_token, std::vector<int32_t>& out) c
 
 // ---- WordCache ----
 
-bool BpeModel::WordCache::get(std::string_view word, std::vector<int32_t>& out) const {
+bool WordCache::get(std::string_view word, std::vector<int32_t>& out) const {
   const size_t hash = std::hash<std::string_view>{}(word);
   Shard& shard = shards_[hash % kShards];
   std::lock_guard<std::mutex> lock(shard.mutex);
@@ -163,7 +168,7 @@ bool BpeModel::WordCache::get(std::string_view word, std::vector<int32_t>& out) 
   return true;
 }
 
-void BpeModel::WordCache::put(std::string_view word, std::span<const int32_t> ids) const {
+void WordCache::put(std::string_view word, std::span<const int32_t> ids) const {
   const size_t hash = std::hash<std::string_view>{}(word);
   Shard& shard = shards_[hash % kShards];
   std::lock_guard<std::mutex> lock(shard.mutex);

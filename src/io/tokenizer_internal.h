@@ -86,7 +86,8 @@ class TokenMatcher {
   bool empty() const { return nodes_.size() <= 1; }
   // Finds the leftmost position >= from where some pattern matches and the longest pattern
   // there. Returns false when none matches.
-  bool find(std::string_view text, size_t from, size_t& match_begin, size_t& match_end, int32_t& value) const;
+  bool find(std::string_view text, size_t from, size_t& match_begin, size_t& match_end,
+            int32_t& value) const;
 
  private:
   struct Node {
@@ -98,7 +99,25 @@ class TokenMatcher {
   std::array<bool, 256> first_byte_{};
 };
 
-// ---- BPE model (tokenizer_bpe.cpp) ----
+// ---- BPE models (tokenizer_bpe.cpp) ----
+
+// A bounded cache of pre-token -> ids, shared by both BPE models. Sharded so that threads rarely
+// wait on each other; a full shard is cleared (cheap, and recent words come back quickly).
+class WordCache {
+ public:
+  static constexpr size_t kMaxWordBytes = 256;  // longer pre-tokens are not cached
+  bool get(std::string_view word, std::vector<int32_t>& out) const;
+  void put(std::string_view word, std::span<const int32_t> ids) const;
+
+ private:
+  static constexpr size_t kShards = 16;
+  static constexpr size_t kEntriesPerShard = 4096;
+  struct Shard {
+    mutable std::mutex mutex;
+    StringMap<std::vector<int32_t>> words;
+  };
+  mutable std::array<Shard, kShards> shards_;
+};
 
 class BpeModel {
  public:
@@ -126,28 +145,11 @@ class BpeModel {
     int32_t new_id;
   };
   static uint64_t pair_key(int32_t left, int32_t right) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
+           static_cast<uint32_t>(right);
   }
   const MergeResult* find_merge(int32_t left, int32_t right) const;
   void merge_symbols(std::vector<int32_t>& symbols) const;
-
-  // A bounded cache of pre-token -> ids. Sharded so that threads rarely wait on each other; a
-  // full shard is cleared (cheap, and recent words come back quickly).
-  class WordCache {
-   public:
-    bool get(std::string_view word, std::vector<int32_t>& out) const;
-    void put(std::string_view word, std::span<const int32_t> ids) const;
-
-   private:
-    static constexpr size_t kShards = 16;
-    static constexpr size_t kEntriesPerShard = 4096;
-    struct Shard {
-      mutable std::mutex mutex;
-      StringMap<std::vector<int32_t>> words;
-    };
-    mutable std::array<Shard, kShards> shards_;
-  };
-  static constexpr size_t kMaxCachedWordBytes = 256;
 
   StringMap<int32_t> vocab_;
   std::unordered_map<uint64_t, MergeResult> merges_;
@@ -155,6 +157,47 @@ class BpeModel {
   Options options_;
   std::unique_ptr<WordCache> cache_ = std::make_unique<WordCache>();
 };
+
+// ---- tiktoken model (tokenizer_tiktoken.cpp) ----
+
+// Kimi's pre-tokenization regex, TikTokenTokenizer.pat_str of tokenization_kimi.py, as tiktoken
+// (Rust fancy-regex) reads it. Its letter classes use class intersection (`[A&&[^\p{Han}]]`),
+// which PCRE2 lacks, and a bare `\p{Han}` there is the Script property (PCRE2 reads a bare script
+// name as Script_Extensions, which adds CJK punctuation such as U+3001 and the kana prolonged
+// sound mark). The classes below are the PCRE2 spellings of the three classes involved;
+// kimi_pcre2_pattern() joins them into the equivalent of kKimiPatStr.
+inline constexpr std::string_view kKimiPatStr =
+    R"([\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+// [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]: a lookahead excludes Han before the plain class.
+inline constexpr std::string_view kKimiUpperNoHan =
+    R"((?:(?!\p{sc:Han})[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]))";
+// [\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]
+inline constexpr std::string_view kKimiLowerNoHan =
+    R"((?:(?!\p{sc:Han})[\p{Ll}\p{Lm}\p{Lo}\p{M}]))";
+// [\p{Han}]
+inline constexpr std::string_view kKimiHan = R"([\p{sc:Han}])";
+std::string kimi_pcre2_pattern();
+
+// tiktoken's BPE over raw bytes: a pre-token found whole in the ranks is one token; otherwise,
+// starting from single bytes, the adjacent pair whose concatenation has the lowest rank is merged
+// (leftmost among equal ranks) until no concatenation has a rank. The id of a token is its rank.
+class TiktokenModel {
+ public:
+  // ranks: token bytes -> rank, ranks 0..n-1 without gaps; every single byte has a rank.
+  explicit TiktokenModel(StringMap<int32_t> ranks);
+  void tokenize(std::string_view piece, std::vector<int32_t>& out) const;
+  std::optional<int32_t> rank(std::string_view bytes) const;
+
+ private:
+  void merge(std::string_view piece, std::vector<int32_t>& out) const;
+  StringMap<int32_t> ranks_;
+  std::array<int32_t, 256> byte_ranks_{};
+  std::unique_ptr<WordCache> cache_ = std::make_unique<WordCache>();
+};
+
+// Python's str.isspace(), which TikTokenTokenizer.encode uses to cut long runs (it differs from
+// White_Space: U+001C..U+001F are included, U+180E is not).
+bool is_python_space(char32_t cp);
 
 // ---- loaded state (tokenizer.cpp) ----
 
@@ -197,6 +240,14 @@ struct Tokenizer::Impl {
   // Post-processor for add_special_tokens: ids before and after the sequence.
   std::vector<int32_t> special_prefix, special_suffix;
 
+  // tiktoken.model tokenizers (Kimi) use these instead of `model` and the pre-tokenizers; the
+  // added tokens are then tiktoken's special tokens.
+  std::shared_ptr<const tokenizer_detail::TiktokenModel> tiktoken;
+  std::shared_ptr<const tokenizer_detail::Regex> tiktoken_regex;
+
+  // Id of a token in its vocabulary form (added tokens first), nullopt when unknown.
+  std::optional<int32_t> find_token(std::string_view token) const;
+
   std::optional<std::string> eos_token, bos_token, pad_token, unk_token;
   std::optional<int32_t> eos_id, bos_id, pad_id, unk_id;
   std::optional<std::string> chat_template;
@@ -204,3 +255,18 @@ struct Tokenizer::Impl {
 };
 
 }  // namespace moelora::io
+
+namespace moelora::io::tokenizer_detail {
+
+// Builds a tiktoken tokenizer from the text of a tiktoken.model file and of its
+// tokenizer_config.json (empty when there is none; only added_tokens_decoder is read here).
+// Throws kInvalidFile naming the source, the line and the problem.
+std::shared_ptr<Tokenizer::Impl> build_tiktoken_impl(std::string_view model_text,
+                                                     const std::string& model_source,
+                                                     std::string_view config_text,
+                                                     const std::string& config_source);
+
+// Encodes valid UTF-8 text with a tiktoken tokenizer (impl.tiktoken set), appending to `out`.
+void encode_tiktoken(const Tokenizer::Impl& impl, std::string_view text, std::vector<int32_t>& out);
+
+}  // namespace moelora::io::tokenizer_detail
