@@ -179,7 +179,10 @@ std::map<int32_t, AddedToken> parse_added_tokens_decoder(std::string_view config
   MOELORA_CHECK(decoder->is_object(), ErrorCode::kInvalidFile, source,
                 ": field 'added_tokens_decoder' must be an object {id: token}");
   const int32_t end_id = first_id + kNumSpecialTokens;
-  for (const auto& [key, entry] : decoder->items()) {
+  for (const auto& item : decoder->items()) {
+    // Named, not structured bindings: clang 14 cannot capture those in the lambda below.
+    const std::string& key = item.key();
+    const json& entry = item.value();
     const std::string field = "added_tokens_decoder." + key;
     int64_t id = -1;
     const auto [key_end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
