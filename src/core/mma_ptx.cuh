@@ -1,6 +1,7 @@
 // PTX wrappers shared by the bf16 tensor-core kernels (paged attention, the tensor-core LoRA
 // shrink / expand): cp.async into shared memory, ldmatrix, and mma.sync m16n8k16 with bf16 inputs
-// and fp32 accumulation. sm_80+ instructions; the kernels that use them are built for sm_90a.
+// (m16n8k8 with tf32 inputs for the Gated DeltaNet chunked rule) and fp32 accumulation. sm_80+
+// instructions; the kernels that use them are built for sm_90a.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,6 +48,24 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
                                                uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// fp32 -> TF32 (round to nearest, ties away: cvt.rna), as the bits an m16n8k8 .tf32 mma reads.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a (16x8 tf32, row-major) * b (8x8 tf32, column-major), fp32 accumulate (fragments as the
+// PTX ISA lays them out for .tf32 m16n8k8).
+__device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                              uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

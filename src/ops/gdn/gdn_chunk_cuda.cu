@@ -38,6 +38,7 @@
 
 #include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
+#include "core/mma_ptx.cuh"
 #include "core/sm90_ptx.cuh"
 #include "ops/gdn/gdn_internal_cuda.cuh"
 
@@ -69,21 +70,8 @@ struct ChunkSmem {
   static_assert(kBytes <= 227 * 1024, "one CTA's shared memory");
 };
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
-
-// d += a b for one 16 x 8 x 8 tile (fragments as the PTX ISA lays them out for .tf32 m16n8k8).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using ::moelora::cuda::ptx::mma_tf32_1688;
+using ::moelora::cuda::ptx::to_tf32;
 
 // One warp: acc (kMt x kNt tiles of 16 x 8 at rows m0 + 16 mt, columns n0 + 8 nt) += A B over
 // k in [0, k_count) (a multiple of 8), with a_at(m, k) and b_at(k, n) giving the operands' TF32
@@ -117,8 +105,8 @@ __device__ __forceinline__ void warp_gemm_impl(float (&acc)[kMt][kNt][4],
       const uint32_t b0 = b_at(k0 + t, n), b1 = b_at(k0 + t + 4, n);
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt) {
-        mma_tf32(acc[mt][nt], a[mt], b0, b1);
-        if constexpr (kDual) mma_tf32(acc2[mt][nt], a2[mt], b0, b1);
+        mma_tf32_1688(acc[mt][nt], a[mt], b0, b1);
+        if constexpr (kDual) mma_tf32_1688(acc2[mt][nt], a2[mt], b0, b1);
       }
     }
   }
