@@ -17,8 +17,10 @@
 
 #include "cli.h"
 #include "core/error.h"
+#include "io/hf_config.h"
 #include "model/model_setup.h"
 #include "moelora/engine.h"
+#include "synth.h"
 
 #if MOELORA_WITH_HTTP
 #include <thread>
@@ -50,9 +52,19 @@ struct ServeArgs {
   int64_t max_seq_len = 0;
   int64_t default_max_tokens = 0;
   int32_t max_n = 8;
+  int64_t max_queued_requests = 1024;
   int http_threads = 128;
   double gpu_memory_fraction = 0.9;
   bool no_cuda_graphs = false;
+  bool log_requests = false;
+  // Benchmarks of models nobody has on disk (GPU): the preset's config.json only, weights and
+  // adapters drawn on the device, the tokenizer copied from --tokenizer.
+  std::string preset;
+  bool random_weights = false;
+  int32_t random_adapters = 0;
+  int64_t random_adapter_rank = 16;
+  int64_t layers = 0;
+  std::string tokenizer_dir;
 };
 
 #if MOELORA_WITH_HTTP
@@ -66,8 +78,35 @@ sigset_t stop_signals() {
   return set;
 }
 
-int run_serve(const ServeArgs& a) {
+int run_serve(const ServeArgs& args) {
   namespace fs = std::filesystem;
+  ServeArgs a = args;
+  std::unique_ptr<moelora::cli::ScratchDir> scratch;
+  MOELORA_CHECK(a.model_dir.empty() != a.preset.empty(), ErrorCode::kInvalidArgument,
+                "moelora serve: give exactly one of --model DIR and --preset NAME");
+  MOELORA_CHECK(a.preset.empty() || (a.random_weights && !a.tokenizer_dir.empty()),
+                ErrorCode::kInvalidArgument,
+                "moelora serve: --preset needs --random-weights (the GPU draws the weights) and "
+                "--tokenizer DIR (a folder with tokenizer.json)");
+  MOELORA_CHECK(a.random_adapters == 0 || a.random_weights, ErrorCode::kInvalidArgument,
+                "moelora serve: --random-adapters needs --random-weights");
+  if (!a.preset.empty()) {
+    scratch = std::make_unique<moelora::cli::ScratchDir>("serve");
+    const fs::path dir = scratch->path() / a.preset;
+    fs::create_directories(dir);
+    const moelora::io::ModelConfig config = moelora::cli::preset_config(a.preset, a.layers, "fp8");
+    std::ofstream out(dir / "config.json");
+    out << moelora::io::model_config_to_json(config).dump(2) << "\n";
+    out.close();
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}) {
+      std::error_code ec;
+      if (fs::exists(fs::path(a.tokenizer_dir) / name, ec))
+        fs::copy_file(fs::path(a.tokenizer_dir) / name, dir / name,
+                      fs::copy_options::overwrite_existing, ec);
+    }
+    a.model_dir = dir.string();
+    if (a.served_model_name.empty()) a.served_model_name = a.preset;
+  }
   // Block the stop signals in every thread this process starts from here on.
   sigset_t signals = stop_signals();
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
@@ -114,6 +153,8 @@ int run_serve(const ServeArgs& a) {
   options.gpu_memory_fraction = a.gpu_memory_fraction;
   options.cuda_graphs = !a.no_cuda_graphs;
   options.show_progress = true;
+  options.random_weights = a.random_weights;
+  options.max_layers = a.layers;
   auto engine = moelora::Engine::create(options);
   if (!engine.is_ok()) throw moelora::Error(engine.status().code(), engine.status().message());
   for (const std::string& spec_text : a.adapters) {
@@ -124,7 +165,15 @@ int run_serve(const ServeArgs& a) {
                            "--adapter " + spec.name + "=" + spec.dir.string() + ": " + s.message());
   }
 
+  for (int32_t i = 0; i < a.random_adapters; ++i) {
+    moelora::Status s = engine.value()->register_random_adapter(
+        "lora" + std::to_string(i), a.random_adapter_rank, /*shared_outer=*/false,
+        1000 + static_cast<uint64_t>(i));
+    if (!s.is_ok()) throw moelora::Error(s.code(), "--random-adapters: " + s.message());
+  }
+
   moelora::server::ServerOptions so;
+  so.log_requests = a.log_requests;
   so.host = a.host;
   so.port = a.port;
   so.served_model_name = a.served_model_name.empty()
@@ -139,6 +188,7 @@ int run_serve(const ServeArgs& a) {
   so.default_max_tokens = a.default_max_tokens;
   so.http_threads = a.http_threads;
   so.limits.max_n = a.max_n;
+  so.max_queued_requests = a.max_queued_requests;
   auto created = moelora::server::Server::create(std::move(engine.value()), std::move(*tokenizer),
                                                  std::move(chat_template), so);
   if (!created.is_ok()) throw moelora::Error(created.status().code(), created.status().message());
@@ -190,8 +240,7 @@ MOELORA_SUBCOMMAND(
           "  curl localhost:8000/v1/completions -d '{\"model\": \"sql\", \"prompt\": \"SELECT\", "
           "\"max_tokens\": 16}'");
       app.add_option("--model", a->model_dir,
-                     "Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer)")
-          ->required();
+                     "Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer)");
       app.add_option("--adapter", a->adapters, "PEFT adapter to serve, NAME=DIR (repeatable)");
       app.add_option("--host", a->host, "address to listen on")->capture_default_str();
       app.add_option("--port", a->port, "TCP port (0 = any free port, printed at start)")
@@ -230,6 +279,9 @@ MOELORA_SUBCOMMAND(
           ->capture_default_str();
       app.add_option("--max-n", a->max_n, "most choices (n) one request may ask for")
           ->capture_default_str();
+      app.add_option("--max-queued-requests", a->max_queued_requests,
+                     "requests waiting for admission beyond which new ones get 503 + Retry-After")
+          ->capture_default_str();
       app.add_option("--http-threads", a->http_threads,
                      "HTTP worker threads: requests handled at once (a stream holds one)")
           ->capture_default_str();
@@ -237,6 +289,20 @@ MOELORA_SUBCOMMAND(
                      "GPU: share of free device memory for weights + KV cache")
           ->capture_default_str();
       app.add_flag("--no-cuda-graphs", a->no_cuda_graphs, "GPU: run decode steps eagerly");
+      app.add_flag("--log-requests", a->log_requests,
+                   "one line per answered request on stderr (method, path, status)");
+      app.add_option("--preset", a->preset,
+                     "benchmarks: serve a `moelora synth` preset's shapes (with --random-weights, "
+                     "--tokenizer) instead of --model");
+      app.add_flag("--random-weights", a->random_weights,
+                   "benchmarks (GPU): draw FP8 weights on the device from the config alone");
+      app.add_option("--random-adapters", a->random_adapters,
+                     "benchmarks (GPU): register N random adapters lora0..loraN-1 on every target");
+      app.add_option("--random-adapter-rank", a->random_adapter_rank, "their rank")
+          ->capture_default_str();
+      app.add_option("--layers", a->layers, "benchmarks: run only the first N decoder layers");
+      app.add_option("--tokenizer", a->tokenizer_dir,
+                     "with --preset: the folder whose tokenizer files to serve with");
       return [a]() -> int {
 #if MOELORA_WITH_HTTP
         return run_serve(*a);

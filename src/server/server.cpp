@@ -199,12 +199,21 @@ void Server::Impl::install_routes() {
     listen_fd = fd;
   });
   http.set_payload_max_length(limits.max_body_bytes);
-  if (options.log_requests || std::getenv("MOELORA_SERVE_LOG")) {
-    http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
-      std::fprintf(stderr, "moelora serve: %s %s %d\n", req.method.c_str(), req.path.c_str(),
-                   res.status);
-    });
-  }
+  // Every refused or failed request gets a log line (what a user debugging a client needs);
+  // successful ones only with --log-requests.
+  const bool log_all = options.log_requests || std::getenv("MOELORA_SERVE_LOG") != nullptr;
+  http.set_logger([log_all](const httplib::Request& req, const httplib::Response& res) {
+    if (res.status < 400 && !log_all) return;
+    std::string detail;
+    if (res.status >= 400) {
+      const nlohmann::json body = nlohmann::json::parse(res.body, nullptr, false);
+      if (body.is_object() && body.contains("error") && body["error"].is_object() &&
+          body["error"].contains("message") && body["error"]["message"].is_string())
+        detail = ": " + body["error"]["message"].get<std::string>().substr(0, 300);
+    }
+    std::fprintf(stderr, "moelora serve: %s %s %s %d%s\n", req.remote_addr.c_str(),
+                 req.method.c_str(), req.path.c_str(), res.status, detail.c_str());
+  });
   http.set_read_timeout(std::chrono::seconds(30));
   http.set_write_timeout(std::chrono::seconds(30));
   http.set_exception_handler(
@@ -373,23 +382,24 @@ void Server::Impl::install_routes() {
       send_json(res, 503, out.dump());
     }
   });
-  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    sample_engine_metrics();
-    {
-      std::lock_guard<std::mutex> lock(stats_mutex);
-      int32_t in_use = 0;
-      const std::vector<AdapterInfo> adapters = engine->adapters();
-      for (const AdapterInfo& a : adapters)
-        if (a.slot >= 0 && a.running_requests > 0) ++in_use;
-      metrics.set("moelora_lora_slots_in_use", {}, in_use);
-      metrics.set("moelora_lora_slots_total", {}, engine->options().adapter_slots);
-      metrics.set("moelora_lora_adapters_registered", {}, static_cast<double>(adapters.size()));
-      metrics.set("moelora_http_requests_in_flight", {},
-                  static_cast<double>(http_in_flight.load()));
-    }
-    res.status = 200;
-    res.set_content(metrics.render(), serve::MetricsRegistry::content_type());
-  });
+  http.Get("/metrics", guarded(true, [this](const httplib::Request&, httplib::Response& res) {
+             sample_engine_metrics();
+             {
+               std::lock_guard<std::mutex> lock(stats_mutex);
+               int32_t in_use = 0;
+               const std::vector<AdapterInfo> adapters = engine->adapters();
+               for (const AdapterInfo& a : adapters)
+                 if (a.slot >= 0 && a.running_requests > 0) ++in_use;
+               metrics.set("moelora_lora_slots_in_use", {}, in_use);
+               metrics.set("moelora_lora_slots_total", {}, engine->options().adapter_slots);
+               metrics.set("moelora_lora_adapters_registered", {},
+                           static_cast<double>(adapters.size()));
+               metrics.set("moelora_http_requests_in_flight", {},
+                           static_cast<double>(http_in_flight.load()));
+             }
+             res.status = 200;
+             res.set_content(metrics.render(), serve::MetricsRegistry::content_type());
+           }));
 }
 
 // ---- Server ----

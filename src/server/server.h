@@ -16,7 +16,8 @@
 //   POST /v1/detokenize, /detokenize               {"tokens": [...]} -> text
 //   GET  /health                                   200 while the engine runs, else 503
 //   GET  /metrics                                  Prometheus text format
-// With --api-key every /v1/ route (and the adapter routes) needs "Authorization: Bearer KEY".
+// With --api-key every route but /health needs "Authorization: Bearer KEY". More than
+// max_queued_requests waiting for admission: 503 with Retry-After.
 //
 // Adapters: --adapter NAME=DIR at start; at run time only with enable_lora_updates and only from
 // under lora_root (the resolved path, symlinks followed, must stay inside it). Unloading an adapter
@@ -47,8 +48,11 @@ struct ServerOptions {
   std::filesystem::path lora_root;  // runtime loads only from under here (required with updates)
   // max_tokens when a request gives none: 0 = the context left after the prompt (as vLLM does).
   int64_t default_max_tokens = 0;
-  int http_threads = 128;        // cpp-httplib workers: the most requests served at once
-  bool log_requests = false;     // one line per answered request on stderr (method, path, status)
+  int http_threads = 128;     // cpp-httplib workers: the most requests served at once
+  bool log_requests = false;  // a line per answered request on stderr (errors always get one)
+  // Requests waiting for admission beyond which new ones get 503 with Retry-After (the client
+  // backs off instead of piling up behind a queue it cannot see).
+  int64_t max_queued_requests = 1024;
   serve::ProtocolLimits limits;  // vocab_size and logprobs_supported are set by the server
 };
 

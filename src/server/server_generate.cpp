@@ -362,6 +362,16 @@ void Server::Impl::handle_completion(const httplib::Request& req, httplib::Respo
   Prepared p;
   if (auto e = prepare(*this, body.value(), chat, p)) return refuse(*e, "");
 
+  if (engine->stats().waiting + p.params.n > options.max_queued_requests) {
+    serve::ApiError e;
+    e.http_status = 503;
+    e.type = "service_unavailable";
+    e.code = "queue_full";
+    e.message = "the server's queue is full (" + std::to_string(options.max_queued_requests) +
+                " requests waiting); retry later";
+    res.set_header("Retry-After", "1");
+    return refuse(e, adapter_label(p.model.adapter));
+  }
   const uint64_t sequence = ++response_sequence;
   const int64_t max_new = p.params.max_tokens.value_or(default_max_tokens(*this, p.prompt.size()));
   const uint64_t seed = p.params.seed.value_or(fresh_seed(sequence));

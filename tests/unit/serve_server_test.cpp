@@ -20,6 +20,7 @@
 #include "moelora/engine.h"
 #include "serve/stop_matcher.h"
 #include "server/server.h"
+#include "support/serve_client.h"
 #include "support/test_support.h"
 
 namespace moelora {
@@ -58,11 +59,11 @@ const Fixture& fixture() {
   return f;
 }
 
-std::unique_ptr<Engine> make_engine() {
+std::unique_ptr<Engine> make_engine(int32_t max_running = 16) {
   EngineOptions o;
   o.model_dir = fixture().model;
   o.device = "cpu";
-  o.max_running = 16;
+  o.max_running = max_running;
   o.max_loras_per_batch = 4;
   o.adapter_slots = 4;
   Result<std::unique_ptr<Engine>> e = Engine::create(o);
@@ -71,8 +72,8 @@ std::unique_ptr<Engine> make_engine() {
 }
 
 std::unique_ptr<server::Server> start_server(server::ServerOptions options,
-                                             bool with_adapters = true) {
-  std::unique_ptr<Engine> engine = make_engine();
+                                             bool with_adapters = true, int32_t max_running = 16) {
+  std::unique_ptr<Engine> engine = make_engine(max_running);
   if (with_adapters) {
     EXPECT_TRUE(engine->register_adapter("a", fixture().lora_root / "a").is_ok());
     EXPECT_TRUE(engine->register_adapter("b", fixture().lora_root / "b").is_ok());
@@ -90,79 +91,17 @@ std::unique_ptr<server::Server> start_server(server::ServerOptions options,
   return std::move(s.value());
 }
 
-struct Answer {
-  int status = 0;
-  json body;
-  std::string raw;
-  std::string content_type;
-};
-
+using Answer = test::HttpAnswer;
+using Stream = test::SseAnswer;
 Answer post(int port, const std::string& path, const std::string& body,
             const httplib::Headers& headers = {}) {
-  httplib::Client cli("127.0.0.1", port);
-  cli.set_read_timeout(std::chrono::seconds(60));
-  auto r = cli.Post(path.c_str(), headers, body, "application/json");
-  Answer a;
-  if (!r) return a;
-  a.status = r->status;
-  a.raw = r->body;
-  a.content_type = r->get_header_value("Content-Type");
-  a.body = json::parse(r->body, nullptr, false);
-  return a;
+  return test::http_post(port, path, body, headers);
 }
-
 Answer get(int port, const std::string& path, const httplib::Headers& headers = {}) {
-  httplib::Client cli("127.0.0.1", port);
-  auto r = cli.Get(path.c_str(), headers);
-  Answer a;
-  if (!r) return a;
-  a.status = r->status;
-  a.raw = r->body;
-  a.content_type = r->get_header_value("Content-Type");
-  a.body = json::parse(r->body, nullptr, false);
-  return a;
+  return test::http_get(port, path, headers);
 }
-
-// The events of one SSE answer: the JSON payloads, and whether it ended with [DONE].
-struct Stream {
-  int status = 0;
-  std::string error;  // the client's error when no answer came
-  std::vector<json> events;
-  bool done = false;
-};
-
 Stream post_stream(int port, const std::string& path, const std::string& body) {
-  httplib::Client cli("127.0.0.1", port);
-  cli.set_read_timeout(std::chrono::seconds(60));
-  std::string text;
-  httplib::Request req;
-  req.method = "POST";
-  req.path = path;
-  req.body = body;
-  req.set_header("Content-Type", "application/json");
-  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-    text.append(data, n);
-    return true;
-  };
-  Stream s;
-  auto r = cli.send(req);
-  if (!r) {
-    s.error = httplib::to_string(r.error());
-    return s;
-  }
-  s.status = r->status;
-  size_t pos = 0;
-  while ((pos = text.find("data: ", pos)) != std::string::npos) {
-    size_t end = text.find("\n\n", pos);
-    std::string payload = text.substr(pos + 6, end - pos - 6);
-    pos = end + 2;
-    if (payload == "[DONE]") {
-      s.done = true;
-      continue;
-    }
-    s.events.push_back(json::parse(payload));
-  }
-  return s;
+  return test::http_post_stream(port, path, body);
 }
 
 // What the engine generates for these ids when run directly (same options, no server).
@@ -492,14 +431,8 @@ TEST_F(ServeServer, ConcurrentMixedRequestsEqualTheirSerialAnswers) {
       json body = {{"model", m}, {"prompt", kPrompt}, {"max_tokens", 10}, {"temperature", 0}};
       if (i % 4 == 0) {
         body["stream"] = true;
-        Stream s = post_stream(port(), "/v1/completions", body.dump());
-        std::string text = "status " + std::to_string(s.status) + " " + s.error + ": ";
-        for (const json& e : s.events) text += e.dump();
-        if (s.status == 200 && s.done) {
-          text.clear();
-          for (const json& e : s.events) text += e["choices"][0]["text"].get<std::string>();
-        }
-        return std::make_pair(m, text);
+        return std::make_pair(
+            m, test::streamed_completion_text(post_stream(port(), "/v1/completions", body.dump())));
       }
       Answer a = post(port(), "/v1/completions", body.dump());
       if (a.status != 200)
@@ -593,7 +526,37 @@ TEST(ServeServerAuth, ApiKeyGuardsTheApiRoutes) {
   EXPECT_EQ(post(s->port(), "/v1/completions", body, {{"Authorization", "Bearer sekret"}}).status,
             200);
   EXPECT_EQ(get(s->port(), "/v1/models").status, 401);
+  EXPECT_EQ(get(s->port(), "/metrics").status, 401);
+  EXPECT_EQ(get(s->port(), "/metrics", {{"Authorization", "Bearer sekret"}}).status, 200);
   EXPECT_EQ(get(s->port(), "/health").status, 200);
+}
+
+TEST(ServeServerLimits, FullQueueAnswers503WithRetryAfter) {
+  server::ServerOptions o;
+  o.max_queued_requests = 2;
+  auto s = start_server(o, false, /*max_running=*/1);
+  const int port = s->port();
+  const std::string long_body =
+      json{{"prompt", kPrompt}, {"max_tokens", 2000}, {"ignore_eos", true}}.dump();
+  // One runs, two wait: the queue is full.
+  std::vector<std::future<Answer>> held;
+  for (int i = 0; i < 3; ++i)
+    held.push_back(
+        std::async(std::launch::async, [&] { return post(port, "/v1/completions", long_body); }));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (s->engine().stats().waiting < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_EQ(s->engine().stats().waiting, 2);
+  httplib::Client cli("127.0.0.1", port);
+  auto r =
+      cli.Post("/v1/completions", R"({"prompt": [1, 2], "max_tokens": 1})", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  EXPECT_EQ(r->get_header_value("Retry-After"), "1");
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "queue_full");
+  EXPECT_EQ(get(port, "/health").status, 200);
+  s->shutdown();  // the held requests end (cancelled) rather than run 2000 tokens each
+  for (auto& h : held) EXPECT_NE(h.get().status, 0);
 }
 
 TEST(ServeServerAdapters, RuntimeLoadsStayUnderTheRootAndUnloadWaitsForRunningRequests) {
