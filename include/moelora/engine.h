@@ -68,7 +68,9 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -135,7 +137,15 @@ struct SamplingParams {
   int64_t max_new_tokens = 16;
   bool ignore_eos = false;              // do not stop at the model's end-of-sequence tokens
   std::vector<int32_t> stop_token_ids;  // also stop after any of these (always honoured)
+  // Log-probabilities with each generated token (TokenEvent::logprobs): -1 = none; k in [0, 20]:
+  // the chosen token's and the k most likely tokens' log-probabilities under the model's
+  // distribution (log-softmax of the raw logits, before temperature / top-p / top-k, as vLLM
+  // reports them by default). Costs a copy of the request's logits row per step on the GPU.
+  int32_t logprobs = -1;
 };
+
+// The largest SamplingParams::logprobs (OpenAI's cap on top_logprobs).
+inline constexpr int32_t kMaxTopLogprobs = 20;
 
 struct Request {
   std::vector<int32_t> prompt;  // token ids, at least one
@@ -161,6 +171,13 @@ struct TokenEvent {
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   std::string error;  // kError: what went wrong
+  // With SamplingParams::logprobs >= 0 and a token: its log-probability and the top
+  // alternatives (most likely first, ties by lower id; may include the chosen token).
+  struct Logprobs {
+    float logprob = 0.0f;
+    std::vector<std::pair<int32_t, float>> top;
+  };
+  std::optional<Logprobs> logprobs;
 };
 using TokenCallback = std::function<void(const TokenEvent&)>;
 

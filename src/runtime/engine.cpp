@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -148,6 +149,40 @@ void require_device(const std::string& device) {
 
 runtime::ExecutorLimits limits_of(const EngineOptions& o) {
   return {o.max_batch_tokens, o.max_running, o.adapter_slots, o.max_lora_rank};
+}
+
+// The log-softmax of `logits` at `token`, and its `top` largest entries (most likely first, ties
+// by lower id), in double precision for the normalizer.
+TokenEvent::Logprobs token_logprobs(std::span<const float> logits, int32_t token, int32_t top) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (float v : logits) max = std::max(max, v);
+  double sum = 0.0;
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - max);
+  const double lse = static_cast<double>(max) + std::log(sum);
+  TokenEvent::Logprobs out;
+  out.logprob = static_cast<float>(static_cast<double>(logits[static_cast<size_t>(token)]) - lse);
+  if (top <= 0) return out;
+  // A min-heap of the best `top` (value, -id): O(V log top).
+  auto worse = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::vector<std::pair<float, int32_t>> heap;
+  heap.reserve(static_cast<size_t>(top) + 1);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const std::pair<float, int32_t> item{logits[i], static_cast<int32_t>(i)};
+    if (heap.size() < static_cast<size_t>(top)) {
+      heap.push_back(item);
+      std::push_heap(heap.begin(), heap.end(), worse);
+    } else if (worse(item, heap.front())) {
+      std::pop_heap(heap.begin(), heap.end(), worse);
+      heap.back() = item;
+      std::push_heap(heap.begin(), heap.end(), worse);
+    }
+  }
+  std::sort(heap.begin(), heap.end(), worse);
+  for (const auto& [value, id] : heap)
+    out.top.push_back({id, static_cast<float>(static_cast<double>(value) - lse)});
+  return out;
 }
 
 }  // namespace
@@ -305,6 +340,9 @@ Status Engine::Impl::validate(const Request& request) const {
                     "request: stop token id ", id, " is outside the vocabulary [0, ",
                     info.vocab_size, ")");
     }
+    MOELORA_CHECK(s.logprobs >= -1 && s.logprobs <= kMaxTopLogprobs, ErrorCode::kOutOfRange,
+                  "request: logprobs must be -1 (none) or in [0, ", kMaxTopLogprobs, "], got ",
+                  s.logprobs);
     try {
       model::check_sampling_params({s.temperature, s.top_p, s.top_k, s.seed});
     } catch (const Error& e) {
@@ -388,12 +426,34 @@ void Engine::Impl::run_step(const runtime::StepPlan& plan) {
     for (RequestState* r : owners) fail(*r, std::string("the forward pass failed: ") + e.what());
     return;
   }
+  // Log-probabilities for the requests that asked (their logits rows, copied back only for them).
+  std::vector<size_t> logprob_rows;
+  for (size_t i = 0; i < plan.items.size(); ++i)
+    if (plan.items[i].samples && owners[i]->request.sampling.logprobs >= 0 && tokens[i] >= 0 &&
+        tokens[i] < info.vocab_size)
+      logprob_rows.push_back(i);
+  std::vector<std::optional<TokenEvent::Logprobs>> logprobs(plan.items.size());
+  if (!logprob_rows.empty()) {
+    try {
+      const std::vector<Tensor> rows = executor->last_logits(logprob_rows);
+      for (size_t j = 0; j < logprob_rows.size(); ++j) {
+        const size_t i = logprob_rows[j];
+        logprobs[i] = token_logprobs(
+            std::span<const float>(rows[j].data<float>(), static_cast<size_t>(rows[j].numel())),
+            tokens[i], owners[i]->request.sampling.logprobs);
+      }
+    } catch (const std::exception& e) {
+      for (size_t i : logprob_rows) fail(*owners[i], std::string("log-probabilities: ") + e.what());
+      for (size_t i : logprob_rows) tokens[i] = -2;  // failed above; skipped below
+    }
+  }
   int64_t sampled = 0;
   for (size_t i = 0; i < plan.items.size(); ++i) {
     const runtime::StepItem& item = plan.items[i];
     if (!item.samples) continue;
     RequestState& r = *owners[i];
     const int32_t token = tokens[i];
+    if (token == -2) continue;  // already failed (log-probabilities)
     if (token < 0 || token >= info.vocab_size) {
       fail(r, "sampling failed: the backend produced no valid token (non-finite logits?)");
       continue;
@@ -403,6 +463,7 @@ void Engine::Impl::run_step(const runtime::StepPlan& plan) {
     TokenEvent event;
     event.token = token;
     event.index = r.generated++;
+    event.logprobs = std::move(logprobs[i]);
     const bool stop =
         std::find(r.stop_tokens.begin(), r.stop_tokens.end(), token) != r.stop_tokens.end();
     if (stop || r.generated >= r.request.sampling.max_new_tokens) {

@@ -12,7 +12,8 @@ std::vector<int32_t> Executor::forward_sample(std::span<const BatchEntry> batch,
   MOELORA_CHECK(params.size() == batch.size() && uniforms.size() == batch.size(),
                 ErrorCode::kInternal, "forward_sample of ", batch.size(), " entries with ",
                 params.size(), " sampling params and ", uniforms.size(), " uniforms");
-  const std::vector<Tensor> logits = forward(batch);
+  last_forward_logits_ = forward(batch);
+  const std::vector<Tensor>& logits = last_forward_logits_;
   std::vector<int32_t> tokens(batch.size(), -1);
   for (size_t i = 0; i < batch.size(); ++i) {
     const Tensor& row = logits[i];
@@ -25,6 +26,16 @@ std::vector<int32_t> Executor::forward_sample(std::span<const BatchEntry> batch,
     }
   }
   return tokens;
+}
+
+std::vector<Tensor> Executor::last_logits(std::span<const size_t> rows) {
+  std::vector<Tensor> out;
+  for (size_t row : rows) {
+    MOELORA_CHECK(row < last_forward_logits_.size(), ErrorCode::kInternal, "last_logits: row ", row,
+                  " of a batch of ", last_forward_logits_.size());
+    out.push_back(last_forward_logits_[row]);
+  }
+  return out;
 }
 
 void Executor::randomize_slot(int32_t slot, int64_t rank, bool shared_outer, uint64_t seed) {

@@ -114,6 +114,10 @@ class Executor {
                                               std::span<const ops::SampleRowParams> params,
                                               std::span<const float> uniforms);
 
+  // The logits of entries `rows` (batch indices) of the last forward_sample(), F32 [V] each, for
+  // requests that asked for log-probabilities. Valid until the next forward.
+  virtual std::vector<Tensor> last_logits(std::span<const size_t> rows);
+
   // Longest sequence (prompt + generated tokens) a sequence may reach; 0 = only the model's
   // max_position_embeddings limits it. A paged GPU cache has a fixed page-table width.
   virtual int64_t max_sequence_length() const { return 0; }
@@ -135,6 +139,10 @@ class Executor {
   virtual ExecutorCounters counters() const { return {}; }
   // The attention kernels the backend runs (ModelInfo::attention_kernel).
   virtual std::string attention_kernel() const { return "reference"; }
+
+ protected:
+  // The default forward_sample() keeps its logits here for last_logits().
+  std::vector<Tensor> last_forward_logits_;
 };
 
 }  // namespace moelora::runtime

@@ -239,6 +239,28 @@ class GpuExecutor final : public Executor {
     return tokens;
   }
 
+  // Rows of the last forward's device logits (the model computes them for every sequence, also
+  // when it samples), copied back only for the requests that asked for log-probabilities.
+  std::vector<Tensor> last_logits(std::span<const size_t> rows) override {
+    const int64_t vocab = config().vocab_size;
+    std::vector<Tensor> out;
+    out.reserve(rows.size());
+    for (size_t row : rows) {
+      int64_t k = -1;
+      for (size_t j = 0; j < plan_.order.size(); ++j)
+        if (static_cast<size_t>(plan_.order[j]) == row) k = static_cast<int64_t>(j);
+      MOELORA_CHECK(k >= 0, ErrorCode::kInternal, "last_logits: row ", row,
+                    " is not in the last batch");
+      Tensor t = Tensor::empty(DType::kF32, {vocab});
+      MOELORA_CUDA_CHECK(cudaMemcpyAsync(t.raw_data(), model_->logits() + k * vocab,
+                                         static_cast<size_t>(vocab) * sizeof(float),
+                                         cudaMemcpyDeviceToHost, model_->main_stream()));
+      out.push_back(std::move(t));
+    }
+    MOELORA_CUDA_CHECK(cudaStreamSynchronize(model_->main_stream()));
+    return out;
+  }
+
   ExecutorCounters counters() const override { return counters_; }
   std::string attention_kernel() const override { return model_->attention_kernel(); }
 

@@ -716,6 +716,7 @@ moelora::SamplingParams to_engine_sampling(const GenerationParams& params,
   s.max_new_tokens = params.max_tokens.value_or(default_max_tokens);
   s.ignore_eos = params.ignore_eos;
   s.stop_token_ids = params.stop_token_ids;
+  s.logprobs = params.logprobs ? *params.logprobs : -1;
   return s;
 }
 

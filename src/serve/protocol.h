@@ -14,9 +14,9 @@
 //   - stop strings and n > 1: parsed into GenerationParams; the server implements them above
 //     the engine (stop_matcher.h cuts stop strings from the text; n choices are n engine
 //     requests with seeds seed, seed + 1, ...);
-//   - logprobs / top_logprobs: parsed into GenerationParams. The engine's TokenEvent carries no
-//     logprobs yet, so a server that cannot produce them sets ProtocolLimits::logprobs_supported
-//     to false and such requests get a 400 naming the field;
+//   - logprobs / top_logprobs: parsed into GenerationParams (the engine reports them with each
+//     token, SamplingParams::logprobs); a server without them sets
+//     ProtocolLimits::logprobs_supported to false and such requests get a 400 naming the field;
 //   - min_p, presence_penalty, frequency_penalty, repetition_penalty: the engine has no such
 //     sampler stage, so only their neutral value is accepted (0, or 1 for repetition_penalty);
 //   - echo, suffix, best_of != n, non-empty logit_bias: refused ("unsupported_parameter").

@@ -96,7 +96,8 @@ Server::Impl::Impl(ServerOptions opts, std::unique_ptr<Engine> eng, io::Tokenize
   }
   limits = options.limits;
   limits.vocab_size = info.vocab_size;
-  limits.logprobs_supported = false;  // TokenEvent carries no logprobs yet
+  limits.logprobs_supported = true;
+  limits.max_logprobs = kMaxTopLogprobs;
   created_unix = std::chrono::duration_cast<std::chrono::seconds>(
                      std::chrono::system_clock::now().time_since_epoch())
                      .count();

@@ -59,6 +59,8 @@ struct Delta {
   int32_t choice = 0;
   std::string text;
   serve::ChoiceFinish finish = serve::ChoiceFinish::kNone;
+  std::vector<serve::TokenLogprob> logprobs;  // of the tokens this delta's text came from
+  size_t text_offset = 0;                     // bytes of the choice's text before this delta
 };
 
 class Generation {
@@ -69,7 +71,9 @@ class Generation {
     bool done = false;
     serve::IncrementalDetokenizer detokenizer;
     serve::StopMatcher stops;
-    std::string text;  // everything sent so far (the non-streamed answer)
+    std::string text;                           // everything sent so far (the non-streamed answer)
+    std::vector<serve::TokenLogprob> logprobs;  // every token's, for the non-streamed answer
+    std::vector<serve::TokenLogprob> pending_logprobs;  // not yet attached to a delta
     serve::ChoiceFinish finish = serve::ChoiceFinish::kNone;
     int64_t tokens = 0;
     Clock::time_point last_token;
@@ -194,6 +198,8 @@ class Generation {
       c.last_token = now;
       // The stop token or end-of-sequence token that ended the choice is not part of its text.
       const bool stop_token = e.finished && e.finish_reason == FinishReason::kStop;
+      if (!stop_token && e.logprobs)
+        c.pending_logprobs.push_back(token_logprob(e.token, *e.logprobs));
       if (!stop_token) {
         serve::StopMatcher::Step step = c.stops.feed(c.detokenizer.add(e.token));
         delta.text += step.text;
@@ -206,6 +212,7 @@ class Generation {
     }
     if (!e.finished) {
       if (!delta.text.empty()) {
+        attach_logprobs(c, delta);
         c.text += delta.text;
         out.push_back(std::move(delta));
       }
@@ -231,7 +238,24 @@ class Generation {
     fail(err);
   }
 
+  serve::TokenLogprob token_logprob(int32_t token, const TokenEvent::Logprobs& lp) const {
+    serve::TokenLogprob t;
+    t.token = server_.tokenizer.decode_token(token);
+    t.logprob = lp.logprob;
+    for (const auto& [id, value] : lp.top)
+      t.top.push_back({server_.tokenizer.decode_token(id), value});
+    return t;
+  }
+
+  static void attach_logprobs(Choice& c, Delta& delta) {
+    delta.text_offset = c.text.size();
+    delta.logprobs = std::move(c.pending_logprobs);
+    c.pending_logprobs.clear();
+    c.logprobs.insert(c.logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
+  }
+
   void finish_choice(Choice& c, serve::ChoiceFinish finish, Delta& delta, std::vector<Delta>& out) {
+    attach_logprobs(c, delta);
     c.done = true;
     c.finish = finish;
     c.text += delta.text;
@@ -399,18 +423,23 @@ void Server::Impl::handle_completion(const httplib::Request& req, httplib::Respo
       return send_error(res, *gen->error());
     }
     const serve::Usage usage{gen->prompt_tokens(), gen->completion_tokens()};
+    const bool want_logprobs = p.params.logprobs.has_value();
+    auto logprobs_of = [&](const Generation::Choice& c) {
+      return want_logprobs ? std::optional<std::vector<serve::TokenLogprob>>(c.logprobs)
+                           : std::nullopt;
+    };
     ordered_json out;
     if (chat) {
       std::vector<serve::ChatChoice> choices;
       for (size_t i = 0; i < gen->choices().size(); ++i)
         choices.push_back({static_cast<int32_t>(i), gen->choices()[i].text, std::nullopt,
-                           gen->choices()[i].finish, std::nullopt});
+                           gen->choices()[i].finish, logprobs_of(gen->choices()[i])});
       out = serve::chat_completion_response(meta, choices, usage);
     } else {
       std::vector<serve::CompletionChoice> choices;
       for (size_t i = 0; i < gen->choices().size(); ++i)
         choices.push_back({static_cast<int32_t>(i), gen->choices()[i].text,
-                           gen->choices()[i].finish, std::nullopt});
+                           gen->choices()[i].finish, logprobs_of(gen->choices()[i])});
       out = serve::completion_response(meta, choices, usage);
     }
     gen->record(200);
@@ -420,11 +449,12 @@ void Server::Impl::handle_completion(const httplib::Request& req, httplib::Respo
   // Streamed: the provider runs on this worker after the handler returns, once per call until it
   // calls done(); each call waits up to one poll interval for tokens.
   const bool include_usage = p.params.include_usage;
+  const bool want_logprobs = p.params.logprobs.has_value();
   auto started = std::make_shared<bool>(false);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [gen, meta, chat, include_usage, started](size_t, httplib::DataSink& sink) {
+      [gen, meta, chat, include_usage, want_logprobs, started](size_t, httplib::DataSink& sink) {
         auto send = [&](const std::string& event) {
           return sink.write(event.data(), event.size());
         };
@@ -439,11 +469,12 @@ void Server::Impl::handle_completion(const httplib::Request& req, httplib::Respo
         std::vector<Delta> deltas;
         gen->poll(deltas);
         for (const Delta& d : deltas) {
-          if (!d.text.empty()) {
+          if (!d.text.empty() || (want_logprobs && !d.logprobs.empty())) {
+            const std::vector<serve::TokenLogprob>* lp = want_logprobs ? &d.logprobs : nullptr;
             const ordered_json chunk =
-                chat ? serve::chat_content_chunk(meta, d.choice, d.text, include_usage)
+                chat ? serve::chat_content_chunk(meta, d.choice, d.text, include_usage, lp)
                      : serve::completion_chunk(meta, d.choice, d.text, serve::ChoiceFinish::kNone,
-                                               include_usage);
+                                               include_usage, lp, d.text_offset);
             if (!send(serve::sse_event(chunk))) return false;
           }
           if (d.finish != serve::ChoiceFinish::kNone) {

@@ -5,7 +5,9 @@
 // leaves mid-stream frees its KV pages.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <future>
 #include <map>
@@ -140,6 +142,27 @@ TEST_F(ServeGpu, ChatStreamEndsWithUsageAndDone) {
   EXPECT_EQ(s.events.front()["choices"][0]["delta"]["role"], "assistant");
   EXPECT_TRUE(s.events.back()["choices"].empty());
   EXPECT_GT(s.events.back()["usage"]["completion_tokens"].get<int>(), 0);
+}
+
+TEST_F(ServeGpu, LogprobsComeFromTheLogitsTheTokenWasSampledFrom) {
+  const json body = {{"model", "a"},    {"prompt", {3, 9, 27, 81}},
+                     {"max_tokens", 8}, {"temperature", 0},
+                     {"logprobs", 4},   {"ignore_eos", true}};
+  const test::HttpAnswer a = test::http_post(port(), "/v1/completions", body.dump());
+  ASSERT_EQ(a.status, 200) << a.raw;
+  const json& lp = a.body["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["token_logprobs"].size(), 8u);
+  for (size_t j = 0; j < 8; ++j) {
+    double best = -1e30;
+    double mass = 0;
+    for (auto& [text, value] : lp["top_logprobs"][j].items()) {
+      best = std::max(best, value.get<double>());
+      mass += std::exp(value.get<double>());
+    }
+    // Greedy on the device picks the argmax of the same logits the log-probabilities come from.
+    EXPECT_NEAR(lp["token_logprobs"][j].get<double>(), best, 1e-6) << "token " << j;
+    EXPECT_LE(mass, 1.0 + 1e-5);
+  }
 }
 
 TEST_F(ServeGpu, ClientThatLeavesFreesItsPages) {

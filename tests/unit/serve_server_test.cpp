@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <future>
 #include <map>
@@ -17,6 +19,8 @@
 
 #include "chat/chat_template.h"
 #include "io/tokenizer.h"
+#include "model/model.h"
+#include "model/model_setup.h"
 #include "moelora/engine.h"
 #include "serve/stop_matcher.h"
 #include "server/server.h"
@@ -329,6 +333,71 @@ TEST_F(ServeServer, SeededSamplingAndSeveralChoices) {
   EXPECT_EQ(too_many.body["error"]["param"], "n");
 }
 
+TEST_F(ServeServer, LogprobsAreTheModelsLogSoftmax) {
+  // Greedy through adapter b with 3 alternatives per token, whole and streamed.
+  const json body = {{"model", "b"},     {"prompt", kPrompt}, {"max_tokens", 6},
+                     {"temperature", 0}, {"logprobs", 3},     {"ignore_eos", true}};
+  Answer a = post(port(), "/v1/completions", body.dump());
+  ASSERT_EQ(a.status, 200) << a.raw;
+  const json& lp = a.body["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["token_logprobs"].size(), 6u) << a.raw;
+  const std::vector<int32_t> tokens = engine_tokens(kPrompt, "b", 6);
+  // The reference: one forward of the CPU model over prompt + tokens, log-softmax per row.
+  model::Model m = model::load_model(fixture().model, {{"b", fixture().lora_root / "b"}});
+  std::vector<int32_t> input = kPrompt;
+  input.insert(input.end(), tokens.begin(), tokens.end() - 1);
+  model::Sequence seq = m.new_sequence("b");
+  const Tensor logits = m.forward(seq, input);
+  const int64_t V = logits.dim(1);
+  io::Tokenizer tok = io::Tokenizer::load(fixture().model);
+  size_t offset = 0;
+  for (size_t j = 0; j < tokens.size(); ++j) {
+    const float* row = logits.data<float>() + (static_cast<int64_t>(kPrompt.size()) - 1 + j) * V;
+    double max = row[0], sum = 0;
+    for (int64_t v = 0; v < V; ++v) max = std::max<double>(max, row[v]);
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - max);
+    const double lse = max + std::log(sum);
+    EXPECT_NEAR(lp["token_logprobs"][j].get<double>(), row[tokens[j]] - lse, 1e-4) << "token " << j;
+    EXPECT_EQ(lp["tokens"][j], io::sanitize_utf8(tok.decode_token(tokens[j])));
+    EXPECT_EQ(lp["text_offset"][j], offset);
+    offset += tok.decode_token(tokens[j]).size();  // offsets count the tokens' bytes
+    // Greedy: the chosen token is the most likely one, and the alternatives are the top 3.
+    std::vector<double> top;
+    for (auto& [text, value] : lp["top_logprobs"][j].items()) top.push_back(value.get<double>());
+    ASSERT_EQ(top.size(), 3u);
+    std::sort(top.rbegin(), top.rend());
+    EXPECT_NEAR(top[0], lp["token_logprobs"][j].get<double>(), 1e-6);
+    std::vector<double> ref(row, row + V);
+    std::sort(ref.rbegin(), ref.rend());
+    for (int k = 0; k < 3; ++k)
+      EXPECT_NEAR(top[k], ref[k] - lse, 1e-4) << "token " << j << " top " << k;
+  }
+  // Streamed: the same logprobs, spread over the chunks.
+  json stream_body = body;
+  stream_body["stream"] = true;
+  Stream s = post_stream(port(), "/v1/completions", stream_body.dump());
+  std::vector<double> streamed;
+  for (const json& e : s.events)
+    if (!e["choices"].empty() && e["choices"][0]["logprobs"].is_object())
+      for (const json& v : e["choices"][0]["logprobs"]["token_logprobs"]) streamed.push_back(v);
+  EXPECT_EQ(streamed, lp["token_logprobs"].get<std::vector<double>>());
+  // Chat: logprobs=true with top_logprobs.
+  Answer c = post(port(), "/v1/chat/completions",
+                  json{{"messages", json::array({{{"role", "user"}, {"content", "Hi"}}})},
+                       {"max_tokens", 3},
+                       {"logprobs", true},
+                       {"top_logprobs", 2}}
+                      .dump());
+  ASSERT_EQ(c.status, 200) << c.raw;
+  const json& content = c.body["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), c.body["usage"]["completion_tokens"].get<size_t>()) << c.raw;
+  for (const json& t : content) {
+    EXPECT_LE(t["logprob"].get<double>(), 0.0);
+    EXPECT_EQ(t["top_logprobs"].size(), 2u);
+    EXPECT_TRUE(t["bytes"].is_array());
+  }
+}
+
 TEST_F(ServeServer, BadRequestsGetOpenAIErrorsNamingTheField) {
   struct Case {
     std::string path, body;
@@ -343,7 +412,7 @@ TEST_F(ServeServer, BadRequestsGetOpenAIErrorsNamingTheField) {
       {"/v1/completions", R"({"prompt": "x", "max_tokens": 1000000})", 400, "max_tokens"},
       {"/v1/completions", R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens"},
       {"/v1/completions", R"({"prompt": [1, 2, 99999]})", 400, "prompt[2]"},
-      {"/v1/completions", R"({"prompt": "x", "logprobs": 2})", 400, "logprobs"},
+      {"/v1/completions", R"({"prompt": "x", "logprobs": 21})", 400, "logprobs"},
       {"/v1/chat/completions", R"({"messages": "hi"})", 400, "messages"},
       {"/v1/chat/completions",
        R"({"messages": [{"role": "user", "content": "x"}], "stream": "yes"})", 400, "stream"},
