@@ -9,6 +9,7 @@
 // script that started it with --port 0 can read the port; stops cleanly on SIGINT / SIGTERM.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -17,6 +18,7 @@
 
 #include "cli.h"
 #include "core/error.h"
+#include "device_run.h"
 #include "io/hf_config.h"
 #include "model/model_setup.h"
 #include "moelora/engine.h"
@@ -40,7 +42,7 @@ struct ServeArgs {
   std::string device;
   int32_t max_loras_per_batch = 8;
   int32_t adapter_slots = 0;
-  int64_t max_lora_rank = 64;
+  int64_t max_lora_rank = 0;  // 0: inferred from the adapters given at start
   int32_t max_cpu_loras = 32;
   std::string api_key;
   std::string served_model_name;
@@ -147,7 +149,17 @@ int run_serve(const ServeArgs& args) {
   options.max_batch_tokens = a.max_batch_tokens;
   options.max_loras_per_batch = a.max_loras_per_batch;
   options.adapter_slots = a.adapter_slots > 0 ? a.adapter_slots : a.max_loras_per_batch;
-  options.max_lora_rank = a.max_lora_rank;
+  // The slot pool is sized for max_lora_rank on every expert of every layer (with 128 experts
+  // and 48 layers, 8 slots of rank 64 are ~300 GB): take the adapters' own rank unless told.
+  std::vector<moelora::model::AdapterSpec> specs;
+  for (const std::string& spec_text : a.adapters)
+    specs.push_back(moelora::model::parse_adapter_spec(spec_text));
+  int64_t rank = a.max_lora_rank;
+  if (rank <= 0) {
+    rank = std::max<int64_t>(16, moelora::tools::adapter_rank_bound(specs));
+    if (a.random_adapters > 0) rank = std::max(rank, a.random_adapter_rank);
+  }
+  options.max_lora_rank = rank;
   options.host_adapter_cache = a.max_cpu_loras;
   options.max_seq_len = a.max_seq_len;
   options.gpu_memory_fraction = a.gpu_memory_fraction;
@@ -157,8 +169,7 @@ int run_serve(const ServeArgs& args) {
   options.max_layers = a.layers;
   auto engine = moelora::Engine::create(options);
   if (!engine.is_ok()) throw moelora::Error(engine.status().code(), engine.status().message());
-  for (const std::string& spec_text : a.adapters) {
-    const moelora::model::AdapterSpec spec = moelora::model::parse_adapter_spec(spec_text);
+  for (const moelora::model::AdapterSpec& spec : specs) {
     moelora::Status s = engine.value()->register_adapter(spec.name, spec.dir);
     if (!s.is_ok())
       throw moelora::Error(s.code(),
@@ -252,8 +263,9 @@ MOELORA_SUBCOMMAND(
           ->capture_default_str();
       app.add_option("--adapter-slots", a->adapter_slots,
                      "adapters resident in the backend's pool (default: --max-loras-per-batch)");
-      app.add_option("--max-lora-rank", a->max_lora_rank, "larger adapters are refused")
-          ->capture_default_str();
+      app.add_option("--max-lora-rank", a->max_lora_rank,
+                     "larger adapters are refused; the GPU's slot pool is sized for it (default: "
+                     "twice the largest r of the --adapter folders, at least 16)");
       app.add_option("--max-cpu-loras", a->max_cpu_loras,
                      "adapters kept in host memory (least recently used dropped)")
           ->capture_default_str();

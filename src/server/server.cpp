@@ -135,6 +135,14 @@ void Server::Impl::declare_metrics() {
                       "Runtime adapter loads and unloads through the API, by action and result.");
   metrics.add_counter("moelora_engine_steps_total", "Engine forwards.");
   metrics.add_counter("moelora_graph_replays_total", "Decode steps replayed from a CUDA graph.");
+  metrics.add_counter("moelora_graph_captures_total",
+                      "CUDA graphs captured (one per decode batch bucket and LoRA flag, at first "
+                      "use).");
+  metrics.add_counter("moelora_engine_prefill_steps_total", "Engine steps with prompt tokens.");
+  metrics.add_counter("moelora_kv_blocked_steps_total",
+                      "Steps whose admission stopped at a request that did not fit the "
+                      "unreserved KV pages.");
+  metrics.add_gauge("moelora_requests_running_peak", "Most requests that ran in one step.");
 }
 
 void Server::Impl::sample_engine_metrics() {
@@ -155,6 +163,10 @@ void Server::Impl::sample_engine_metrics() {
   bump("moelora_lora_evictions_total", s.pool_evictions, last_stats.pool_evictions);
   bump("moelora_engine_steps_total", s.steps, last_stats.steps);
   bump("moelora_graph_replays_total", s.graph_replays, last_stats.graph_replays);
+  bump("moelora_graph_captures_total", s.graph_captures, last_stats.graph_captures);
+  bump("moelora_engine_prefill_steps_total", s.prefill_steps, last_stats.prefill_steps);
+  bump("moelora_kv_blocked_steps_total", s.kv_blocked_steps, last_stats.kv_blocked_steps);
+  metrics.set("moelora_requests_running_peak", {}, s.peak_running);
   last_stats = s;
 }
 
@@ -460,14 +472,22 @@ Status Server::start() {
   s.bound_port = port;
   if (s.listen_fd >= 0) ::listen(s.listen_fd, SOMAXCONN);
   s.loop->start();
-  s.http_thread = std::thread([&s] { s.http.listen_after_bind(); });
+  s.http_thread = std::thread([&s] {
+    s.http.listen_after_bind();
+    std::lock_guard<std::mutex> lock(s.lifecycle_mutex);
+    s.http_ended = true;
+    s.http_ended_cv.notify_all();
+  });
   s.started = true;
   return Status::ok();
 }
 
 void Server::wait() {
+  // Only shutdown() joins the listener thread; waiting here is on its end, so wait() and a
+  // shutdown() from another thread (a signal watcher) never both join it.
   Impl& s = *impl_;
-  if (s.http_thread.joinable()) s.http_thread.join();
+  std::unique_lock<std::mutex> lock(s.lifecycle_mutex);
+  s.http_ended_cv.wait(lock, [&] { return !s.started || s.http_ended; });
 }
 
 void Server::shutdown() {

@@ -59,6 +59,7 @@ struct Delta {
   int32_t choice = 0;
   std::string text;
   serve::ChoiceFinish finish = serve::ChoiceFinish::kNone;
+  bool has_token = false;  // a generated token arrived (its text may still be held back)
   std::vector<serve::TokenLogprob> logprobs;  // of the tokens this delta's text came from
   size_t text_offset = 0;                     // bytes of the choice's text before this delta
 };
@@ -187,6 +188,7 @@ class Generation {
     delta.choice = index;
     if (e.token >= 0) {
       ++c.tokens;
+      delta.has_token = true;
       if (!first_token_seen_) {
         first_token_seen_ = true;
         server_.metrics.observe("moelora_time_to_first_token_seconds", {},
@@ -211,11 +213,11 @@ class Generation {
       }
     }
     if (!e.finished) {
-      if (!delta.text.empty()) {
-        attach_logprobs(c, delta);
-        c.text += delta.text;
-        out.push_back(std::move(delta));
-      }
+      // One delta per token, as vLLM streams them: a client counts tokens and inter-token
+      // latency by chunks even while the text of a token is empty or held back.
+      attach_logprobs(c, delta);
+      c.text += delta.text;
+      out.push_back(std::move(delta));
       return;
     }
     if (e.finish_reason == FinishReason::kStop || e.finish_reason == FinishReason::kLength) {
@@ -469,7 +471,7 @@ void Server::Impl::handle_completion(const httplib::Request& req, httplib::Respo
         std::vector<Delta> deltas;
         gen->poll(deltas);
         for (const Delta& d : deltas) {
-          if (!d.text.empty() || (want_logprobs && !d.logprobs.empty())) {
+          if (d.has_token || !d.text.empty()) {
             const std::vector<serve::TokenLogprob>* lp = want_logprobs ? &d.logprobs : nullptr;
             const ordered_json chunk =
                 chat ? serve::chat_content_chunk(meta, d.choice, d.text, include_usage, lp)

@@ -6,6 +6,7 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -56,6 +57,8 @@ struct Server::Impl {
   std::mutex lifecycle_mutex;
   bool started = false;
   bool stopped = false;
+  bool http_ended = false;  // the listener returned (after stop(), or on its own)
+  std::condition_variable http_ended_cv;
 
   // Engine requests in flight (shutdown cancels them).
   std::mutex live_mutex;
