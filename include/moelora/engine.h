@@ -13,8 +13,11 @@
 //      with a uniform number drawn from the request's own seeded generator: on the device for
 //      the GPU backend); finished requests leave (stop token, max_new_tokens, cancel) and free
 //      their KV cache and adapter slot at once.
-// A request's tokens do not depend on which other requests share its steps: the backend computes
-// every sequence exactly as it would alone, and each request samples with its own seeded RNG.
+// A request's tokens do not depend on which other requests share its steps: each request samples
+// with its own seeded RNG, and the CPU backend computes every sequence exactly as it would alone.
+// The GPU backend's bf16 GEMMs round differently for other batch sizes, so there a greedy token
+// may differ where the top logits are within bf16 error of each other (a near-tie) or where a
+// top-k expert choice is that close (tests/gpu/serve_gpu_test.cpp measures it).
 //
 // Admission. A waiting request joins when all of these hold:
 //   - fewer than max_running requests are running and the step still has token budget;
