@@ -13,7 +13,9 @@
 // Locking: `state_mutex` guards everything but the callbacks; step() holds it while it plans,
 // runs the forward and samples, then releases it and delivers the step's events while holding
 // only `step_mutex` (which keeps steps, and so each request's events, in order). A callback may
-// therefore call submit() / cancel() (they take state_mutex only), but not step().
+// therefore call submit() / cancel() (they take state_mutex only), but not step(). state_mutex is
+// a FairMutex: with std::mutex the stepping thread, relocking microseconds after each step, could
+// keep a submitting thread out until the running requests finished.
 #include "moelora/engine.h"
 
 #include <algorithm>
@@ -24,6 +26,7 @@
 #include <mutex>
 #include <set>
 
+#include "core/fair_mutex.h"
 #include "model/sampler.h"
 #include "runtime/adapter_pool.h"
 #include "runtime/cpu_executor.h"
@@ -293,7 +296,9 @@ struct Engine::Impl {
   runtime::AdapterPool pool;
   runtime::Scheduler scheduler;
 
-  mutable std::mutex state_mutex;
+  // First come, first served: step() releases and retakes it back to back, and a submit(),
+  // cancel() or stats() from an HTTP thread must get in between (core/fair_mutex.h).
+  mutable FairMutex state_mutex;
   std::mutex step_mutex;
   std::map<RequestId, std::unique_ptr<RequestState>> requests;
   std::vector<PendingEvent> pending;

@@ -739,7 +739,13 @@ class RecordingExecutor final : public Executor {
   }
   ExecutorCounters counters() const override { return inner_->counters(); }
 
+  // A forward that keeps the thread busy this long, like a GPU step's wait for the device.
+  std::chrono::microseconds busy_forward{0};
+
   std::vector<Tensor> forward(std::span<const BatchEntry> batch) override {
+    const auto busy_until = std::chrono::steady_clock::now() + busy_forward;
+    while (std::chrono::steady_clock::now() < busy_until) {
+    }
     Forward f;
     for (const BatchEntry& b : batch) {
       f.tokens += static_cast<int64_t>(b.tokens.size());
@@ -1541,6 +1547,68 @@ TEST(EngineContract, RandomAdaptersAreDrawnIntoSlotsAndAgainAfterEviction) {
   EXPECT_TRUE(contains(listed[0].dir.string(), "random:rank=4")) << listed[0].dir;
   ASSERT_TRUE(t.engine->unregister_adapter("r0").is_ok());
   ASSERT_TRUE(t.engine->register_random_adapter("r0", 8, false, 99).is_ok());
+}
+
+// A server's engine thread steps back to back while a request runs; a request submitted from
+// another thread meanwhile must start at the next step, not when the running one finishes (the
+// engine's lock is first come, first served).
+TEST(EngineContract, SubmitWhileStepsRunBackToBackStartsAtTheNextStep) {
+  std::mt19937_64 rng(test::test_seed(89));
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  t.executor->busy_forward = std::chrono::microseconds(1500);
+  constexpr int64_t kLongTokens = 150;
+  std::atomic<int64_t> long_tokens{0};
+  std::atomic<bool> long_done{false};
+  Request long_request;
+  long_request.prompt = random_tokens(rng, 5, 512);
+  long_request.sampling.max_new_tokens = kLongTokens;
+  long_request.sampling.ignore_eos = true;
+  ASSERT_TRUE(t.engine
+                  ->submit(long_request,
+                           [&](const TokenEvent& e) {
+                             if (e.token >= 0) long_tokens.fetch_add(1);
+                             if (e.finished) long_done.store(true);
+                           })
+                  .is_ok());
+  std::atomic<bool> stop{false};
+  Status loop_status = Status::ok();
+  std::thread stepper([&] {
+    while (!stop.load()) {
+      if (t.engine->idle()) {
+        std::this_thread::yield();
+        continue;
+      }
+      loop_status = t.engine->step();
+      if (!loop_status) return;
+    }
+  });
+  while (long_tokens.load() < 3 && !long_done.load()) std::this_thread::yield();
+
+  for (int i = 0; i < 5; ++i) {
+    const int64_t before = long_tokens.load();
+    std::atomic<int64_t> at_first_token{-1};
+    std::atomic<bool> done{false};
+    Request r;
+    r.prompt = random_tokens(rng, 5, 512);
+    r.sampling.max_new_tokens = 1;
+    ASSERT_TRUE(t.engine
+                    ->submit(r,
+                             [&](const TokenEvent& e) {
+                               if (e.token >= 0) at_first_token.store(long_tokens.load());
+                               if (e.finished) done.store(true);
+                             })
+                    .is_ok());
+    while (!done.load() && loop_status.is_ok()) std::this_thread::yield();
+    ASSERT_TRUE(loop_status.is_ok()) << loop_status.message();
+    // The step in progress when submit() asked for the lock, then the step that prefills the
+    // new prompt and samples its first token (the long request decodes in both).
+    EXPECT_LE(at_first_token.load() - before, 2) << "request " << i << " waited "
+                                                  << at_first_token.load() - before << " steps";
+  }
+  EXPECT_FALSE(long_done.load()) << "the long request ended before the check was over";
+  stop.store(true);
+  stepper.join();
+  ASSERT_TRUE(loop_status.is_ok()) << loop_status.message();
 }
 
 TEST(EngineContract, DevicesAndRandomWeightsOnTheCpu) {
