@@ -195,6 +195,9 @@ struct ModelInfo {
   // pages of kv_page_size tokens; 0 = no fixed pool (CPU).
   int64_t kv_cache_pages = 0;
   int64_t kv_page_size = 0;
+  // Linear-attention (Gated DeltaNet) state slots of the backend's fixed pool, one per running
+  // sequence of such a model (GPU); 0 = none, or states allocated per sequence (CPU).
+  int64_t state_slots = 0;
   std::vector<int32_t> eos_token_ids;
   // Attention kernels in use: "reference" (CPU), "flashinfer", "moelora" or "moelora-mla" (GPU).
   std::string attention_kernel;
@@ -226,6 +229,10 @@ struct EngineStats {
   int64_t peak_step_tokens = 0;
   uint64_t kv_cache_bytes = 0;       // now
   uint64_t peak_kv_cache_bytes = 0;  // at the end of any step
+  // Linear-attention states of live sequences (models with Gated DeltaNet layers): bytes and
+  // sequences holding one, now.
+  uint64_t state_cache_bytes = 0;
+  int64_t state_sequences = 0;
   // KV pages reserved by running requests (prompt + max_new_tokens each; 0 without a page pool),
   // now and at most (as planned for a step, before its finished requests leave), and steps whose
   // admission stopped at a request that did not fit the unreserved pages.

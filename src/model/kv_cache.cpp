@@ -97,8 +97,22 @@ void Sequence::truncate(int64_t length) {
 }
 
 uint64_t Sequence::cache_bytes() const {
+  return kv_bytes() + state_bytes();
+}
+
+uint64_t Sequence::kv_bytes() const {
   uint64_t bytes = 0;
-  for (const LayerCache& layer : layers_) bytes += layer.bytes();
+  for (const LayerCache& layer : layers_) {
+    if (!layer.gdn) bytes += layer.bytes();
+  }
+  return bytes;
+}
+
+uint64_t Sequence::state_bytes() const {
+  uint64_t bytes = 0;
+  for (const LayerCache& layer : layers_) {
+    if (layer.gdn) bytes += layer.bytes();
+  }
   return bytes;
 }
 

@@ -95,8 +95,11 @@ class Sequence {
   // linear-attention layers can only go back to 0 tokens (their state has no per-token history):
   // any other shorter length is kUnsupported.
   void truncate(int64_t length);
-  // Bytes held by the caches.
+  // Bytes held by the caches: all of them, the attention layers' KV only, the linear-attention
+  // (Gated DeltaNet) layers' conv + recurrent states only.
   uint64_t cache_bytes() const;
+  uint64_t kv_bytes() const;
+  uint64_t state_bytes() const;
 
  private:
   friend class Model;

@@ -77,7 +77,15 @@ int64_t CpuExecutor::sequence_length(SequenceHandle sequence) const {
 uint64_t CpuExecutor::cache_bytes() const {
   uint64_t bytes = 0;
   for (const auto& [handle, e] : sequences_) {
-    if (e->sequence) bytes += e->sequence->cache_bytes();
+    if (e->sequence) bytes += e->sequence->kv_bytes();
+  }
+  return bytes;
+}
+
+uint64_t CpuExecutor::state_bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& [handle, e] : sequences_) {
+    if (e->sequence) bytes += e->sequence->state_bytes();
   }
   return bytes;
 }

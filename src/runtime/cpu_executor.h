@@ -46,6 +46,7 @@ class CpuExecutor final : public Executor {
   int64_t sequence_length(SequenceHandle sequence) const override;
   int64_t live_sequences() const override { return static_cast<int64_t>(sequences_.size()); }
   uint64_t cache_bytes() const override;
+  uint64_t state_bytes() const override;
 
   std::vector<Tensor> forward(std::span<const BatchEntry> batch) override;
   // Each sequence's cache grows in host memory as it grows: no fixed pool, nothing to reserve.

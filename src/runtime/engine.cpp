@@ -227,6 +227,7 @@ struct Engine::Impl {
     info.max_position_embeddings = config.max_position_embeddings;
     info.max_sequence_length = executor->max_sequence_length();
     info.attention_kernel = executor->attention_kernel();
+    info.state_slots = executor->state_slots();
     if (scheduler.kv_limited()) {
       info.kv_cache_pages = scheduler.options().kv_pages;
       info.kv_page_size = scheduler.options().kv_page_size;
@@ -375,6 +376,8 @@ void Engine::Impl::update_gauges() {
   stats.peak_running = std::max(stats.peak_running, stats.running);
   stats.kv_cache_bytes = executor->cache_bytes();
   stats.peak_kv_cache_bytes = std::max(stats.peak_kv_cache_bytes, stats.kv_cache_bytes);
+  stats.state_cache_bytes = executor->state_bytes();
+  stats.state_sequences = stats.state_cache_bytes > 0 ? executor->live_sequences() : 0;
   stats.kv_pages_reserved = scheduler.kv_pages_reserved();
   stats.peak_kv_pages_reserved = std::max(stats.peak_kv_pages_reserved, stats.kv_pages_reserved);
 }

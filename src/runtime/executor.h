@@ -99,6 +99,11 @@ class Executor {
   virtual int64_t sequence_length(SequenceHandle sequence) const = 0;
   virtual int64_t live_sequences() const = 0;
   virtual uint64_t cache_bytes() const = 0;  // KV cache bytes held by live sequences
+  // Linear-attention (Gated DeltaNet) states: bytes held by live sequences, and the size of the
+  // backend's fixed pool of per-sequence state slots (0: none, or allocated per sequence as the
+  // CPU backend does). 0 for models without such layers.
+  virtual uint64_t state_bytes() const { return 0; }
+  virtual int64_t state_slots() const { return 0; }
 
   // Appends every entry's tokens to its sequence and returns the logits of each entry's last
   // token, F32 [1, V] per entry in batch order. Entries name distinct sequences; the batch

@@ -209,6 +209,10 @@ class GpuExecutor final : public Executor {
     return static_cast<uint64_t>(pages_.pages_in_use()) *
            static_cast<uint64_t>(pages_.page_size()) * model_->kv_bytes_per_token();
   }
+  uint64_t state_bytes() const override {
+    return static_cast<uint64_t>(state_slot_of_.size()) * linear_attention_state_bytes(config());
+  }
+  int64_t state_slots() const override { return model_->num_state_slots(); }
 
   std::vector<Tensor> forward(std::span<const BatchEntry> batch) override {
     run(batch, {}, {}, /*sample=*/false);

@@ -124,6 +124,14 @@ void Server::Impl::declare_metrics() {
                     "KV cache pages reserved by running requests / pages in the pool "
                     "(0 on a backend without a page pool).");
   metrics.add_gauge("moelora_kv_cache_bytes", "KV cache bytes held by running requests.");
+  metrics.add_gauge("moelora_state_cache_bytes",
+                    "Linear-attention (Gated DeltaNet) state bytes held by running requests "
+                    "(0 for models without such layers).");
+  metrics.add_gauge("moelora_state_slots_in_use",
+                    "Running requests holding a linear-attention state.");
+  metrics.add_gauge("moelora_state_slots_total",
+                    "Linear-attention state slots of the backend's fixed pool (0: none, or "
+                    "states allocated per request as on the CPU backend).");
   metrics.add_gauge("moelora_lora_slots_in_use", "Adapter slots held by running requests.");
   metrics.add_gauge("moelora_lora_slots_total", "Adapter slots of the backend's pool.");
   metrics.add_gauge("moelora_lora_adapters_registered", "Adapters registered with the engine.");
@@ -156,6 +164,9 @@ void Server::Impl::sample_engine_metrics() {
                                             static_cast<double>(info.kv_cache_pages)
                                       : 0.0);
   metrics.set("moelora_kv_cache_bytes", {}, static_cast<double>(s.kv_cache_bytes));
+  metrics.set("moelora_state_cache_bytes", {}, static_cast<double>(s.state_cache_bytes));
+  metrics.set("moelora_state_slots_in_use", {}, static_cast<double>(s.state_sequences));
+  metrics.set("moelora_state_slots_total", {}, static_cast<double>(info.state_slots));
   auto bump = [&](const char* name, int64_t now, int64_t before) {
     if (now > before) metrics.increment(name, {}, static_cast<double>(now - before));
   };

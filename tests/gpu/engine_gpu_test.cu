@@ -239,6 +239,8 @@ void expect_gpu_matches_cpu(const std::string& model,
   EXPECT_EQ(gpu_stats.eager_forwards + gpu_stats.graph_replays, gpu_stats.steps);
   EXPECT_EQ(gpu_stats.kv_cache_bytes, 0u);
   EXPECT_GT(gpu_stats.peak_kv_cache_bytes, 0u);
+  EXPECT_EQ(gpu_stats.state_cache_bytes, 0u);  // every linear-attention state slot given back
+  EXPECT_EQ(gpu_stats.state_sequences, 0);
 }
 
 TEST(Sm90_EngineGpu, ContinuousBatchingMatchesCpuQwen) {

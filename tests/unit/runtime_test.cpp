@@ -699,6 +699,8 @@ class RecordingExecutor final : public Executor {
   int64_t sequence_length(SequenceHandle s) const override { return inner_->sequence_length(s); }
   int64_t live_sequences() const override { return inner_->live_sequences(); }
   uint64_t cache_bytes() const override { return inner_->cache_bytes(); }
+  uint64_t state_bytes() const override { return inner_->state_bytes(); }
+  int64_t state_slots() const override { return inner_->state_slots(); }
   // Knobs of the contract tests: a backend sequence-length limit, random adapters (drawn as the
   // stand-in adapter under a per-seed name), and a hook that may spoil sampled tokens.
   int64_t max_length = 0;
@@ -964,6 +966,50 @@ TEST(Engine, ContinuousBatchingEqualsEachRequestAloneQwen35) {
   };
   expect_engine_matches_generate("qwen3_5_moe", {{"all", "lora_all"}, {"linear", "lora_linear"}},
                                  cases, small_options());
+}
+
+// The engine reports the linear-attention state apart from the KV cache: a fixed size per running
+// sequence (it does not grow with the tokens, as the KV rows of the full-attention layers do),
+// and nothing once the requests end. A model without such layers reports none.
+TEST(Engine, LinearAttentionStateIsCountedApartFromTheKvCache) {
+  std::mt19937_64 rng(test::test_seed(79));
+  TestEngine t = make_engine(fixture("qwen3_5_moe") / "base", small_options());
+  EXPECT_EQ(t.engine->model_info().state_slots, 0);  // the CPU backend allocates per sequence
+  auto submit = [&](int64_t prompt_len, int64_t max_new) {
+    Request r;
+    r.prompt = random_tokens(rng, prompt_len, 512);
+    r.sampling.max_new_tokens = max_new;
+    r.sampling.ignore_eos = true;
+    ASSERT_TRUE(t.engine->submit(r, [](const TokenEvent&) {}).is_ok());
+  };
+  submit(5, 6);
+  ASSERT_TRUE(t.engine->step().is_ok());
+  const EngineStats one = t.engine->stats();
+  EXPECT_EQ(one.state_sequences, 1);
+  EXPECT_GT(one.state_cache_bytes, 0u);
+  EXPECT_GT(one.kv_cache_bytes, 0u);  // the fixture's full-attention layers
+  ASSERT_TRUE(t.engine->step().is_ok());
+  const EngineStats later = t.engine->stats();
+  EXPECT_EQ(later.state_cache_bytes, one.state_cache_bytes);
+  EXPECT_GT(later.kv_cache_bytes, one.kv_cache_bytes);
+  submit(3, 2);
+  ASSERT_TRUE(t.engine->step().is_ok());
+  const EngineStats two = t.engine->stats();
+  EXPECT_EQ(two.state_sequences, 2);
+  EXPECT_EQ(two.state_cache_bytes, 2 * one.state_cache_bytes);
+  ASSERT_TRUE(t.engine->run_until_idle().is_ok());
+  EXPECT_EQ(t.engine->stats().state_cache_bytes, 0u);
+  EXPECT_EQ(t.engine->stats().state_sequences, 0);
+
+  TestEngine q3 = make_engine(fixture("qwen3_moe") / "base", small_options());
+  Request r;
+  r.prompt = random_tokens(rng, 5, 512);
+  r.sampling.max_new_tokens = 3;
+  ASSERT_TRUE(q3.engine->submit(r, [](const TokenEvent&) {}).is_ok());
+  ASSERT_TRUE(q3.engine->step().is_ok());
+  EXPECT_EQ(q3.engine->stats().state_cache_bytes, 0u);
+  EXPECT_EQ(q3.engine->stats().state_sequences, 0);
+  EXPECT_GT(q3.engine->stats().kv_cache_bytes, 0u);
 }
 
 TEST(Engine, ContinuousBatchingEqualsEachRequestAloneDeepseek) {

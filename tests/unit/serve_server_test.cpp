@@ -579,6 +579,10 @@ TEST_F(ServeServer, MetricsCountRequestsTokensAndLatency) {
   EXPECT_GT(metric(m.raw, "moelora_inter_token_latency_seconds_count"), 0);
   EXPECT_GE(metric(m.raw, "moelora_lora_slots_total"), 4);
   EXPECT_EQ(metric(m.raw, "moelora_requests_running"), 0);
+  // A Qwen3 model has no linear-attention state; the CPU backend has no fixed state pool.
+  EXPECT_EQ(metric(m.raw, "moelora_state_cache_bytes"), 0);
+  EXPECT_EQ(metric(m.raw, "moelora_state_slots_in_use"), 0);
+  EXPECT_EQ(metric(m.raw, "moelora_state_slots_total"), 0);
   EXPECT_NE(m.raw.find("# TYPE moelora_e2e_request_latency_seconds histogram"), std::string::npos);
 }
 
