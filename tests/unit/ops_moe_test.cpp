@@ -853,6 +853,52 @@ TEST(Moe, MixedSlotsAreIndependentBitForBit) {
   EXPECT_TRUE(test::all_close(mixed, oracle_moe(x, slot, c, adapters, false), kMoeAtol, kMoeRtol));
 }
 
+// moe_expert_outputs_ref over disjoint expert ranges (as expert-parallel ranks hold them, with
+// per-expert factors sliced to the range and shared-outer factors whole) adds up to the whole
+// layer's expert outputs bit for bit (each row comes from exactly one range; the others add
+// zeros), and moe_combine_ref of them with the shared expert is moe_forward_ref exactly.
+TEST(Moe, ExpertRangesAddUpToTheWholeLayerBitForBit) {
+  std::mt19937_64 rng(test::test_seed(425));
+  const MoeCase c = make_moe(rng, 24, 10, softmax_params(8, 3, true), 0, false);
+  std::vector<MoeAdapter> adapters;
+  adapters.push_back(make_adapter(rng, c, Layout::kPerExpert, 4, 0.7f, false));
+  adapters.push_back(make_adapter(rng, c, Layout::kSharedOuter, 6, 1.3f, false));
+  const int64_t tokens = 13;
+  const Tensor x = test::random_normal({tokens, 24}, rng);
+  std::vector<int32_t> slot(tokens);
+  for (int64_t t = 0; t < tokens; ++t) slot[t] = static_cast<int32_t>(t % 3) - 1;
+  ops::MoeTrace trace;
+  const Tensor whole = ops::moe_forward_ref(x, slot, c.weights, refs(adapters), c.params, &trace);
+
+  auto slice = [](const Tensor& t, int64_t begin, int64_t end) {
+    return t.dim(0) == 1 ? t : t.slice0(begin, end).clone();
+  };
+  for (int64_t parts : {1, 2, 4, 8}) {
+    const int64_t per = 8 / parts;
+    Tensor sum = Tensor::zeros(DType::kF32, {tokens * 3, 24});
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t b = p * per, e = b + per;
+      std::vector<MoeAdapter> local(adapters.size());
+      for (size_t s = 0; s < adapters.size(); ++s) {
+        local[s].gate_up = {slice(adapters[s].gate_up.a, b, e), slice(adapters[s].gate_up.b, b, e),
+                            adapters[s].gate_up.scaling};
+        local[s].down = {slice(adapters[s].down.a, b, e), slice(adapters[s].down.b, b, e),
+                         adapters[s].down.scaling};
+      }
+      const Tensor y = ops::moe_expert_outputs_ref(x, slot, c.weights.w13.slice0(b, e).clone(),
+                                                   c.weights.w2.slice0(b, e).clone(), refs(local),
+                                                   c.params, trace.route, b);
+      for (int64_t i = 0; i < sum.numel(); ++i) sum.data<float>()[i] += y.data<float>()[i];
+    }
+    const Tensor out = ops::moe_combine_ref(sum, trace.route.weights);
+    for (int64_t t = 0; t < tokens; ++t)
+      EXPECT_TRUE(rows_bitwise_equal(out, t, whole, t)) << parts << " ranges, token " << t;
+  }
+  EXPECT_ERROR_MENTIONS(ops::moe_expert_outputs_ref(x, slot, c.weights.w13, c.weights.w2,
+                                                    refs(adapters), c.params, trace.route, 1),
+                        "moe experts [1, 9)", "8");
+}
+
 TEST(Moe, GateAndUpUseTheirOwnA) {
   // A per-expert adapter with separate gate and up factors (rank r each) in the canonical R = 2r
   // form: A_e = [Ag_e; Au_e], B_e = [[Bg_e, 0], [0, Bu_e]]. The reference merge is written from the

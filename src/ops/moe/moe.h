@@ -79,6 +79,26 @@ Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
                        MoeTrace* trace = nullptr, const Tensor& router_logits = Tensor(),
                        const Tensor& forced_ids = Tensor());
 
+// The two halves of moe_forward_ref's routed experts, for callers that hold only some experts
+// (expert parallelism, src/dist) and combine the rest elsewhere.
+//
+// moe_expert_outputs_ref: y [T * k, H] F32, row t * k + j = expert ids[t, j]'s output for token t
+// (GEMM1, seam 1, SwiGLU, GEMM2, seam 2, exactly as moe_forward_ref computes it) when that expert
+// is one of the local experts [expert_offset, expert_offset + E_local), and zeros otherwise.
+// w13 [E_local, 2I, H], w2 [E_local, H, I]: the local experts' weights; the gate_up / down LoRA of
+// each slot [Ea, R, in] / [Eb, out, R] with Ea, Eb in {1, E_local} (local expert e uses index e of
+// a per-expert factor); shared-expert LoRA is ignored. route: route_ref's result over all
+// params.route.num_experts experts.
+Tensor moe_expert_outputs_ref(const Tensor& x, const std::vector<int32_t>& slot, const Tensor& w13,
+                              const Tensor& w2, const std::vector<MoeLoraRef>& slots,
+                              const MoeParams& params, const RouteResult& route,
+                              int64_t expert_offset);
+
+// out [T, H] = sum over j = 0..k-1 in order of route_weights[t, j] * expert_out[t * k + j], then
+// + shared[t] when shared (F32 [T, H]) is defined: moe_forward_ref's finalize.
+Tensor moe_combine_ref(const Tensor& expert_out, const Tensor& route_weights,
+                       const Tensor& shared = Tensor());
+
 // SwiGLU MLP with per-slot LoRA on gate/up/down (dense layers and the shared expert):
 //   out = (silu(x Wg^T + dg) * (x Wu^T + du)) Wd^T + dd
 // w_gate/w_up: F32 [I, H]; w_down: F32 [H, I]; lora[s] = {gate, up, down} of slot s (null or

@@ -95,13 +95,173 @@ struct PairBlock {
 
 }  // namespace
 
+Tensor moe_expert_outputs_ref(const Tensor& x, const std::vector<int32_t>& slot, const Tensor& w13,
+                              const Tensor& w2, const std::vector<MoeLoraRef>& slots,
+                              const MoeParams& params, const RouteResult& route,
+                              int64_t expert_offset) {
+  const auto bad = ErrorCode::kInvalidArgument;
+  const int64_t hidden = params.hidden, inter = params.intermediate;
+  const int64_t num_experts = params.route.num_experts, top_k = params.route.top_k;
+  detail::check_f32(x, 2, "moe input x");
+  MOELORA_CHECK(x.dim(1) == hidden, bad, "moe input x: expected [T, ", hidden, "], got ",
+                shape_str(x.shape()));
+  const int64_t tokens = x.dim(0);
+  MOELORA_CHECK(w13.defined() && w13.ndim() == 3, bad, "moe w13: expected [E_local, ", 2 * inter,
+                ", ", hidden, "], got ", w13.defined() ? shape_str(w13.shape()) : "undefined");
+  const int64_t local_experts = w13.dim(0);
+  MOELORA_CHECK(expert_offset >= 0 && local_experts >= 1 &&
+                    expert_offset + local_experts <= num_experts,
+                ErrorCode::kOutOfRange, "moe experts [", expert_offset, ", ",
+                expert_offset + local_experts, ") are not within the layer's ", num_experts);
+  check_weight(w13, {local_experts, 2 * inter, hidden}, "moe w13");
+  check_weight(w2, {local_experts, hidden, inter}, "moe w2");
+  MOELORA_CHECK(static_cast<int64_t>(slot.size()) == tokens, bad, "moe slot map has ", slot.size(),
+                " entries for ", tokens, " tokens");
+  check_shape(route.ids, {tokens, top_k}, "moe route ids");
+  const int64_t num_slots = static_cast<int64_t>(slots.size());
+  for (int64_t t = 0; t < tokens; ++t) {
+    MOELORA_CHECK(slot[t] >= -1 && slot[t] < num_slots, ErrorCode::kOutOfRange, "moe slot of token ", t,
+                  " is ", slot[t], "; valid: -1 (base) or [0, ", num_slots, ")");
+  }
+  std::vector<ExpertLora> gate_up(num_slots), down(num_slots);
+  for (int64_t s = 0; s < num_slots; ++s) {
+    const std::string what = "moe lora of slot " + std::to_string(s);
+    gate_up[s] = resolve_expert_lora(slots[s].gate_up, local_experts, hidden, 2 * inter, what + " gate_up");
+    down[s] = resolve_expert_lora(slots[s].down, local_experts, inter, hidden, what + " down");
+  }
+  const int32_t* ids = route.ids.data<int32_t>();
+  const float* xp = x.data<float>();
+  Tensor x_fp8;  // what an FP8 GEMM1 sees: dequant(quant(x)), per token per 128 columns
+  const float* gemm1_in = xp;
+  if (params.fp8_activations && tokens > 0) {
+    x_fp8 = Tensor::empty(DType::kF32, {tokens, hidden});
+    float* q = x_fp8.data<float>();
+    parallel_for(tokens, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        fp8_round_trip_row_ref(xp + t * hidden, hidden, kFp8ActivationGroup, q + t * hidden);
+    });
+    gemm1_in = q;
+  }
+
+  // Pairs p = t * k + j of the local experts grouped by local expert (increasing token inside an
+  // expert), cut into blocks. Pairs of other experts keep zero rows.
+  const int64_t num_pairs = tokens * top_k;
+  auto local = [&](int64_t p) { return static_cast<int64_t>(ids[p]) - expert_offset; };
+  auto is_local = [&](int64_t p) { return local(p) >= 0 && local(p) < local_experts; };
+  std::vector<int64_t> expert_begin(local_experts + 1, 0);
+  for (int64_t p = 0; p < num_pairs; ++p)
+    if (is_local(p)) ++expert_begin[local(p) + 1];
+  for (int64_t e = 0; e < local_experts; ++e) expert_begin[e + 1] += expert_begin[e];
+  std::vector<int64_t> sorted_pairs(expert_begin[local_experts]);
+  {
+    std::vector<int64_t> fill(expert_begin.begin(), expert_begin.end() - 1);
+    for (int64_t p = 0; p < num_pairs; ++p)
+      if (is_local(p)) sorted_pairs[fill[local(p)]++] = p;
+  }
+  std::vector<PairBlock> blocks;
+  for (int64_t e = 0; e < local_experts; ++e) {
+    for (int64_t b = expert_begin[e]; b < expert_begin[e + 1]; b += kPairBlock) {
+      blocks.push_back({e, b, std::min(b + kPairBlock, expert_begin[e + 1])});
+    }
+  }
+
+  Tensor expert_out = Tensor::zeros(DType::kF32, {num_pairs, hidden});  // y [T * k, H]
+  float* yp = expert_out.data<float>();
+  const float* w13p = w13.data<float>();
+  const float* w2p = w2.data<float>();
+  const int64_t macs_per_block = std::max<int64_t>(1, kPairBlock * 3 * hidden * inter);
+  parallel_for(
+      static_cast<int64_t>(blocks.size()),
+      [&](int64_t begin, int64_t end) {
+        std::vector<float> in(kPairBlock * hidden), h(kPairBlock * 2 * inter), act(kPairBlock * inter),
+            act_q(kPairBlock * inter), y(kPairBlock * hidden), scratch;
+        for (int64_t item = begin; item < end; ++item) {
+          const PairBlock& blk = blocks[item];
+          const int64_t e = blk.expert, rows = blk.end - blk.begin;
+          const int64_t* pairs = sorted_pairs.data() + blk.begin;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t = pairs[r] / top_k;
+            std::copy_n(gemm1_in + t * hidden, hidden, in.data() + r * hidden);
+          }
+          // GEMM1: h [rows, 2I] = in W13[e]^T, then seam 1 from the fp32 input.
+          detail::linear_rows_f32(in.data(), rows, hidden, hidden, w13p + e * 2 * inter * hidden, 2 * inter,
+                                  h.data(), 2 * inter, /*accumulate=*/false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t = pairs[r] / top_k;
+            if (slot[t] >= 0 && gate_up[slot[t]].active())
+              gate_up[slot[t]].add(e, xp + t * hidden, h.data() + r * 2 * inter, scratch);
+          }
+          // SwiGLU: a = silu(h[:, :I]) * h[:, I:].
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* hr = h.data() + r * 2 * inter;
+            for (int64_t i = 0; i < inter; ++i) act[r * inter + i] = silu_f32(hr[i]) * hr[inter + i];
+          }
+          const float* gemm2_in = act.data();
+          if (params.fp8_activations) {
+            for (int64_t r = 0; r < rows; ++r)
+              fp8_round_trip_row_ref(act.data() + r * inter, inter, kFp8ActivationGroup,
+                                     act_q.data() + r * inter);
+            gemm2_in = act_q.data();
+          }
+          // GEMM2: y [rows, H] = a W2[e]^T, then seam 2 from the unquantized activation.
+          detail::linear_rows_f32(gemm2_in, rows, inter, inter, w2p + e * hidden * inter, hidden, y.data(),
+                                  hidden,
+                                  /*accumulate=*/false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t = pairs[r] / top_k;
+            if (slot[t] >= 0 && down[slot[t]].active())
+              down[slot[t]].add(e, act.data() + r * inter, y.data() + r * hidden, scratch);
+            std::copy_n(y.data() + r * hidden, hidden, yp + pairs[r] * hidden);
+          }
+        }
+      },
+      std::max<int64_t>(1, kMinMacsPerThread / macs_per_block));
+
+  return expert_out;
+}
+
+Tensor moe_combine_ref(const Tensor& expert_out, const Tensor& route_weights, const Tensor& shared) {
+  const auto bad = ErrorCode::kInvalidArgument;
+  detail::check_f32(route_weights, 2, "moe route weights");
+  const int64_t tokens = route_weights.dim(0), top_k = route_weights.dim(1);
+  detail::check_f32(expert_out, 2, "moe expert outputs");
+  MOELORA_CHECK(expert_out.dim(0) == tokens * top_k, bad, "moe expert outputs: expected [",
+                tokens * top_k, ", H] for ", tokens, " tokens x top-", top_k, ", got ",
+                shape_str(expert_out.shape()));
+  const int64_t hidden = expert_out.dim(1);
+  if (shared.defined()) check_weight(shared, {tokens, hidden}, "moe shared expert output");
+  const float* yp = expert_out.data<float>();
+  const float* route_w = route_weights.data<float>();
+  Tensor out = Tensor::empty(DType::kF32, {tokens, hidden});
+  float* op = out.data<float>();
+  const float* sp = shared.defined() ? shared.data<float>() : nullptr;
+  parallel_for(
+      tokens,
+      [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          float* ot = op + t * hidden;
+          std::fill_n(ot, hidden, 0.0f);
+          for (int64_t j = 0; j < top_k; ++j) {
+            const float w = route_w[t * top_k + j];
+            const float* yr = yp + (t * top_k + j) * hidden;
+            for (int64_t c = 0; c < hidden; ++c) ot[c] += w * yr[c];
+          }
+          if (sp != nullptr) {
+            for (int64_t c = 0; c < hidden; ++c) ot[c] += sp[t * hidden + c];
+          }
+        }
+      },
+      std::max<int64_t>(1, 65536 / std::max<int64_t>(1, hidden * top_k)));
+  return out;
+}
+
 Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const MoeWeightsRef& weights,
                        const std::vector<MoeLoraRef>& slots, const MoeParams& params, MoeTrace* trace,
                        const Tensor& router_logits, const Tensor& forced_ids) {
   const auto bad = ErrorCode::kInvalidArgument;
   check_route_params(params.route);
   const int64_t hidden = params.hidden, inter = params.intermediate;
-  const int64_t num_experts = params.route.num_experts, top_k = params.route.top_k;
+  const int64_t num_experts = params.route.num_experts;
   MOELORA_CHECK(hidden > 0 && inter > 0, bad, "moe params: hidden ", hidden, " and intermediate ", inter,
                 " must be positive");
   MOELORA_CHECK(x.defined() && x.ndim() == 2 && x.dim(1) == hidden, bad, "moe input x: expected [T, ", hidden,
@@ -138,12 +298,9 @@ Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
     MOELORA_CHECK(slot[t] >= -1 && slot[t] < num_slots, ErrorCode::kOutOfRange, "moe slot of token ", t,
                   " is ", slot[t], "; valid: -1 (base) or [0, ", num_slots, ")");
   }
-  std::vector<ExpertLora> gate_up(num_slots), down(num_slots);
   std::vector<MlpLoraRef> shared_lora(num_slots);
   for (int64_t s = 0; s < num_slots; ++s) {
     const std::string what = "moe lora of slot " + std::to_string(s);
-    gate_up[s] = resolve_expert_lora(slots[s].gate_up, num_experts, hidden, 2 * inter, what + " gate_up");
-    down[s] = resolve_expert_lora(slots[s].down, num_experts, inter, hidden, what + " down");
     shared_lora[s] = {slots[s].shared_gate, slots[s].shared_up, slots[s].shared_down};
     const bool any_shared = (slots[s].shared_gate && slots[s].shared_gate->defined()) ||
                             (slots[s].shared_up && slots[s].shared_up->defined()) ||
@@ -165,91 +322,11 @@ Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
     logits = linear_ref(x, weights.router);
   }
   RouteResult route = route_ref(logits, weights.correction_bias, params.route, forced_ids);
-  const int32_t* ids = route.ids.data<int32_t>();
-  const float* route_w = route.weights.data<float>();
 
-  // ---- 2. routed experts ----
+  // ---- 2. routed experts: y [T * k, H] ----
+  const Tensor expert_out =
+      moe_expert_outputs_ref(x, slot, weights.w13, weights.w2, slots, params, route, 0);
   const float* xp = x.data<float>();
-  Tensor x_fp8;  // what an FP8 GEMM1 sees: dequant(quant(x)), per token per 128 columns
-  const float* gemm1_in = xp;
-  if (params.fp8_activations && tokens > 0) {
-    x_fp8 = Tensor::empty(DType::kF32, {tokens, hidden});
-    float* q = x_fp8.data<float>();
-    parallel_for(tokens, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        fp8_round_trip_row_ref(xp + t * hidden, hidden, kFp8ActivationGroup, q + t * hidden);
-    });
-    gemm1_in = q;
-  }
-
-  // Pairs p = t * k + j grouped by expert (increasing token inside an expert), cut into blocks.
-  const int64_t num_pairs = tokens * top_k;
-  std::vector<int64_t> expert_begin(num_experts + 1, 0);
-  for (int64_t p = 0; p < num_pairs; ++p) ++expert_begin[ids[p] + 1];
-  for (int64_t e = 0; e < num_experts; ++e) expert_begin[e + 1] += expert_begin[e];
-  std::vector<int64_t> sorted_pairs(num_pairs);
-  {
-    std::vector<int64_t> fill(expert_begin.begin(), expert_begin.end() - 1);
-    for (int64_t p = 0; p < num_pairs; ++p) sorted_pairs[fill[ids[p]]++] = p;
-  }
-  std::vector<PairBlock> blocks;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    for (int64_t b = expert_begin[e]; b < expert_begin[e + 1]; b += kPairBlock) {
-      blocks.push_back({e, b, std::min(b + kPairBlock, expert_begin[e + 1])});
-    }
-  }
-
-  Tensor expert_out = Tensor::empty(DType::kF32, {num_pairs, hidden});  // y [T * k, H]
-  float* yp = expert_out.data<float>();
-  const float* w13 = weights.w13.data<float>();
-  const float* w2 = weights.w2.data<float>();
-  const int64_t macs_per_block = std::max<int64_t>(1, kPairBlock * 3 * hidden * inter);
-  parallel_for(
-      static_cast<int64_t>(blocks.size()),
-      [&](int64_t begin, int64_t end) {
-        std::vector<float> in(kPairBlock * hidden), h(kPairBlock * 2 * inter), act(kPairBlock * inter),
-            act_q(kPairBlock * inter), y(kPairBlock * hidden), scratch;
-        for (int64_t item = begin; item < end; ++item) {
-          const PairBlock& blk = blocks[item];
-          const int64_t e = blk.expert, rows = blk.end - blk.begin;
-          const int64_t* pairs = sorted_pairs.data() + blk.begin;
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t t = pairs[r] / top_k;
-            std::copy_n(gemm1_in + t * hidden, hidden, in.data() + r * hidden);
-          }
-          // GEMM1: h [rows, 2I] = in W13[e]^T, then seam 1 from the fp32 input.
-          detail::linear_rows_f32(in.data(), rows, hidden, hidden, w13 + e * 2 * inter * hidden, 2 * inter,
-                                  h.data(), 2 * inter, /*accumulate=*/false);
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t t = pairs[r] / top_k;
-            if (slot[t] >= 0 && gate_up[slot[t]].active())
-              gate_up[slot[t]].add(e, xp + t * hidden, h.data() + r * 2 * inter, scratch);
-          }
-          // SwiGLU: a = silu(h[:, :I]) * h[:, I:].
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* hr = h.data() + r * 2 * inter;
-            for (int64_t i = 0; i < inter; ++i) act[r * inter + i] = silu_f32(hr[i]) * hr[inter + i];
-          }
-          const float* gemm2_in = act.data();
-          if (params.fp8_activations) {
-            for (int64_t r = 0; r < rows; ++r)
-              fp8_round_trip_row_ref(act.data() + r * inter, inter, kFp8ActivationGroup,
-                                     act_q.data() + r * inter);
-            gemm2_in = act_q.data();
-          }
-          // GEMM2: y [rows, H] = a W2[e]^T, then seam 2 from the unquantized activation.
-          detail::linear_rows_f32(gemm2_in, rows, inter, inter, w2 + e * hidden * inter, hidden, y.data(),
-                                  hidden,
-                                  /*accumulate=*/false);
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t t = pairs[r] / top_k;
-            if (slot[t] >= 0 && down[slot[t]].active())
-              down[slot[t]].add(e, act.data() + r * inter, y.data() + r * hidden, scratch);
-            std::copy_n(y.data() + r * hidden, hidden, yp + pairs[r] * hidden);
-          }
-        }
-      },
-      std::max<int64_t>(1, kMinMacsPerThread / macs_per_block));
 
   // ---- 3. shared expert ----
   Tensor shared;
@@ -268,26 +345,7 @@ Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
   }
 
   // ---- 4. finalize: out[t] = sum_j w[t, j] y[t * k + j] (+ shared[t]) ----
-  Tensor out = Tensor::empty(DType::kF32, {tokens, hidden});
-  float* op = out.data<float>();
-  const float* sp = has_shared ? shared.data<float>() : nullptr;
-  parallel_for(
-      tokens,
-      [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          float* ot = op + t * hidden;
-          std::fill_n(ot, hidden, 0.0f);
-          for (int64_t j = 0; j < top_k; ++j) {
-            const float w = route_w[t * top_k + j];
-            const float* yr = yp + (t * top_k + j) * hidden;
-            for (int64_t c = 0; c < hidden; ++c) ot[c] += w * yr[c];
-          }
-          if (sp != nullptr) {
-            for (int64_t c = 0; c < hidden; ++c) ot[c] += sp[t * hidden + c];
-          }
-        }
-      },
-      std::max<int64_t>(1, 65536 / std::max<int64_t>(1, hidden * top_k)));
+  Tensor out = moe_combine_ref(expert_out, route.weights, shared);
 
   if (trace != nullptr) {
     trace->logits = logits;

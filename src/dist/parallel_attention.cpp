@@ -1,0 +1,118 @@
+// Tensor-parallel GQA attention on the CPU reference operators (parallel_attention.h).
+#include "dist/parallel_attention.h"
+
+#include <numeric>
+#include <string>
+
+#include "core/error.h"
+#include "ops/attention/attention.h"
+#include "ops/linear/linear.h"
+#include "ops/lora/lora.h"
+
+namespace moelora::dist {
+
+namespace {
+
+// The query heads and the KV heads rank tp.rank holds (see the header).
+struct HeadRange {
+  ShardRange query, kv;
+};
+
+HeadRange head_range(const GqaWeights& w, ShardSpec tp) {
+  MOELORA_CHECK(w.num_heads > 0 && w.num_kv_heads > 0 && w.num_heads % w.num_kv_heads == 0,
+                ErrorCode::kInvalidArgument, "attention: ", w.num_heads, " query heads and ",
+                w.num_kv_heads, " KV heads (query heads must be a multiple of KV heads)");
+  HeadRange r;
+  r.query = shard_range(w.num_heads, tp, "attention query heads");
+  if (w.num_kv_heads % tp.size == 0) {
+    r.kv = shard_range(w.num_kv_heads, tp, "attention KV heads");
+  } else {
+    MOELORA_CHECK(tp.size % w.num_kv_heads == 0, ErrorCode::kInvalidArgument, "attention: ",
+                  w.num_kv_heads, " KV heads over ", tp.size,
+                  " ranks; the ranks must divide the KV heads or be a multiple of them");
+    const int64_t kv = tp.rank / (tp.size / w.num_kv_heads);
+    r.kv = {kv, kv + 1};
+  }
+  return r;
+}
+
+const LoraFactors* pointer_or_null(const LoraFactors& f) {
+  return f.defined() ? &f : nullptr;
+}
+
+// y [T, out] = x W^T + per-token LoRA deltas of `pick(lora[slot])`.
+template <typename Pick>
+Tensor projection(const Tensor& x, const Tensor& w, const std::vector<int32_t>& slot,
+                  const std::vector<GqaLora>& lora, Pick pick) {
+  Tensor y = ops::linear_ref(x, w);
+  std::vector<const LoraFactors*> adapters;
+  for (const GqaLora& l : lora) adapters.push_back(pointer_or_null(pick(l)));
+  ops::lora_add_slots_ref(x, slot, adapters, y);
+  return y;
+}
+
+}  // namespace
+
+GqaWeights shard_gqa(const GqaWeights& w, ShardSpec tp) {
+  const HeadRange heads = head_range(w, tp);
+  const int64_t d = w.head_dim;
+  GqaWeights s = w;
+  s.num_heads = heads.query.size();
+  s.num_kv_heads = heads.kv.size();
+  s.q_proj = slice_dim(w.q_proj, 0, heads.query.begin * d, heads.query.end * d, "q_proj");
+  s.k_proj = slice_dim(w.k_proj, 0, heads.kv.begin * d, heads.kv.end * d, "k_proj");
+  s.v_proj = slice_dim(w.v_proj, 0, heads.kv.begin * d, heads.kv.end * d, "v_proj");
+  s.o_proj = slice_dim(w.o_proj, 1, heads.query.begin * d, heads.query.end * d, "o_proj");
+  return s;
+}
+
+GqaLora shard_gqa_lora(const GqaLora& lora, const GqaWeights& w, ShardSpec tp) {
+  const HeadRange heads = head_range(w, tp);
+  const int64_t d = w.head_dim;
+  auto column = [&](const LoraFactors& f, ShardRange h, const char* what) {
+    if (!f.defined()) return f;
+    return LoraFactors{f.a.clone(), slice_dim(f.b, 1, h.begin * d, h.end * d, std::string(what) + " lora B"),
+                       f.scaling};
+  };
+  GqaLora s;
+  s.q = column(lora.q, heads.query, "q_proj");
+  s.k = column(lora.k, heads.kv, "k_proj");
+  s.v = column(lora.v, heads.kv, "v_proj");
+  if (lora.o.defined()) {
+    s.o = {slice_dim(lora.o.a, 2, heads.query.begin * d, heads.query.end * d, "o_proj lora A"),
+           lora.o.b.clone(), lora.o.scaling};
+  }
+  return s;
+}
+
+Tensor gqa_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const GqaWeights& shard,
+                      const std::vector<GqaLora>& lora, Communicator& comm) {
+  ops::detail::check_f32(x, 2, "attention input x");
+  const int64_t tokens = x.dim(0), d = shard.head_dim;
+  MOELORA_CHECK(shard.q_proj.defined() && shard.q_proj.dim(0) == shard.num_heads * d,
+                ErrorCode::kInvalidArgument, "attention q_proj: expected ", shard.num_heads * d,
+                " rows for ", shard.num_heads, " local heads of ", d, ", got ",
+                shard.q_proj.defined() ? shape_str(shard.q_proj.shape()) : "undefined");
+  // Column-parallel projections of the local heads: [T, h, D].
+  Tensor q = projection(x, shard.q_proj, slot, lora, [](const GqaLora& l) -> const LoraFactors& { return l.q; })
+                 .reshape({tokens, shard.num_heads, d});
+  Tensor k = projection(x, shard.k_proj, slot, lora, [](const GqaLora& l) -> const LoraFactors& { return l.k; })
+                 .reshape({tokens, shard.num_kv_heads, d});
+  const Tensor v = projection(x, shard.v_proj, slot, lora, [](const GqaLora& l) -> const LoraFactors& { return l.v; })
+                       .reshape({tokens, shard.num_kv_heads, d});
+  // Per-head norms and RoPE: each head on its own.
+  if (shard.q_norm.defined()) ops::rms_norm_inplace_ref(q, shard.q_norm, shard.norm);
+  if (shard.k_norm.defined()) ops::rms_norm_inplace_ref(k, shard.k_norm, shard.norm);
+  std::vector<int64_t> positions(static_cast<size_t>(tokens));
+  std::iota(positions.begin(), positions.end(), int64_t{0});
+  ops::apply_rope_inplace_ref(q, positions, shard.rope, {});
+  ops::apply_rope_inplace_ref(k, positions, shard.rope, {});
+  const Tensor attended = ops::attention_ref(q, k, v, {}).reshape({tokens, shard.num_heads * d});
+  // Row-parallel o_proj: this rank's partial sum of the base and its LoRA, reduced once.
+  Tensor out = projection(attended, shard.o_proj, slot, lora,
+                          [](const GqaLora& l) -> const LoraFactors& { return l.o; });
+  comm.all_reduce_sum({out.data<float>(), static_cast<size_t>(out.numel())});
+  return out;
+}
+
+}  // namespace moelora::dist

@@ -1,0 +1,416 @@
+// The sharding arithmetic of tensor and expert parallelism (src/dist), with ranks as threads over
+// the in-process communicator: every rank's output equals the unsharded CPU reference (bit for
+// bit where the combine only adds zeros, else up to float reassociation), with adapters of every
+// layout in one mixed batch, and a bad split is an error that names the tensor.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/parallel_attention.h"
+#include "dist/parallel_layers.h"
+#include "dist/shard.h"
+#include "ops/attention/attention.h"
+#include "ops/linear/linear.h"
+#include "ops/lora/lora.h"
+#include "ops/moe/moe.h"
+#include "support/test_support.h"
+
+namespace moelora::dist {
+namespace {
+
+using ops::MoeLoraRef;
+using ops::MoeParams;
+using ops::MoeWeightsRef;
+
+#define EXPECT_ERROR_MENTIONS(stmt, ...)                                           \
+  do {                                                                            \
+    try {                                                                         \
+      stmt;                                                                       \
+      ADD_FAILURE() << "expected an error from " #stmt;                           \
+    } catch (const Error& e) {                                                    \
+      for (const char* part : {__VA_ARGS__})                                      \
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos)            \
+            << "'" << part << "' not in: " << e.what();                           \
+    }                                                                             \
+  } while (0)
+
+// Reassociated fp32 sums (partial sums added across ranks instead of one dot product).
+constexpr float kAtol = 1e-5f, kRtol = 1e-4f;
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.raw_data(), b.raw_data(), static_cast<size_t>(a.nbytes())) == 0;
+}
+
+LoraFactors random_lora(std::mt19937_64& rng, int64_t ea, int64_t eb, int64_t rank, int64_t in,
+                        int64_t out, float scaling) {
+  return {test::random_normal({ea, rank, in}, rng, 1.0f / std::sqrt(static_cast<float>(in))),
+          test::random_normal({eb, out, rank}, rng, 0.5f), scaling};
+}
+
+// Runs body(rank) on `ranks` threads and collects each rank's output tensor.
+std::vector<Tensor> on_ranks(int ranks, const std::function<Tensor(Communicator&)>& body) {
+  std::vector<Tensor> outputs(static_cast<size_t>(ranks));
+  run_ranks(ranks, [&](Communicator& comm) { outputs[static_cast<size_t>(comm.rank())] = body(comm); });
+  return outputs;
+}
+
+// ============================================================================ slicing
+
+TEST(DistShard, RangesAndDimensionBlocks) {
+  EXPECT_EQ(shard_range(12, {2, 4}, "w").begin, 6);
+  EXPECT_EQ(shard_range(12, {2, 4}, "w").end, 9);
+  // [2, 6, 3] split on dimension 1 over 3 ranks: rank 1 holds rows 2..3 of each outer block.
+  std::vector<float> values(36);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
+  const Tensor t = Tensor::from_f32(values, {2, 6, 3});
+  const Tensor s = shard_dim(t, 1, {1, 3}, "t");
+  ASSERT_EQ(s.shape(), (Shape{2, 2, 3}));
+  const std::vector<float> expected = {6, 7, 8, 9, 10, 11, 24, 25, 26, 27, 28, 29};
+  EXPECT_EQ(std::vector<float>(s.data<float>(), s.data<float>() + 12), expected);
+  EXPECT_ERROR_MENTIONS(shard_dim(t, 1, {0, 4}, "mlp gate weight"), "mlp gate weight",
+                        "6 is not divisible by 4");
+  EXPECT_ERROR_MENTIONS(shard_dim(t, 3, {0, 2}, "x"), "cannot split dimension 3");
+  EXPECT_ERROR_MENTIONS(shard_range(8, {4, 4}, "moe experts"), "rank 4 of 4");
+}
+
+TEST(DistShard, LoraFollowsTheBaseWeightsSplit) {
+  std::mt19937_64 rng(test::test_seed(501));
+  const LoraFactors f = random_lora(rng, 1, 1, 4, 8, 6, 0.5f);
+  const LoraFactors column = shard_lora_column(f, {1, 2}, "q_proj");
+  EXPECT_EQ(column.a.shape(), (Shape{1, 4, 8}));  // A whole
+  EXPECT_EQ(column.b.shape(), (Shape{1, 3, 4}));  // B split on out
+  const LoraFactors row = shard_lora_row(f, {1, 2}, "o_proj");
+  EXPECT_EQ(row.a.shape(), (Shape{1, 4, 4}));  // A split on in
+  EXPECT_EQ(row.b.shape(), (Shape{1, 6, 4}));  // B whole
+  EXPECT_EQ(row.scaling, 0.5f);
+  // Experts: per-expert factors split, shared-outer factors whole on every rank.
+  const LoraFactors per_expert = random_lora(rng, 8, 1, 4, 8, 6, 1.0f);
+  const LoraFactors e = shard_lora_experts(per_expert, 8, {3, 4}, "gate_up");
+  EXPECT_EQ(e.a.shape(), (Shape{2, 4, 8}));
+  EXPECT_EQ(e.b.shape(), (Shape{1, 6, 4}));
+  EXPECT_TRUE(bitwise_equal(e.a, shard_dim(per_expert.a, 0, {3, 4}, "a")));
+  EXPECT_FALSE(shard_lora_column(LoraFactors{}, {0, 2}, "none").defined());
+  EXPECT_ERROR_MENTIONS(shard_lora_experts(random_lora(rng, 3, 3, 2, 8, 6, 1.0f), 8, {0, 2}, "down"),
+                        "down lora A", "expected 1 or 8 experts");
+}
+
+// ============================================================================ dense MLP, TP
+
+TEST(DistTensorParallel, MlpWithAdaptersEqualsTheUnshardedMlp) {
+  std::mt19937_64 rng(test::test_seed(503));
+  const int64_t hidden = 32, inter = 24, tokens = 9;
+  const Tensor w_gate = test::random_normal({inter, hidden}, rng, 0.2f);
+  const Tensor w_up = test::random_normal({inter, hidden}, rng, 0.2f);
+  const Tensor w_down = test::random_normal({hidden, inter}, rng, 0.2f);
+  // Slot 0: every target; slot 1: down only; tokens of slot -1 run the base MLP.
+  const LoraFactors g = random_lora(rng, 1, 1, 4, hidden, inter, 0.8f);
+  const LoraFactors u = random_lora(rng, 1, 1, 5, hidden, inter, 0.8f);
+  const LoraFactors d = random_lora(rng, 1, 1, 6, inter, hidden, 1.2f);
+  const LoraFactors d1 = random_lora(rng, 1, 1, 3, inter, hidden, 0.7f);
+  const std::vector<ops::MlpLoraRef> lora = {{&g, &u, &d}, {nullptr, nullptr, &d1}};
+  const Tensor x = test::random_normal({tokens, hidden}, rng);
+  std::vector<int32_t> slot(tokens);
+  for (int64_t t = 0; t < tokens; ++t) slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
+  const Tensor expected = ops::mlp_forward_ref(x, slot, w_gate, w_up, w_down, lora);
+
+  for (int tp : {1, 2, 4}) {
+    const std::vector<Tensor> outputs = on_ranks(tp, [&](Communicator& comm) {
+      const ShardSpec me{comm.rank(), comm.size()};
+      std::vector<MlpLora> mine;
+      for (const ops::MlpLoraRef& l : lora) mine.push_back(shard_mlp_lora(l, me));
+      return mlp_forward_tp(x, slot, shard_mlp(w_gate, w_up, w_down, me), mine, comm);
+    });
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], outputs[0]))
+          << "tp " << tp << ": rank " << r << " differs from rank 0";
+      EXPECT_TRUE(test::all_close(outputs[static_cast<size_t>(r)], expected, kAtol, kRtol))
+          << "tp " << tp << " rank " << r;
+    }
+    if (tp == 1) {
+      EXPECT_TRUE(bitwise_equal(outputs[0], expected));
+    }
+  }
+  EXPECT_ERROR_MENTIONS(shard_mlp(w_gate, w_up, w_down, {0, 5}), "mlp gate weight",
+                        "24 is not divisible by 5");
+}
+
+// ============================================================================ GQA attention, TP
+
+GqaWeights random_gqa(std::mt19937_64& rng, int64_t heads, int64_t kv_heads) {
+  GqaWeights w;
+  const int64_t hidden = 32, d = 16;
+  w.num_heads = heads;
+  w.num_kv_heads = kv_heads;
+  w.head_dim = d;
+  const float sh = 1.0f / std::sqrt(static_cast<float>(hidden));
+  w.q_proj = test::random_normal({heads * d, hidden}, rng, sh);
+  w.k_proj = test::random_normal({kv_heads * d, hidden}, rng, sh);
+  w.v_proj = test::random_normal({kv_heads * d, hidden}, rng, sh);
+  w.o_proj = test::random_normal({hidden, heads * d}, rng, 1.0f / std::sqrt(float(heads * d)));
+  w.q_norm = test::random_uniform({d}, rng, 0.8f, 1.2f);
+  w.k_norm = test::random_uniform({d}, rng, 0.8f, 1.2f);
+  ops::RopeParams rope;
+  rope.rotary_dim = d;
+  rope.theta = 10000.0;
+  w.rope = ops::make_rope_table(rope);
+  return w;
+}
+
+// The unsharded block written out with the operators, independently of src/dist.
+Tensor gqa_unsharded(const Tensor& x, const std::vector<int32_t>& slot, const GqaWeights& w,
+                     const std::vector<GqaLora>& lora) {
+  const int64_t t = x.dim(0), d = w.head_dim;
+  auto proj = [&](const Tensor& in, const Tensor& weight, auto member) {
+    Tensor y = ops::linear_ref(in, weight);
+    std::vector<const LoraFactors*> adapters;
+    for (const GqaLora& l : lora) adapters.push_back((l.*member).defined() ? &(l.*member) : nullptr);
+    ops::lora_add_slots_ref(in, slot, adapters, y);
+    return y;
+  };
+  Tensor q = proj(x, w.q_proj, &GqaLora::q).reshape({t, w.num_heads, d});
+  Tensor k = proj(x, w.k_proj, &GqaLora::k).reshape({t, w.num_kv_heads, d});
+  Tensor v = proj(x, w.v_proj, &GqaLora::v).reshape({t, w.num_kv_heads, d});
+  ops::rms_norm_inplace_ref(q, w.q_norm, w.norm);
+  ops::rms_norm_inplace_ref(k, w.k_norm, w.norm);
+  std::vector<int64_t> positions(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = i;
+  ops::apply_rope_inplace_ref(q, positions, w.rope, {});
+  ops::apply_rope_inplace_ref(k, positions, w.rope, {});
+  const Tensor a = ops::attention_ref(q, k, v, {}).reshape({t, w.num_heads * d});
+  return proj(a, w.o_proj, &GqaLora::o);
+}
+
+// Heads split over 1, 2 and 4 ranks (KV heads split too) and over 8 ranks (more ranks than the 4
+// KV heads: each KV head on two ranks), adapters on q / k / v / o in one mixed batch.
+TEST(DistTensorParallel, GqaAttentionWithAdaptersEqualsTheUnshardedBlock) {
+  std::mt19937_64 rng(test::test_seed(513));
+  const GqaWeights w = random_gqa(rng, 8, 4);
+  const int64_t hidden = 32, qd = 8 * 16, kvd = 4 * 16;
+  GqaLora all{random_lora(rng, 1, 1, 4, hidden, qd, 0.8f), random_lora(rng, 1, 1, 3, hidden, kvd, 0.9f),
+              random_lora(rng, 1, 1, 5, hidden, kvd, 1.1f), random_lora(rng, 1, 1, 4, qd, hidden, 1.2f)};
+  GqaLora q_and_o{random_lora(rng, 1, 1, 2, hidden, qd, 1.0f), {}, {},
+                  random_lora(rng, 1, 1, 6, qd, hidden, 0.6f)};
+  const std::vector<GqaLora> lora = {all, q_and_o};
+  const int64_t tokens = 10;
+  const Tensor x = test::random_normal({tokens, hidden}, rng);
+  std::vector<int32_t> slot(tokens);
+  for (int64_t t = 0; t < tokens; ++t) slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
+  const Tensor expected = gqa_unsharded(x, slot, w, lora);
+  const Tensor base = gqa_unsharded(x, std::vector<int32_t>(tokens, -1), w, lora);
+  ASSERT_GT(test::max_abs_diff(expected, base), 0.01) << "the adapters change the block";
+
+  for (int tp : {1, 2, 4, 8}) {
+    const std::vector<Tensor> outputs = on_ranks(tp, [&](Communicator& comm) {
+      const ShardSpec me{comm.rank(), comm.size()};
+      std::vector<GqaLora> mine;
+      for (const GqaLora& l : lora) mine.push_back(shard_gqa_lora(l, w, me));
+      const GqaWeights shard = shard_gqa(w, me);
+      EXPECT_EQ(shard.num_heads, 8 / tp);
+      EXPECT_EQ(shard.num_kv_heads, std::max(1, 4 / tp));
+      return gqa_prefill_tp(x, slot, shard, mine, comm);
+    });
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], outputs[0])) << "tp " << tp << " rank " << r;
+      EXPECT_TRUE(test::all_close(outputs[static_cast<size_t>(r)], expected, kAtol, kRtol))
+          << "tp " << tp << " rank " << r;
+    }
+    if (tp == 1) {
+      EXPECT_TRUE(bitwise_equal(outputs[0], expected));
+    }
+  }
+  EXPECT_ERROR_MENTIONS(shard_gqa(w, {0, 3}), "attention query heads", "8 is not divisible by 3");
+  EXPECT_ERROR_MENTIONS(shard_gqa(random_gqa(rng, 12, 4), {0, 6}), "4 KV heads over 6 ranks");
+}
+
+// ============================================================================ MoE, EP
+
+struct MoeLayer {
+  MoeParams params;
+  MoeWeightsRef weights;
+};
+
+MoeLayer random_moe(std::mt19937_64& rng, int64_t experts, int64_t top_k, bool shared_gate) {
+  MoeLayer m;
+  const int64_t hidden = 32, inter = 16, shared_inter = 24;
+  m.params.hidden = hidden;
+  m.params.intermediate = inter;
+  m.params.route.kind = RouterKind::kSoftmaxTopK;
+  m.params.route.num_experts = experts;
+  m.params.route.top_k = top_k;
+  m.params.route.renormalize = true;
+  const float sh = 1.0f / std::sqrt(static_cast<float>(hidden));
+  m.weights.router = test::random_normal({experts, hidden}, rng, 1.5f * sh);
+  m.weights.w13 = test::random_normal({experts, 2 * inter, hidden}, rng, sh);
+  m.weights.w2 = test::random_normal({experts, hidden, inter}, rng, 0.25f);
+  m.weights.shared_w13 = test::random_normal({2 * shared_inter, hidden}, rng, sh);
+  m.weights.shared_w2 = test::random_normal({hidden, shared_inter}, rng, 0.2f);
+  if (shared_gate) m.weights.shared_gate = test::random_normal({1, hidden}, rng, sh);
+  return m;
+}
+
+// One slot's factors for every target of the layer, owning them.
+struct MoeAdapter {
+  LoraFactors gate_up, down, shared_gate, shared_up, shared_down;
+  MoeLoraRef ref() const {
+    auto p = [](const LoraFactors& f) { return f.defined() ? &f : nullptr; };
+    return {p(gate_up), p(down), p(shared_gate), p(shared_up), p(shared_down)};
+  }
+};
+
+// The adapter layouts PEFT checkpoints come in, as the loader canonicalizes them: per-expert
+// factors, shared-outer (one gate_up A and one down B for all experts), the reverse (one gate_up B
+// and one down A), and routed experts only (no shared-expert targets).
+enum class Layout { kPerExpert, kSharedOuter, kSharedInner, kRoutedOnly };
+
+MoeAdapter random_adapter(std::mt19937_64& rng, const MoeLayer& m, Layout layout, int64_t rank) {
+  const int64_t e = m.params.route.num_experts, h = m.params.hidden, i = m.params.intermediate;
+  const int64_t is = m.weights.shared_w2.dim(1);
+  MoeAdapter a;
+  const bool outer = layout == Layout::kSharedOuter, inner = layout == Layout::kSharedInner;
+  a.gate_up = random_lora(rng, outer ? 1 : e, inner ? 1 : e, rank, h, 2 * i, 0.9f);
+  a.down = random_lora(rng, inner ? 1 : e, outer ? 1 : e, rank, i, h, 1.1f);
+  if (layout != Layout::kRoutedOnly) {
+    a.shared_gate = random_lora(rng, 1, 1, rank, h, is, 0.7f);
+    a.shared_up = random_lora(rng, 1, 1, rank + 1, h, is, 0.7f);
+    a.shared_down = random_lora(rng, 1, 1, rank + 2, is, h, 1.3f);
+  }
+  return a;
+}
+
+struct MoeBatch {
+  Tensor x;
+  std::vector<int32_t> slot;
+};
+
+MoeBatch random_batch(std::mt19937_64& rng, int64_t tokens, int64_t hidden, int32_t slots) {
+  MoeBatch b{test::random_normal({tokens, hidden}, rng), std::vector<int32_t>(tokens)};
+  for (int64_t t = 0; t < tokens; ++t)
+    b.slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % (slots + 1)) - 1;  // -1 = base
+  return b;
+}
+
+std::vector<Tensor> run_moe_ep(int ep, const MoeLayer& m, const std::vector<MoeAdapter>& adapters,
+                               const MoeBatch& batch, MoeCombine combine, SharedExpertSplit split) {
+  return on_ranks(ep, [&](Communicator& comm) {
+    const ShardSpec me{comm.rank(), comm.size()};
+    std::vector<MoeLora> mine;
+    for (const MoeAdapter& a : adapters) mine.push_back(shard_moe_lora(a.ref(), m.params, me, split));
+    return moe_forward_ep(batch.x, batch.slot, shard_moe(m.weights, m.params, me, split), mine,
+                          combine, comm);
+  });
+}
+
+// All pair rows gathered before the combine, shared expert on every rank: the layer of every
+// rank is the unsharded layer bit for bit, for every adapter layout in one mixed batch.
+TEST(DistExpertParallel, PairRowsCombineIsTheUnshardedLayerBitForBit) {
+  std::mt19937_64 rng(test::test_seed(505));
+  const MoeLayer m = random_moe(rng, 8, 3, /*shared_gate=*/true);
+  std::vector<MoeAdapter> adapters;
+  for (Layout l : {Layout::kPerExpert, Layout::kSharedOuter, Layout::kSharedInner, Layout::kRoutedOnly})
+    adapters.push_back(random_adapter(rng, m, l, 4));
+  const MoeBatch batch = random_batch(rng, 15, m.params.hidden, 4);
+  std::vector<MoeLoraRef> refs;
+  for (const MoeAdapter& a : adapters) refs.push_back(a.ref());
+  const Tensor expected = ops::moe_forward_ref(batch.x, batch.slot, m.weights, refs, m.params);
+  const Tensor base = ops::moe_forward_ref(batch.x, std::vector<int32_t>(15, -1), m.weights, refs,
+                                           m.params);
+  ASSERT_GT(test::max_abs_diff(expected, base), 0.01) << "the adapters change the layer";
+
+  for (int ep : {1, 2, 4, 8}) {
+    const std::vector<Tensor> outputs = run_moe_ep(ep, m, adapters, batch, MoeCombine::kPairRows,
+                                                   SharedExpertSplit::kReplicated);
+    for (int r = 0; r < ep; ++r)
+      EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], expected))
+          << "ep " << ep << " rank " << r << ": max |diff| "
+          << test::max_abs_diff(outputs[static_cast<size_t>(r)], expected);
+  }
+}
+
+// Partial sums combined per rank and reduced once (the decode-size scheme), with the shared
+// expert replicated or tensor parallel over the same ranks: equal to the unsharded layer up to
+// float reassociation, and every rank holds the same result.
+TEST(DistExpertParallel, PartialSumsAndTensorParallelSharedExpertMatchTheUnshardedLayer) {
+  std::mt19937_64 rng(test::test_seed(507));
+  const MoeLayer m = random_moe(rng, 8, 2, /*shared_gate=*/true);
+  std::vector<MoeAdapter> adapters;
+  for (Layout l : {Layout::kSharedOuter, Layout::kPerExpert})
+    adapters.push_back(random_adapter(rng, m, l, 3));
+  const MoeBatch batch = random_batch(rng, 11, m.params.hidden, 2);
+  std::vector<MoeLoraRef> refs;
+  for (const MoeAdapter& a : adapters) refs.push_back(a.ref());
+  const Tensor expected = ops::moe_forward_ref(batch.x, batch.slot, m.weights, refs, m.params);
+
+  for (MoeCombine combine : {MoeCombine::kPartialSums, MoeCombine::kPairRows}) {
+    for (SharedExpertSplit split : {SharedExpertSplit::kReplicated, SharedExpertSplit::kTensorParallel}) {
+      for (int ep : {2, 4}) {
+        const std::vector<Tensor> outputs = run_moe_ep(ep, m, adapters, batch, combine, split);
+        const std::string label = std::string(combine == MoeCombine::kPartialSums ? "partial sums"
+                                                                                  : "pair rows") +
+                                  (split == SharedExpertSplit::kReplicated ? ", shared replicated"
+                                                                           : ", shared TP") +
+                                  ", ep " + std::to_string(ep);
+        for (int r = 0; r < ep; ++r) {
+          EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], outputs[0])) << label << " rank " << r;
+          EXPECT_TRUE(test::all_close(outputs[static_cast<size_t>(r)], expected, kAtol, kRtol))
+              << label << " rank " << r;
+        }
+      }
+    }
+  }
+}
+
+TEST(DistExpertParallel, NoauxTcRoutingWithCorrectionBias) {
+  std::mt19937_64 rng(test::test_seed(509));
+  MoeLayer m = random_moe(rng, 16, 4, /*shared_gate=*/false);
+  m.params.route.kind = RouterKind::kSigmoidNoauxTc;
+  m.params.route.n_group = 4;
+  m.params.route.topk_group = 2;
+  m.params.route.routed_scaling_factor = 2.5f;
+  m.weights.correction_bias = test::random_normal({16}, rng, 0.05f);
+  const std::vector<MoeAdapter> adapters = {random_adapter(rng, m, Layout::kPerExpert, 4)};
+  const MoeBatch batch = random_batch(rng, 7, m.params.hidden, 1);
+  const Tensor expected =
+      ops::moe_forward_ref(batch.x, batch.slot, m.weights, {adapters[0].ref()}, m.params);
+  for (int ep : {2, 8}) {
+    const std::vector<Tensor> outputs = run_moe_ep(ep, m, adapters, batch, MoeCombine::kPairRows,
+                                                   SharedExpertSplit::kReplicated);
+    for (const Tensor& out : outputs) EXPECT_TRUE(bitwise_equal(out, expected)) << "ep " << ep;
+  }
+}
+
+TEST(DistExpertParallel, BadSplitsNameTheProblem) {
+  std::mt19937_64 rng(test::test_seed(511));
+  const MoeLayer m = random_moe(rng, 8, 2, false);
+  EXPECT_ERROR_MENTIONS(shard_moe(m.weights, m.params, {0, 3}, SharedExpertSplit::kReplicated),
+                        "moe experts", "8 is not divisible by 3");
+  // The shared expert's 24 channels over 16 ranks.
+  MoeLayer wide = random_moe(rng, 16, 2, false);
+  EXPECT_ERROR_MENTIONS(shard_moe(wide.weights, wide.params, {0, 16}, SharedExpertSplit::kTensorParallel),
+                        "mlp gate weight", "24 is not divisible by 16");
+  // Shards cut for 4 ranks run on a group of 2.
+  const MoeShard quarter = shard_moe(m.weights, m.params, {1, 4}, SharedExpertSplit::kReplicated);
+  const MoeBatch batch = random_batch(rng, 3, m.params.hidden, 0);
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  run_ranks(2, [&](Communicator& comm) {
+    try {
+      moe_forward_ep(batch.x, batch.slot, quarter, {}, MoeCombine::kPairRows, comm);
+    } catch (const Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors.push_back(e.what());
+    }
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const std::string& e : errors) EXPECT_NE(e.find("holds experts [2, 4) of 8"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace moelora::dist
