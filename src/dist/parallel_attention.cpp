@@ -105,9 +105,10 @@ Tensor gqa_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const G
   if (shard.k_norm.defined()) ops::rms_norm_inplace_ref(k, shard.k_norm, shard.norm);
   std::vector<int64_t> positions(static_cast<size_t>(tokens));
   std::iota(positions.begin(), positions.end(), int64_t{0});
-  ops::apply_rope_inplace_ref(q, positions, shard.rope, {});
-  ops::apply_rope_inplace_ref(k, positions, shard.rope, {});
-  const Tensor attended = ops::attention_ref(q, k, v, {}).reshape({tokens, shard.num_heads * d});
+  ops::apply_rope_inplace_ref(q, positions, shard.rope, shard.rope_apply);
+  ops::apply_rope_inplace_ref(k, positions, shard.rope, shard.rope_apply);
+  const Tensor attended =
+      ops::attention_ref(q, k, v, {shard.scale}).reshape({tokens, shard.num_heads * d});
   // Row-parallel o_proj: this rank's partial sum of the base and its LoRA, reduced once.
   Tensor out = projection(attended, shard.o_proj, slot, lora,
                           [](const GqaLora& l) -> const LoraFactors& { return l.o; });

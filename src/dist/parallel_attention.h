@@ -31,6 +31,8 @@ struct GqaWeights {
   Tensor q_norm, k_norm;                  // F32 [D] or undefined (no per-head norm)
   ops::RmsNormParams norm;
   ops::RopeTable rope;
+  ops::RopeApplyParams rope_apply;  // the model's rotation style
+  float scale = 0.0f;               // softmax scale; 0 = 1 / sqrt(D)
 };
 
 // One slot's LoRA of the attention block, as owned factors (undefined = not targeted).

@@ -32,20 +32,6 @@ void add_inplace(Tensor& x, const Tensor& y) {
   for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
 }
 
-ops::MoeParams moe_params(const io::ModelConfig& config, const LayerWeightsF32& layer) {
-  ops::MoeParams params;
-  params.hidden = config.hidden_size;
-  params.intermediate = layer.moe.w13.dim(1) / 2;
-  params.route.kind = config.router;
-  params.route.num_experts = layer.moe.w13.dim(0);
-  params.route.top_k = config.num_experts_per_tok;
-  params.route.renormalize = config.norm_topk_prob;
-  params.route.n_group = config.n_group;
-  params.route.topk_group = config.topk_group;
-  params.route.routed_scaling_factor = static_cast<float>(config.routed_scaling_factor);
-  return params;
-}
-
 void check_layer(const LayerWeightsF32& layer, const io::ModelConfig& config, int64_t l) {
   const int64_t hidden = config.hidden_size;
   const std::string where = "layer " + std::to_string(l) + " ";
@@ -101,6 +87,20 @@ void check_layer(const LayerWeightsF32& layer, const io::ModelConfig& config, in
 }
 
 }  // namespace
+
+ops::MoeParams moe_params(const io::ModelConfig& config, const LayerWeightsF32& layer) {
+  ops::MoeParams params;
+  params.hidden = config.hidden_size;
+  params.intermediate = layer.moe.w13.dim(1) / 2;
+  params.route.kind = config.router;
+  params.route.num_experts = layer.moe.w13.dim(0);
+  params.route.top_k = config.num_experts_per_tok;
+  params.route.renormalize = config.norm_topk_prob;
+  params.route.n_group = config.n_group;
+  params.route.topk_group = config.topk_group;
+  params.route.routed_scaling_factor = static_cast<float>(config.routed_scaling_factor);
+  return params;
+}
 
 ops::RopeParams rope_params(const io::ModelConfig& config) {
   ops::RopeParams p;

@@ -122,6 +122,10 @@ class Model {
   uint64_t id_ = 0;               // identifies the model a Sequence belongs to
 };
 
+// The ops::MoeParams of an MoE layer of a config (H, I from the layer's W13, router kind, E, k,
+// renormalization, groups, scaling).
+ops::MoeParams moe_params(const io::ModelConfig& config, const LayerWeightsF32& layer);
+
 // The ops::RopeParams of a config (type, theta, rotary width, YaRN fields).
 ops::RopeParams rope_params(const io::ModelConfig& config);
 

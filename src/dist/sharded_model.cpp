@@ -1,0 +1,117 @@
+// A model's share on one rank and its sharded prefill (sharded_model.h).
+#include "dist/sharded_model.h"
+
+#include <string>
+
+#include "core/error.h"
+#include "ops/embedding/embedding.h"
+#include "ops/linear/linear.h"
+#include "ops/norm/norm.h"
+
+namespace moelora::dist {
+
+namespace {
+
+void add_inplace(Tensor& x, const Tensor& y) {
+  float* xp = x.data<float>();
+  const float* yp = y.data<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
+}
+
+LoraFactors owned(const LoraFactors* f) {
+  return f != nullptr && f->defined() ? *f : LoraFactors{};
+}
+
+}  // namespace
+
+ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options)
+    : model_(model), shard_(shard), options_(options) {
+  const io::ModelConfig& config = model.config();
+  MOELORA_CHECK(!config.use_mla, ErrorCode::kUnsupported, "sharded model: ", config.model_type,
+                " uses MLA attention, which has no tensor-parallel split yet (GQA models only)");
+  MOELORA_CHECK(!config.attention_output_gate, ErrorCode::kUnsupported, "sharded model: ",
+                config.model_type,
+                " uses gated attention (Qwen3.5), which has no tensor-parallel split yet");
+  norm_ = {config.rms_norm_eps, config.norm_style};
+  const model::ModelWeightsF32& w = model.weights();
+  const model::AdapterSet& adapters = model.adapters();
+  const ops::RopeTable rope = ops::make_rope_table(model::rope_params(config));
+  for (int64_t l = 0; l < model.num_layers(); ++l) {
+    const model::LayerWeightsF32& src = w.layers[static_cast<size_t>(l)];
+    MOELORA_CHECK(!src.is_linear_attention, ErrorCode::kUnsupported, "sharded model: layer ", l,
+                  " is a Gated DeltaNet layer, which has no tensor-parallel split yet");
+    Layer layer;
+    layer.input_layernorm = src.input_layernorm;
+    layer.post_attention_layernorm = src.post_attention_layernorm;
+
+    GqaWeights attention;
+    attention.num_heads = config.num_attention_heads;
+    attention.num_kv_heads = config.num_key_value_heads;
+    attention.head_dim = config.head_dim;
+    attention.q_proj = src.attention.q_proj;
+    attention.k_proj = src.attention.k_proj;
+    attention.v_proj = src.attention.v_proj;
+    attention.o_proj = src.attention.o_proj;
+    attention.q_norm = src.attention.q_norm;
+    attention.k_norm = src.attention.k_norm;
+    attention.norm = norm_;
+    attention.rope = rope;
+    attention.rope_apply = {config.rope_style, 0};
+    layer.attention = shard_gqa(attention, shard);
+    const auto q = adapters.target(l, &io::LayerLora::q_proj), k = adapters.target(l, &io::LayerLora::k_proj),
+               v = adapters.target(l, &io::LayerLora::v_proj), o = adapters.target(l, &io::LayerLora::o_proj);
+    for (int32_t s = 0; s < adapters.size(); ++s) {
+      const GqaLora full{owned(q[s]), owned(k[s]), owned(v[s]), owned(o[s])};
+      layer.attention_lora.push_back(shard_gqa_lora(full, attention, shard));
+    }
+
+    layer.is_moe = src.is_moe;
+    if (src.is_moe) {
+      const ops::MoeParams params = model::moe_params(config, src);
+      layer.moe = shard_moe(src.moe, params, shard, options.shared_expert);
+      for (const ops::MoeLoraRef& r : adapters.moe(l))
+        layer.moe_lora.push_back(shard_moe_lora(r, params, shard, options.shared_expert));
+    } else {
+      layer.mlp = shard_mlp(src.mlp_gate, src.mlp_up, src.mlp_down, shard);
+      for (const ops::MlpLoraRef& r : adapters.dense_mlp(l)) layer.mlp_lora.push_back(shard_mlp_lora(r, shard));
+    }
+    layers_.push_back(std::move(layer));
+  }
+  lm_head_ = shard_dim(w.lm_head, 0, shard, "lm_head");
+}
+
+Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slot, Communicator& comm) const {
+  MOELORA_CHECK(comm.size() == shard_.size && comm.rank() == shard_.rank, ErrorCode::kInvalidArgument,
+                "sharded model: cut for rank ", shard_.rank, " of ", shard_.size, " but run on rank ",
+                comm.rank(), " of ", comm.size());
+  MOELORA_CHECK(!tokens.empty(), ErrorCode::kInvalidArgument, "sharded model: the prompt is empty");
+  MOELORA_CHECK(slot >= -1 && slot < model_.adapters().size(), ErrorCode::kOutOfRange,
+                "sharded model: adapter slot ", slot, " is not -1 (base) or in [0, ",
+                model_.adapters().size(), ")");
+  const int64_t count = static_cast<int64_t>(tokens.size());
+  const std::vector<int32_t> slots(tokens.size(), slot);
+  Tensor x = ops::embedding_ref(model_.weights().embed_tokens, tokens);  // [T, H]
+  for (const Layer& layer : layers_) {
+    Tensor h = ops::rms_norm_ref(x, layer.input_layernorm, norm_);
+    add_inplace(x, gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm));
+    h = ops::rms_norm_ref(x, layer.post_attention_layernorm, norm_);
+    add_inplace(x, layer.is_moe
+                       ? moe_forward_ep(h, slots, layer.moe, layer.moe_lora, options_.moe_combine, comm)
+                       : mlp_forward_tp(h, slots, layer.mlp, layer.mlp_lora, comm));
+  }
+  ops::rms_norm_inplace_ref(x, model_.weights().final_norm, norm_);
+  // Vocab-parallel head: this rank's [T, V / n] columns, gathered rank-major to [n, T, V / n].
+  const Tensor local = ops::linear_ref(x, lm_head_);
+  const int64_t per = local.dim(1), ranks = comm.size();
+  Tensor gathered = Tensor::empty(DType::kF32, {ranks, count, per});
+  comm.all_gather({local.data<float>(), static_cast<size_t>(local.numel())},
+                  {gathered.data<float>(), static_cast<size_t>(gathered.numel())});
+  Tensor logits = Tensor::empty(DType::kF32, {count, ranks * per});
+  for (int64_t r = 0; r < ranks; ++r)
+    for (int64_t t = 0; t < count; ++t)
+      std::copy_n(gathered.data<float>() + (r * count + t) * per, per,
+                  logits.data<float>() + t * ranks * per + r * per);
+  return logits;
+}
+
+}  // namespace moelora::dist

@@ -1,0 +1,68 @@
+// One rank's share of a whole model, run over a Communicator: the layers of parallel_layers.h and
+// parallel_attention.h stacked as the CPU model stacks them, so that a sharded forward can be
+// checked against model::Model on real checkpoints and PEFT adapters.
+//
+// Split (n ranks, one group for TP and EP as the anchor serves Qwen3.5 TP4 / EP4):
+//   embedding, norms, router: whole on every rank;
+//   attention: GQA heads tensor parallel (parallel_attention.h);
+//   dense MLP layers and the shared expert: tensor parallel; routed experts: expert parallel with
+//   the pair rows combined exactly (MoeCombine::kPairRows) or per-rank partial sums;
+//   lm_head: vocab parallel (rows [r V / n, (r + 1) V / n)), logits all-gathered.
+// Every adapter slot of the model is cut to the rank's share at construction.
+//
+// Supported: Qwen3-MoE (GQA without the output gate, MoE and dense layers). MLA (DeepSeek-V3 /
+// Kimi) and Qwen3.5's gated attention and Gated DeltaNet layers are kUnsupported by name.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/tensor.h"
+#include "dist/communicator.h"
+#include "dist/parallel_attention.h"
+#include "dist/parallel_layers.h"
+#include "dist/shard.h"
+#include "model/model.h"
+
+namespace moelora::dist {
+
+struct ShardedModelOptions {
+  MoeCombine moe_combine = MoeCombine::kPairRows;
+  SharedExpertSplit shared_expert = SharedExpertSplit::kTensorParallel;
+};
+
+class ShardedModel {
+ public:
+  // Rank `shard.rank` of `shard.size`: cuts its share of `model`'s weights and of every adapter
+  // slot of model.adapters(). kUnsupported for an architecture it cannot split (named), and
+  // kInvalidArgument naming the tensor when n does not divide a split dimension.
+  ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options = {});
+
+  ShardSpec shard() const { return shard_; }
+
+  // Logits F32 [T, V] of every position of one sequence's prompt (positions 0 .. T-1) with
+  // adapter `slot` (-1 = base), on every rank. comm must be the group the shares were cut for.
+  Tensor prefill_logits(std::span<const int32_t> tokens, int32_t slot, Communicator& comm) const;
+
+ private:
+  struct Layer {
+    Tensor input_layernorm, post_attention_layernorm;
+    GqaWeights attention;
+    std::vector<GqaLora> attention_lora;  // per slot
+    bool is_moe = false;
+    MoeShard moe;
+    std::vector<MoeLora> moe_lora;  // per slot
+    MlpShard mlp;
+    std::vector<MlpLora> mlp_lora;  // per slot
+  };
+
+  const model::Model& model_;
+  ShardSpec shard_;
+  ShardedModelOptions options_;
+  ops::RmsNormParams norm_;
+  std::vector<Layer> layers_;
+  Tensor lm_head_;  // F32 [V / n, H]
+};
+
+}  // namespace moelora::dist

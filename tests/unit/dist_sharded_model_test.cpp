@@ -1,0 +1,105 @@
+// A whole model sharded over ranks (dist/sharded_model.h) against the CPU model on the Qwen3-MoE
+// parity fixture and its PEFT adapters of every layout: the logits of every position of a prompt,
+// on every rank, equal model::Model's up to float reassociation, for 1, 2 and 4 ranks (4 ranks:
+// one query head each, the 2 KV heads held by two ranks each) and both MoE combines.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/sharded_model.h"
+#include "model/model.h"
+#include "support/test_support.h"
+
+namespace moelora::dist {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path fixture(const std::string& model) {
+  return test::data_dir() / "parity" / model;
+}
+
+model::Model load_quiet(const fs::path& dir) {
+  model::ModelOptions o;
+  o.show_progress = false;
+  return model::Model::load(dir, o);
+}
+
+// Logits of several fp32 layers whose partial sums are added across ranks.
+constexpr float kAtol = 2e-4f, kRtol = 2e-4f;
+
+TEST(DistShardedModel, QwenLogitsEqualTheCpuModelWithEveryAdapterLayout) {
+  model::Model model = load_quiet(fixture("qwen3_moe") / "base");
+  const std::vector<std::string> adapters = {"lora_peft3d", "lora_shared_outer", "lora_per_expert"};
+  for (const std::string& a : adapters) model.load_adapter(a, fixture("qwen3_moe") / a);
+  std::mt19937_64 rng(test::test_seed(521));
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(model.vocab_size()) - 1);
+  std::vector<int32_t> prompt(11);
+  for (int32_t& t : prompt) t = id(rng);
+
+  std::vector<Tensor> expected;  // per slot -1, 0, 1, 2
+  for (int32_t slot = -1; slot < static_cast<int32_t>(adapters.size()); ++slot) {
+    model::Sequence seq = model.new_sequence(slot);
+    expected.push_back(model.forward(seq, prompt));
+  }
+  for (size_t s = 1; s < expected.size(); ++s)
+    ASSERT_GT(test::max_abs_diff(expected[s], expected[0]), 1e-3) << "adapter " << s - 1 << " changes nothing";
+
+  struct Config {
+    int ranks;
+    ShardedModelOptions options;
+  };
+  const std::vector<Config> configs = {
+      {1, {}},
+      {2, {}},
+      {4, {}},
+      {2, {MoeCombine::kPartialSums, SharedExpertSplit::kTensorParallel}},
+      {4, {MoeCombine::kPartialSums, SharedExpertSplit::kReplicated}},
+  };
+  for (const Config& c : configs) {
+    std::vector<std::vector<Tensor>> logits(static_cast<size_t>(c.ranks));
+    run_ranks(c.ranks, [&](Communicator& comm) {
+      const ShardedModel sharded(model, {comm.rank(), comm.size()}, c.options);
+      for (int32_t slot = -1; slot < static_cast<int32_t>(adapters.size()); ++slot)
+        logits[static_cast<size_t>(comm.rank())].push_back(sharded.prefill_logits(prompt, slot, comm));
+    });
+    for (int r = 0; r < c.ranks; ++r) {
+      for (size_t s = 0; s < expected.size(); ++s) {
+        const Tensor& got = logits[static_cast<size_t>(r)][s];
+        const std::string label = std::to_string(c.ranks) + " ranks (" +
+                                  (c.options.moe_combine == MoeCombine::kPairRows ? "pair rows" : "partial sums") +
+                                  "), rank " + std::to_string(r) + ", slot " + std::to_string(int(s) - 1);
+        EXPECT_TRUE(test::all_close(got, expected[s], kAtol, kRtol)) << label;
+        EXPECT_EQ(std::memcmp(got.raw_data(), logits[0][s].raw_data(), got.nbytes()), 0)
+            << label << ": differs from rank 0";
+      }
+    }
+  }
+}
+
+TEST(DistShardedModel, UnsupportedArchitecturesAndSplitsAreNamed) {
+  const model::Model mla = load_quiet(fixture("deepseek_v3") / "base");
+  try {
+    ShardedModel sharded(mla, {0, 2});
+    ADD_FAILURE() << "an MLA model was sharded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("MLA"), std::string::npos) << e.what();
+  }
+  const model::Model qwen = load_quiet(fixture("qwen3_moe") / "base");
+  try {
+    ShardedModel sharded(qwen, {0, 3});  // 4 query heads over 3 ranks
+    ADD_FAILURE() << "4 heads were split over 3 ranks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("4 is not divisible by 3"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace moelora::dist
