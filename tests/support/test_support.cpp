@@ -13,6 +13,7 @@ namespace moelora::test {
 
 std::filesystem::path data_dir() { return MOELORA_TEST_DATA_DIR; }
 std::filesystem::path binary_dir() { return MOELORA_BINARY_DIR; }
+std::filesystem::path fixture(const std::string& model) { return data_dir() / "parity" / model; }
 
 uint64_t test_seed(uint64_t fallback) {
   uint64_t seed = fallback;
@@ -153,6 +154,19 @@ std::string error_message(const std::function<void()>& fn, std::optional<ErrorCo
   }
   ADD_FAILURE() << "expected moelora::Error, nothing was thrown";
   return "";
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
 }
 
 void write_text_file(const std::filesystem::path& path, const std::string& text) {

@@ -1,6 +1,6 @@
 // Shared helpers for the test suites: seeded random inputs (seed printed, MOELORA_TEST_SEED
-// overrides), tolerance checks with readable failure reports, temporary directories and running
-// the moelora binary.
+// overrides), tolerance checks with readable failure reports, fixture paths, error messages,
+// temporary directories and running the moelora binary.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -21,6 +21,8 @@ namespace moelora::test {
 std::filesystem::path data_dir();
 // Build directory (holds the moelora binary).
 std::filesystem::path binary_dir();
+// A committed model fixture: data_dir() / "parity" / model (its base/ and adapter directories).
+std::filesystem::path fixture(const std::string& model);
 
 // Seed for a test: MOELORA_TEST_SEED if set, else `fallback`; printed through RecordProperty and
 // stdout so a failure can be replayed.
@@ -64,6 +66,11 @@ CommandResult run_command(const std::string& command);
 // (or another exception type) is thrown, when `code` is given and differs, or when the message
 // spans more than one line (errors are one line by design).
 std::string error_message(const std::function<void()>& fn, std::optional<ErrorCode> code = std::nullopt);
+// Runs fn and returns the message of the moelora::Error it throws, or "<no error>" when nothing is
+// thrown. Unlike error_message it checks nothing and adds no failure (other exceptions propagate).
+std::string error_of(const std::function<void()>& fn);
+// Whether `part` occurs in `text`.
+bool contains(const std::string& text, const std::string& part);
 
 void write_text_file(const std::filesystem::path& path, const std::string& text);
 std::string read_text_file(const std::filesystem::path& path);

@@ -611,14 +611,24 @@ TEST(ServeServerLimits, FullQueueAnswers503WithRetryAfter) {
   const int port = s->port();
   const std::string long_body =
       json{{"prompt", kPrompt}, {"max_tokens", 2000}, {"ignore_eos", true}}.dump();
-  // One runs, two wait: the queue is full.
+  // One runs, two wait: the queue is full. Each request is posted once the engine has seen the
+  // previous one, and one that finished before the queue filled (a loaded machine may run a whole
+  // request between two posts) is replaced by the next post.
   std::vector<std::future<Answer>> held;
-  for (int i = 0; i < 3; ++i)
-    held.push_back(
-        std::async(std::launch::async, [&] { return post(port, "/v1/completions", long_body); }));
+  int64_t posted = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (s->engine().stats().waiting < 2 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  while (std::chrono::steady_clock::now() < deadline) {
+    const EngineStats st = s->engine().stats();
+    if (st.waiting >= 2) break;
+    const int64_t seen = st.running + st.waiting + st.requests_finished + st.requests_cancelled +
+                         st.requests_failed;
+    if (seen == posted) {
+      held.push_back(
+          std::async(std::launch::async, [&] { return post(port, "/v1/completions", long_body); }));
+      ++posted;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   ASSERT_EQ(s->engine().stats().waiting, 2);
   httplib::Client cli("127.0.0.1", port);
   auto r =

@@ -1,0 +1,271 @@
+// Unit tests of the CUDA-free half of the GPU executor (src/runtime/gpu_executor.h): decode
+// buckets, the KV page allocator, the step metadata plan (slot grouping, LoRA segments, positions,
+// page tables, padding, graphs).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "io/hf_config.h"
+#include "runtime/gpu_executor.h"
+#include "support/test_support.h"
+
+namespace moelora::runtime {
+namespace {
+
+using test::contains;
+using test::error_of;
+using test::fixture;
+
+TEST(GpuExecutorHost, DecodeBuckets) {
+  EXPECT_EQ(decode_buckets(128), (std::vector<int>{1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128}));
+  EXPECT_EQ(decode_buckets(5), (std::vector<int>{1, 2, 4, 5}));
+  EXPECT_EQ(decode_buckets(1), (std::vector<int>{1}));
+  EXPECT_EQ(decode_buckets(100), (std::vector<int>{1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100}));
+  EXPECT_EQ(decode_buckets(200).back(), 200);
+  EXPECT_EQ(decode_buckets(200)[decode_buckets(200).size() - 2], 192);
+  const std::vector<int> b = decode_buckets(100);
+  EXPECT_EQ(decode_bucket(1, b), 1);
+  EXPECT_EQ(decode_bucket(3, b), 4);
+  EXPECT_EQ(decode_bucket(17, b), 24);
+  EXPECT_EQ(decode_bucket(97, b), 100);
+  EXPECT_EQ(decode_bucket(101, b), -1);
+  EXPECT_EQ(decode_bucket(1, std::vector<int>{}), -1);
+}
+
+TEST(GpuExecutorHost, PageAllocator) {
+  PageAllocator pages(5, 4, 3);  // 5 pages of 4 tokens; a sequence holds at most 12 tokens
+  EXPECT_EQ(pages.max_length(), 12);
+  const SequenceHandle a = pages.new_sequence(), b = pages.new_sequence();
+  pages.reserve(a, 5);  // 2 pages
+  EXPECT_EQ(pages.pages(a), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(pages.length(a), 0);  // not committed yet
+  pages.commit(a, 5);
+  EXPECT_EQ(pages.length(a), 5);
+  pages.reserve(b, 4);
+  pages.commit(b, 4);
+  EXPECT_EQ(pages.pages(b), (std::vector<int32_t>{2}));
+  pages.reserve(a, 8);  // still 2 pages
+  EXPECT_EQ(pages.pages(a).size(), 2u);
+  pages.reserve(a, 9);  // a third
+  EXPECT_EQ(pages.pages(a), (std::vector<int32_t>{0, 1, 3}));
+  pages.rollback(a);  // the forward failed: back to 5 tokens, 2 pages
+  EXPECT_EQ(pages.pages(a), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(pages.free_pages(), 2);
+  // Beyond the page table, and beyond the pool: kOutOfRange, nothing changes.
+  EXPECT_TRUE(contains(error_of([&] { pages.reserve(a, 13); }), "the KV page table holds 12"));
+  pages.reserve(b, 12);  // 2 more pages: the pool is empty now
+  EXPECT_EQ(pages.free_pages(), 0);
+  EXPECT_TRUE(contains(error_of([&] { pages.reserve(a, 9); }), "the KV cache is full"));
+  EXPECT_EQ(pages.pages(a).size(), 2u);
+  pages.free_sequence(b);
+  EXPECT_EQ(pages.free_pages(), 3);
+  EXPECT_FALSE(pages.live(b));
+  EXPECT_TRUE(contains(error_of([&] { pages.free_sequence(b); }), "not live"));
+  const SequenceHandle c = pages.new_sequence();
+  pages.reserve(c, 1);
+  EXPECT_EQ(pages.pages(c), (std::vector<int32_t>{2}));  // b's first page comes back first
+  EXPECT_EQ(pages.live_sequences(), 2);
+  EXPECT_TRUE(contains(error_of([] { PageAllocator(0, 4, 1); }), "num_pages 0"));
+}
+
+struct PlanFixture {
+  StepCapacity cap{16, 6, 3, 4, 100};  // 16 rows, 6 sequences, 3 slots, 4 pages of 8, vocab 100
+  PageAllocator pages{20, 8, 4};
+  std::vector<bool> occupied{true, true, false};
+  std::vector<int> buckets = decode_buckets(6);
+  GpuStepPlan plan;
+};
+
+// A mixed batch: prefill chunks and decodes, two adapters and base rows, known lengths.
+TEST(GpuExecutorHost, PlanGroupsRowsBySlotWithSegmentsPositionsAndPages) {
+  PlanFixture f;
+  const SequenceHandle s0 = f.pages.new_sequence(), s1 = f.pages.new_sequence(),
+                       s2 = f.pages.new_sequence(), s3 = f.pages.new_sequence();
+  f.pages.reserve(s1, 9);  // s1 has 9 tokens cached (2 pages), s3 has 3
+  f.pages.commit(s1, 9);
+  f.pages.reserve(s3, 3);
+  f.pages.commit(s3, 3);
+  const std::vector<int32_t> t0 = {5, 6, 7}, t1 = {8}, t2 = {9, 10}, t3 = {11};
+  // batch order: base, slot 1, slot 0, slot 1
+  const std::vector<BatchEntry> batch = {{s0, t0, -1}, {s1, t1, 1}, {s2, t2, 0}, {s3, t3, 1}};
+  std::vector<ops::SampleRowParams> params(4);
+  params[1].temperature = 0.5f;
+  const std::vector<float> uniforms = {0.0f, 0.25f, 0.0f, 0.0f};
+  plan_gpu_step(batch, params, uniforms, f.cap, f.buckets, f.occupied, f.pages, f.plan);
+  const GpuStepPlan& p = f.plan;
+  // Slot 0 first, then slot 1 (batch order kept), base last.
+  EXPECT_EQ(p.order, (std::vector<int>{2, 1, 3, 0}));
+  EXPECT_EQ(p.num_tokens, 7);
+  EXPECT_EQ(p.num_seqs, 4);
+  EXPECT_FALSE(p.graph);  // prefill chunks: eager at the exact size
+  EXPECT_EQ(p.rows, 7);
+  EXPECT_EQ(p.seqs, 4);
+  EXPECT_EQ(p.max_q_len, 3);
+  EXPECT_EQ(p.max_kv_len, 10);  // s1: 9 + 1
+  EXPECT_TRUE(p.lora);
+  EXPECT_EQ(p.single_slot, -1);  // two slots
+  const std::vector<int32_t> ids = {9, 10, 8, 11, 5, 6, 7};
+  const std::vector<int32_t> slot = {0, 0, 1, 1, -1, -1, -1};
+  const std::vector<int32_t> seq = {0, 0, 1, 2, 3, 3, 3};
+  const std::vector<int32_t> pos = {0, 1, 9, 3, 0, 1, 2};
+  for (int r = 0; r < 16; ++r) {
+    const bool valid = r < 7;
+    EXPECT_EQ(p.token_ids[r], valid ? ids[r] : 0) << r;
+    EXPECT_EQ(p.token_slot[r], valid ? slot[r] : -1) << r;
+    EXPECT_EQ(p.token_seq[r], valid ? seq[r] : -1) << r;
+    EXPECT_EQ(p.token_pos[r], valid ? pos[r] : 0) << r;
+  }
+  EXPECT_EQ(p.q_start, (std::vector<int32_t>{0, 2, 3, 4, 0, 0}));
+  EXPECT_EQ(p.q_len, (std::vector<int32_t>{2, 1, 1, 3, 0, 0}));
+  EXPECT_EQ(p.kv_len, (std::vector<int32_t>{2, 10, 4, 3, 0, 0}));
+  EXPECT_EQ(p.last_row, (std::vector<int32_t>{1, 2, 3, 6, 0, 0}));
+  EXPECT_EQ(p.num_lora_segments, 2);
+  EXPECT_EQ(p.lora_segments, (std::vector<int32_t>{0, 0, 0, 2, 1, 0, 2, 4, 0, 0, 0, 0}));
+  // Page tables: each sequence's pages (reserved now for the new tokens), zeros elsewhere.
+  for (int k = 0; k < 6; ++k) {
+    std::vector<int32_t> row(p.page_table.begin() + k * 4, p.page_table.begin() + k * 4 + 4);
+    std::vector<int32_t> expected(4, 0);
+    if (k < 4) {
+      const std::vector<int32_t>& held = f.pages.pages(batch[p.order[k]].sequence);
+      std::copy(held.begin(), held.end(), expected.begin());
+      const int64_t kv = p.kv_len[k];
+      EXPECT_EQ(static_cast<int64_t>(held.size()), (kv + 7) / 8) << k;
+    }
+    EXPECT_EQ(row, expected) << "sequence " << k;
+  }
+  // Linear-attention rows: sequence k's rows [cu_seqlens[k], cu_seqlens[k + 1]), padding
+  // sequences empty at num_tokens; state slots left for the executor (-1).
+  EXPECT_EQ(p.cu_seqlens, (std::vector<int32_t>{0, 2, 3, 4, 7, 7, 7}));
+  EXPECT_EQ(p.state_slot, (std::vector<int32_t>(6, -1)));
+  EXPECT_FLOAT_EQ(p.sample_params[1].temperature, 0.5f);  // batch entry 1 is sequence 1
+  EXPECT_FLOAT_EQ(p.uniform[1], 0.25f);
+  EXPECT_EQ(p.sample_params[0].temperature, 0.0f);
+  // Nothing committed: lengths are the caller's to commit.
+  EXPECT_EQ(f.pages.length(s1), 9);
+}
+
+TEST(GpuExecutorHost, DecodeOnlyBatchesBecomeGraphBuckets) {
+  PlanFixture f;
+  std::vector<SequenceHandle> seqs;
+  for (int i = 0; i < 3; ++i) seqs.push_back(f.pages.new_sequence());
+  f.pages.reserve(seqs[2], 17);
+  f.pages.commit(seqs[2], 17);
+  const std::vector<int32_t> tok = {42};
+  const std::vector<BatchEntry> batch = {{seqs[0], tok, 1}, {seqs[1], tok, -1}, {seqs[2], tok, 1}};
+  plan_gpu_step(batch, {}, {}, f.cap, f.buckets, f.occupied, f.pages, f.plan);
+  const GpuStepPlan& p = f.plan;
+  EXPECT_TRUE(p.graph);
+  EXPECT_EQ(p.rows, 4);  // bucket of 3
+  EXPECT_EQ(p.seqs, 4);
+  EXPECT_EQ(p.num_seqs, 3);
+  EXPECT_EQ(p.max_q_len, 1);
+  EXPECT_EQ(p.max_kv_len, 32);   // page-table capacity: any length fits the graph
+  EXPECT_EQ(p.single_slot, -1);  // never baked into a graph
+  EXPECT_EQ(p.order, (std::vector<int>{0, 2, 1}));
+  EXPECT_EQ(p.num_lora_segments, 1);
+  EXPECT_EQ(std::vector<int32_t>(p.lora_segments.begin(), p.lora_segments.begin() + 4),
+            (std::vector<int32_t>{1, 0, 0, 2}));
+  EXPECT_EQ(p.token_seq[3], -1);  // padding row of the bucket
+  EXPECT_EQ(p.q_len[3], 0);       // padding sequence
+  EXPECT_EQ(p.token_pos[1], 17);
+
+  // Without buckets (graphs off) the same batch runs eagerly at its size; one slot -> fast path.
+  f.pages.rollback(seqs[0]);
+  f.pages.rollback(seqs[1]);
+  f.pages.rollback(seqs[2]);
+  const std::vector<BatchEntry> one_slot = {{seqs[0], tok, 1}, {seqs[2], tok, 1}};
+  plan_gpu_step(one_slot, {}, {}, f.cap, {}, f.occupied, f.pages, f.plan);
+  EXPECT_FALSE(f.plan.graph);
+  EXPECT_EQ(f.plan.rows, 2);
+  EXPECT_EQ(f.plan.single_slot, 1);
+  EXPECT_EQ(f.plan.max_kv_len, 18);
+}
+
+TEST(GpuExecutorHost, BadBatchesThrowAndReserveNothing) {
+  PlanFixture f;
+  const SequenceHandle a = f.pages.new_sequence(), b = f.pages.new_sequence();
+  const std::vector<int32_t> tok = {1, 2}, bad = {100}, none = {};
+  auto plan = [&](std::vector<BatchEntry> batch) {
+    return error_of(
+        [&] { plan_gpu_step(batch, {}, {}, f.cap, f.buckets, f.occupied, f.pages, f.plan); });
+  };
+  EXPECT_TRUE(contains(plan({{a, tok, 2}}), "slot 2, which is empty"));
+  EXPECT_TRUE(contains(plan({{a, tok, 3}}), "outside [-1, 3)"));
+  EXPECT_TRUE(contains(plan({{a, tok, -1}, {a, tok, -1}}), "appears twice"));
+  EXPECT_TRUE(contains(plan({{a, bad, -1}}), "token id 100 is outside the vocabulary"));
+  EXPECT_TRUE(contains(plan({{a, none, -1}}), "has no tokens"));
+  EXPECT_TRUE(contains(plan({}), "empty batch"));
+  const std::vector<int32_t> many(17, 1);
+  EXPECT_TRUE(contains(plan({{a, many, -1}}), "forward of 17 tokens; the limit is 16"));
+  // b fits, a does not (30 + 3 tokens, beyond its page table): b's reservation is undone.
+  const std::vector<int32_t> three = {1, 2, 3};
+  f.pages.reserve(a, 30);
+  f.pages.commit(a, 30);
+  EXPECT_TRUE(contains(plan({{b, tok, -1}, {a, three, -1}}), "the KV page table holds 32"));
+  EXPECT_TRUE(f.pages.pages(b).empty());
+  EXPECT_EQ(f.pages.pages(a).size(), 4u);
+  const std::vector<ops::SampleRowParams> params(1);
+  EXPECT_TRUE(contains(error_of([&] {
+                         const std::vector<BatchEntry> batch = {{b, tok, -1}};
+                         plan_gpu_step(batch, params, {}, f.cap, f.buckets, f.occupied, f.pages,
+                                       f.plan);
+                       }),
+                       "sampling params"));
+}
+
+TEST(GpuExecutorHost, EstimatesScaleWithTheShapes) {
+  const io::ModelConfig qwen = io::load_model_config(fixture("qwen3_moe") / "base");
+  const io::ModelConfig deepseek = io::load_model_config(fixture("deepseek_v3") / "base");
+  // GQA: layers x 2 (K, V) x KV heads x head_dim x 2 bytes; MLA: layers x (latent + rope) x 2.
+  EXPECT_EQ(estimate_kv_bytes_per_token(qwen),
+            static_cast<uint64_t>(qwen.num_hidden_layers * 2 * qwen.num_key_value_heads *
+                                  qwen.head_dim * 2));
+  EXPECT_EQ(estimate_kv_bytes_per_token(deepseek),
+            static_cast<uint64_t>(deepseek.num_hidden_layers *
+                                  (deepseek.kv_lora_rank + deepseek.qk_rope_head_dim) * 2));
+  const ExecutorLimits none{64, 4, 0, 8}, slots{64, 4, 4, 8};
+  const uint64_t bf16 = estimate_gpu_model_bytes(qwen, false, none);
+  EXPECT_LT(estimate_gpu_model_bytes(qwen, true, none), bf16);    // FP8 experts are smaller
+  EXPECT_GT(estimate_gpu_model_bytes(qwen, false, slots), bf16);  // adapter pool
+  const io::ModelConfig one = first_layers(qwen, 1);
+  EXPECT_EQ(one.num_hidden_layers, 1);
+  EXPECT_LT(estimate_gpu_model_bytes(one, false, none), bf16);
+  EXPECT_EQ(first_layers(qwen, 0), qwen);
+  EXPECT_EQ(first_layers(qwen, 99), qwen);
+
+  // Qwen3.5: only the full-attention layers hold KV rows; each Gated DeltaNet layer holds a bf16
+  // conv state [conv_dim, K - 1] and an fp32 recurrent state [nv, dk, dv] per sequence.
+  const io::ModelConfig q35 = io::load_model_config(fixture("qwen3_5_moe") / "base");
+  const io::LinearAttentionConfig& la = q35.linear_attention;
+  int64_t linear = 0;
+  for (int64_t l = 0; l < q35.num_hidden_layers; ++l) linear += is_linear_attention_layer(q35, l);
+  EXPECT_EQ(linear, 4);
+  EXPECT_EQ(estimate_kv_bytes_per_token(q35),
+            static_cast<uint64_t>(1 * 2 * q35.num_key_value_heads * q35.head_dim * 2));
+  const int64_t conv_dim =
+      2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim;
+  EXPECT_EQ(linear_attention_state_bytes(q35),
+            static_cast<uint64_t>(linear *
+                                  (conv_dim * (la.conv_kernel_dim - 1) * 2 +
+                                   la.num_value_heads * la.key_head_dim * la.value_head_dim * 4)));
+  EXPECT_EQ(linear_attention_state_bytes(qwen), 0u);
+  // The linear layers' projections are what for_each_dense_linear lists for them.
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for_each_dense_linear(q35, 0, [&](int64_t out, int64_t in) { shapes.emplace_back(out, in); });
+  const int64_t H = q35.hidden_size, vd = la.num_value_heads * la.value_head_dim;
+  const std::vector<std::pair<int64_t, int64_t>> expected = {
+      {conv_dim, H},
+      {vd, H},
+      {la.num_value_heads, H},
+      {la.num_value_heads, H},
+      {H, vd},
+      {q35.shared_expert_intermediate_size, H},
+      {q35.shared_expert_intermediate_size, H},
+      {H, q35.shared_expert_intermediate_size}};
+  EXPECT_EQ(shapes, expected);
+}
+
+}  // namespace
+}  // namespace moelora::runtime
