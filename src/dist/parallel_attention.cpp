@@ -36,17 +36,13 @@ HeadRange head_range(const GqaWeights& w, ShardSpec tp) {
   return r;
 }
 
-const LoraFactors* pointer_or_null(const LoraFactors& f) {
-  return f.defined() ? &f : nullptr;
-}
-
 // y [T, out] = x W^T + per-token LoRA deltas of `pick(lora[slot])`.
 template <typename Pick>
 Tensor projection(const Tensor& x, const Tensor& w, const std::vector<int32_t>& slot,
                   const std::vector<GqaLora>& lora, Pick pick) {
   Tensor y = ops::linear_ref(x, w);
   std::vector<const LoraFactors*> adapters;
-  for (const GqaLora& l : lora) adapters.push_back(pointer_or_null(pick(l)));
+  for (const GqaLora& l : lora) adapters.push_back(factors_or_null(pick(l)));
   ops::lora_add_slots_ref(x, slot, adapters, y);
   return y;
 }

@@ -11,10 +11,6 @@ namespace moelora::dist {
 
 namespace {
 
-const LoraFactors* pointer_or_null(const LoraFactors& f) {
-  return f.defined() ? &f : nullptr;
-}
-
 LoraFactors copy_or_empty(const LoraFactors* f) {
   return f != nullptr && f->defined() ? *f : LoraFactors{};
 }
@@ -43,7 +39,7 @@ std::vector<ops::MlpLoraRef> mlp_refs(const std::vector<MlpLora>& lora) {
 // ---------------------------------------------------------------------------- dense MLP, TP
 
 ops::MlpLoraRef MlpLora::ref() const {
-  return {pointer_or_null(gate), pointer_or_null(up), pointer_or_null(down)};
+  return {factors_or_null(gate), factors_or_null(up), factors_or_null(down)};
 }
 
 MlpShard shard_mlp(const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down, ShardSpec tp) {
@@ -69,11 +65,11 @@ Tensor mlp_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
 
 ops::MoeLoraRef MoeLora::ref() const {
   ops::MoeLoraRef r;
-  r.gate_up = pointer_or_null(gate_up);
-  r.down = pointer_or_null(down);
-  r.shared_gate = pointer_or_null(shared.gate);
-  r.shared_up = pointer_or_null(shared.up);
-  r.shared_down = pointer_or_null(shared.down);
+  r.gate_up = factors_or_null(gate_up);
+  r.down = factors_or_null(down);
+  r.shared_gate = factors_or_null(shared.gate);
+  r.shared_up = factors_or_null(shared.up);
+  r.shared_down = factors_or_null(shared.down);
   return r;
 }
 

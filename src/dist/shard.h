@@ -38,6 +38,11 @@ struct ShardRange {
 };
 ShardRange shard_range(int64_t n, ShardSpec shard, const std::string& what);
 
+// &f when f holds factors, else nullptr (the "not targeted" of the operators' LoRA arguments).
+inline const LoraFactors* factors_or_null(const LoraFactors& f) {
+  return f.defined() ? &f : nullptr;
+}
+
 // The shard's block of dimension `dim` of `t` (any rank of tensor), as a new contiguous tensor.
 Tensor shard_dim(const Tensor& t, int dim, ShardSpec shard, const std::string& what);
 // Items [begin, end) of dimension `dim` of `t`, as a new contiguous tensor (a block that several
