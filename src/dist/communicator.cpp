@@ -426,6 +426,10 @@ void run_ranks(int size, const std::function<void(Communicator&)>& body,
     Communicator& comm = group.rank(r);
     try {
       body(comm);
+      // A rank that is done calls no more collectives: one that the others wait in (or start
+      // later) can never complete, so fail them now rather than at the timeout.
+      comm.abort(concat("rank ", r, " returned from its body; a collective that needs it cannot "
+                        "complete"));
     } catch (const std::exception& e) {
       errors[r] = std::current_exception();
       comm.abort(concat("rank ", r, " threw: ", e.what()));

@@ -102,7 +102,8 @@ class InProcessGroup {
 // Runs body(rank r's communicator) on `size` threads of one InProcessGroup, joins them all and
 // then rethrows the first exception in rank order, skipping the errors that only follow from
 // another rank's abort. A rank whose body throws aborts the group ("rank r threw: ..."), so the
-// others fail instead of waiting for it.
+// others fail instead of waiting for it; so does a rank whose body returns (it calls no more
+// collectives), so a collective the others are still waiting in fails at once, not at the timeout.
 void run_ranks(int size, const std::function<void(Communicator&)>& body,
                std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
 

@@ -451,6 +451,32 @@ TEST(DistCommunicator, RunRanksRethrowsTheOriginalException) {
   EXPECT_THROW(run_ranks(2, mismatch, kTestTimeout), Error);
 }
 
+// A rank that is done while the others still wait in a collective for it fails them at once
+// (with the 60 s default timeout the test would otherwise take a minute), naming that rank.
+TEST(DistCommunicator, RankThatReturnsEarlyFailsTheOthersAtOnce) {
+  std::vector<std::string> errors(3);
+  const auto start = std::chrono::steady_clock::now();
+  auto body = [&](Communicator& comm) {
+    if (comm.rank() == 2) return;  // forgot its share of the barrier
+    try {
+      comm.barrier();
+    } catch (const Error& e) {
+      errors[comm.rank()] = e.what();
+      throw;
+    }
+  };
+  EXPECT_THROW(run_ranks(3, body), Error);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  for (int r : {0, 1})
+    EXPECT_NE(errors[r].find("rank 2 returned from its body"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  // Ranks that all finish their collectives and return: no error.
+  run_ranks(3, [](Communicator& comm) {
+    std::vector<float> buf(5, 1.f);
+    comm.all_reduce_sum(buf);
+  });
+}
+
 TEST(DistCommunicator, ManyMixedCollectivesBackToBack) {
   constexpr int kSize = 4;
   constexpr int kCalls = 5000;
