@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <mutex>
 #include <random>
 #include <string>
@@ -29,17 +30,14 @@ using ops::MoeLoraRef;
 using ops::MoeParams;
 using ops::MoeWeightsRef;
 
-#define EXPECT_ERROR_MENTIONS(stmt, ...)                                           \
-  do {                                                                            \
-    try {                                                                         \
-      stmt;                                                                       \
-      ADD_FAILURE() << "expected an error from " #stmt;                           \
-    } catch (const Error& e) {                                                    \
-      for (const char* part : {__VA_ARGS__})                                      \
-        EXPECT_NE(std::string(e.what()).find(part), std::string::npos)            \
-            << "'" << part << "' not in: " << e.what();                           \
-    }                                                                             \
-  } while (0)
+// The moelora::Error that fn throws names every part (test::error_message fails the test when
+// nothing is thrown).
+void expect_error_mentions(const std::function<void()>& fn,
+                           std::initializer_list<const char*> parts) {
+  const std::string message = test::error_message(fn);
+  for (const char* part : parts)
+    EXPECT_TRUE(test::contains(message, part)) << "'" << part << "' not in: " << message;
+}
 
 // Reassociated fp32 sums (partial sums added across ranks instead of one dot product).
 constexpr float kAtol = 1e-5f, kRtol = 1e-4f;
@@ -58,7 +56,8 @@ LoraFactors random_lora(std::mt19937_64& rng, int64_t ea, int64_t eb, int64_t ra
 // Runs body(rank) on `ranks` threads and collects each rank's output tensor.
 std::vector<Tensor> on_ranks(int ranks, const std::function<Tensor(Communicator&)>& body) {
   std::vector<Tensor> outputs(static_cast<size_t>(ranks));
-  run_ranks(ranks, [&](Communicator& comm) { outputs[static_cast<size_t>(comm.rank())] = body(comm); });
+  run_ranks(ranks,
+            [&](Communicator& comm) { outputs[static_cast<size_t>(comm.rank())] = body(comm); });
   return outputs;
 }
 
@@ -75,10 +74,13 @@ TEST(DistShard, RangesAndDimensionBlocks) {
   ASSERT_EQ(s.shape(), (Shape{2, 2, 3}));
   const std::vector<float> expected = {6, 7, 8, 9, 10, 11, 24, 25, 26, 27, 28, 29};
   EXPECT_EQ(std::vector<float>(s.data<float>(), s.data<float>() + 12), expected);
-  EXPECT_ERROR_MENTIONS(shard_dim(t, 1, {0, 4}, "mlp gate weight"), "mlp gate weight",
-                        "6 is not divisible by 4");
-  EXPECT_ERROR_MENTIONS(shard_dim(t, 3, {0, 2}, "x"), "cannot split dimension 3");
-  EXPECT_ERROR_MENTIONS(shard_range(8, {4, 4}, "moe experts"), "rank 4 of 4");
+  expect_error_mentions(
+      [&] {
+        shard_dim(t, 1, {0, 4}, "mlp gate weight");
+      },
+      {"mlp gate weight", "6 is not divisible by 4"});
+  expect_error_mentions([&] { shard_dim(t, 3, {0, 2}, "x"); }, {"cannot split dimension 3"});
+  expect_error_mentions([&] { shard_range(8, {4, 4}, "moe experts"); }, {"rank 4 of 4"});
 }
 
 TEST(DistShard, LoraFollowsTheBaseWeightsSplit) {
@@ -98,8 +100,11 @@ TEST(DistShard, LoraFollowsTheBaseWeightsSplit) {
   EXPECT_EQ(e.b.shape(), (Shape{1, 6, 4}));
   EXPECT_TRUE(bitwise_equal(e.a, shard_dim(per_expert.a, 0, {3, 4}, "a")));
   EXPECT_FALSE(shard_lora_column(LoraFactors{}, {0, 2}, "none").defined());
-  EXPECT_ERROR_MENTIONS(shard_lora_experts(random_lora(rng, 3, 3, 2, 8, 6, 1.0f), 8, {0, 2}, "down"),
-                        "down lora A", "expected 1 or 8 experts");
+  expect_error_mentions(
+      [&] {
+        shard_lora_experts(random_lora(rng, 3, 3, 2, 8, 6, 1.0f), 8, {0, 2}, "down");
+      },
+      {"down lora A", "expected 1 or 8 experts"});
 }
 
 // ============================================================================ dense MLP, TP
@@ -118,7 +123,8 @@ TEST(DistTensorParallel, MlpWithAdaptersEqualsTheUnshardedMlp) {
   const std::vector<ops::MlpLoraRef> lora = {{&g, &u, &d}, {nullptr, nullptr, &d1}};
   const Tensor x = test::random_normal({tokens, hidden}, rng);
   std::vector<int32_t> slot(tokens);
-  for (int64_t t = 0; t < tokens; ++t) slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
+  for (int64_t t = 0; t < tokens; ++t)
+    slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
   const Tensor expected = ops::mlp_forward_ref(x, slot, w_gate, w_up, w_down, lora);
 
   for (int tp : {1, 2, 4}) {
@@ -138,8 +144,11 @@ TEST(DistTensorParallel, MlpWithAdaptersEqualsTheUnshardedMlp) {
       EXPECT_TRUE(bitwise_equal(outputs[0], expected));
     }
   }
-  EXPECT_ERROR_MENTIONS(shard_mlp(w_gate, w_up, w_down, {0, 5}), "mlp gate weight",
-                        "24 is not divisible by 5");
+  expect_error_mentions(
+      [&] {
+        shard_mlp(w_gate, w_up, w_down, {0, 5});
+      },
+      {"mlp gate weight", "24 is not divisible by 5"});
 }
 
 // ============================================================================ GQA attention, TP
@@ -171,7 +180,8 @@ Tensor gqa_unsharded(const Tensor& x, const std::vector<int32_t>& slot, const Gq
   auto proj = [&](const Tensor& in, const Tensor& weight, auto member) {
     Tensor y = ops::linear_ref(in, weight);
     std::vector<const LoraFactors*> adapters;
-    for (const GqaLora& l : lora) adapters.push_back((l.*member).defined() ? &(l.*member) : nullptr);
+    for (const GqaLora& l : lora)
+      adapters.push_back((l.*member).defined() ? &(l.*member) : nullptr);
     ops::lora_add_slots_ref(in, slot, adapters, y);
     return y;
   };
@@ -194,15 +204,19 @@ TEST(DistTensorParallel, GqaAttentionWithAdaptersEqualsTheUnshardedBlock) {
   std::mt19937_64 rng(test::test_seed(513));
   const GqaWeights w = random_gqa(rng, 8, 4);
   const int64_t hidden = 32, qd = 8 * 16, kvd = 4 * 16;
-  GqaLora all{random_lora(rng, 1, 1, 4, hidden, qd, 0.8f), random_lora(rng, 1, 1, 3, hidden, kvd, 0.9f),
-              random_lora(rng, 1, 1, 5, hidden, kvd, 1.1f), random_lora(rng, 1, 1, 4, qd, hidden, 1.2f)};
-  GqaLora q_and_o{random_lora(rng, 1, 1, 2, hidden, qd, 1.0f), {}, {},
+  GqaLora all{
+      random_lora(rng, 1, 1, 4, hidden, qd, 0.8f), random_lora(rng, 1, 1, 3, hidden, kvd, 0.9f),
+      random_lora(rng, 1, 1, 5, hidden, kvd, 1.1f), random_lora(rng, 1, 1, 4, qd, hidden, 1.2f)};
+  GqaLora q_and_o{random_lora(rng, 1, 1, 2, hidden, qd, 1.0f),
+                  {},
+                  {},
                   random_lora(rng, 1, 1, 6, qd, hidden, 0.6f)};
   const std::vector<GqaLora> lora = {all, q_and_o};
   const int64_t tokens = 10;
   const Tensor x = test::random_normal({tokens, hidden}, rng);
   std::vector<int32_t> slot(tokens);
-  for (int64_t t = 0; t < tokens; ++t) slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
+  for (int64_t t = 0; t < tokens; ++t)
+    slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
   const Tensor expected = gqa_unsharded(x, slot, w, lora);
   const Tensor base = gqa_unsharded(x, std::vector<int32_t>(tokens, -1), w, lora);
   ASSERT_GT(test::max_abs_diff(expected, base), 0.01) << "the adapters change the block";
@@ -218,7 +232,8 @@ TEST(DistTensorParallel, GqaAttentionWithAdaptersEqualsTheUnshardedBlock) {
       return gqa_prefill_tp(x, slot, shard, mine, comm);
     });
     for (int r = 0; r < tp; ++r) {
-      EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], outputs[0])) << "tp " << tp << " rank " << r;
+      EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], outputs[0]))
+          << "tp " << tp << " rank " << r;
       EXPECT_TRUE(test::all_close(outputs[static_cast<size_t>(r)], expected, kAtol, kRtol))
           << "tp " << tp << " rank " << r;
     }
@@ -226,8 +241,16 @@ TEST(DistTensorParallel, GqaAttentionWithAdaptersEqualsTheUnshardedBlock) {
       EXPECT_TRUE(bitwise_equal(outputs[0], expected));
     }
   }
-  EXPECT_ERROR_MENTIONS(shard_gqa(w, {0, 3}), "attention query heads", "8 is not divisible by 3");
-  EXPECT_ERROR_MENTIONS(shard_gqa(random_gqa(rng, 12, 4), {0, 6}), "4 KV heads over 6 ranks");
+  expect_error_mentions(
+      [&] {
+        shard_gqa(w, {0, 3});
+      },
+      {"attention query heads", "8 is not divisible by 3"});
+  expect_error_mentions(
+      [&] {
+        shard_gqa(random_gqa(rng, 12, 4), {0, 6});
+      },
+      {"4 KV heads over 6 ranks"});
 }
 
 // ============================================================================ MoE, EP
@@ -302,7 +325,8 @@ std::vector<Tensor> run_moe_ep(int ep, const MoeLayer& m, const std::vector<MoeA
   return on_ranks(ep, [&](Communicator& comm) {
     const ShardSpec me{comm.rank(), comm.size()};
     std::vector<MoeLora> mine;
-    for (const MoeAdapter& a : adapters) mine.push_back(shard_moe_lora(a.ref(), m.params, me, split));
+    for (const MoeAdapter& a : adapters)
+      mine.push_back(shard_moe_lora(a.ref(), m.params, me, split));
     return moe_forward_ep(batch.x, batch.slot, shard_moe(m.weights, m.params, me, split), mine,
                           combine, comm);
   });
@@ -314,19 +338,20 @@ TEST(DistExpertParallel, PairRowsCombineIsTheUnshardedLayerBitForBit) {
   std::mt19937_64 rng(test::test_seed(505));
   const MoeLayer m = random_moe(rng, 8, 3, /*shared_gate=*/true);
   std::vector<MoeAdapter> adapters;
-  for (Layout l : {Layout::kPerExpert, Layout::kSharedOuter, Layout::kSharedInner, Layout::kRoutedOnly})
+  for (Layout l :
+       {Layout::kPerExpert, Layout::kSharedOuter, Layout::kSharedInner, Layout::kRoutedOnly})
     adapters.push_back(random_adapter(rng, m, l, 4));
   const MoeBatch batch = random_batch(rng, 15, m.params.hidden, 4);
   std::vector<MoeLoraRef> refs;
   for (const MoeAdapter& a : adapters) refs.push_back(a.ref());
   const Tensor expected = ops::moe_forward_ref(batch.x, batch.slot, m.weights, refs, m.params);
-  const Tensor base = ops::moe_forward_ref(batch.x, std::vector<int32_t>(15, -1), m.weights, refs,
-                                           m.params);
+  const Tensor base =
+      ops::moe_forward_ref(batch.x, std::vector<int32_t>(15, -1), m.weights, refs, m.params);
   ASSERT_GT(test::max_abs_diff(expected, base), 0.01) << "the adapters change the layer";
 
   for (int ep : {1, 2, 4, 8}) {
-    const std::vector<Tensor> outputs = run_moe_ep(ep, m, adapters, batch, MoeCombine::kPairRows,
-                                                   SharedExpertSplit::kReplicated);
+    const std::vector<Tensor> outputs =
+        run_moe_ep(ep, m, adapters, batch, MoeCombine::kPairRows, SharedExpertSplit::kReplicated);
     for (int r = 0; r < ep; ++r)
       EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], expected))
           << "ep " << ep << " rank " << r << ": max |diff| "
@@ -349,16 +374,17 @@ TEST(DistExpertParallel, PartialSumsAndTensorParallelSharedExpertMatchTheUnshard
   const Tensor expected = ops::moe_forward_ref(batch.x, batch.slot, m.weights, refs, m.params);
 
   for (MoeCombine combine : {MoeCombine::kPartialSums, MoeCombine::kPairRows}) {
-    for (SharedExpertSplit split : {SharedExpertSplit::kReplicated, SharedExpertSplit::kTensorParallel}) {
+    for (SharedExpertSplit split :
+         {SharedExpertSplit::kReplicated, SharedExpertSplit::kTensorParallel}) {
       for (int ep : {2, 4}) {
         const std::vector<Tensor> outputs = run_moe_ep(ep, m, adapters, batch, combine, split);
-        const std::string label = std::string(combine == MoeCombine::kPartialSums ? "partial sums"
-                                                                                  : "pair rows") +
-                                  (split == SharedExpertSplit::kReplicated ? ", shared replicated"
-                                                                           : ", shared TP") +
-                                  ", ep " + std::to_string(ep);
+        const std::string label =
+            std::string(combine == MoeCombine::kPartialSums ? "partial sums" : "pair rows") +
+            (split == SharedExpertSplit::kReplicated ? ", shared replicated" : ", shared TP") +
+            ", ep " + std::to_string(ep);
         for (int r = 0; r < ep; ++r) {
-          EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], outputs[0])) << label << " rank " << r;
+          EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(r)], outputs[0]))
+              << label << " rank " << r;
           EXPECT_TRUE(test::all_close(outputs[static_cast<size_t>(r)], expected, kAtol, kRtol))
               << label << " rank " << r;
         }
@@ -380,8 +406,8 @@ TEST(DistExpertParallel, NoauxTcRoutingWithCorrectionBias) {
   const Tensor expected =
       ops::moe_forward_ref(batch.x, batch.slot, m.weights, {adapters[0].ref()}, m.params);
   for (int ep : {2, 8}) {
-    const std::vector<Tensor> outputs = run_moe_ep(ep, m, adapters, batch, MoeCombine::kPairRows,
-                                                   SharedExpertSplit::kReplicated);
+    const std::vector<Tensor> outputs =
+        run_moe_ep(ep, m, adapters, batch, MoeCombine::kPairRows, SharedExpertSplit::kReplicated);
     for (const Tensor& out : outputs) EXPECT_TRUE(bitwise_equal(out, expected)) << "ep " << ep;
   }
 }
@@ -389,12 +415,18 @@ TEST(DistExpertParallel, NoauxTcRoutingWithCorrectionBias) {
 TEST(DistExpertParallel, BadSplitsNameTheProblem) {
   std::mt19937_64 rng(test::test_seed(511));
   const MoeLayer m = random_moe(rng, 8, 2, false);
-  EXPECT_ERROR_MENTIONS(shard_moe(m.weights, m.params, {0, 3}, SharedExpertSplit::kReplicated),
-                        "moe experts", "8 is not divisible by 3");
+  expect_error_mentions(
+      [&] {
+        shard_moe(m.weights, m.params, {0, 3}, SharedExpertSplit::kReplicated);
+      },
+      {"moe experts", "8 is not divisible by 3"});
   // The shared expert's 24 channels over 16 ranks.
   MoeLayer wide = random_moe(rng, 16, 2, false);
-  EXPECT_ERROR_MENTIONS(shard_moe(wide.weights, wide.params, {0, 16}, SharedExpertSplit::kTensorParallel),
-                        "mlp gate weight", "24 is not divisible by 16");
+  expect_error_mentions(
+      [&] {
+        shard_moe(wide.weights, wide.params, {0, 16}, SharedExpertSplit::kTensorParallel);
+      },
+      {"mlp gate weight", "24 is not divisible by 16"});
   // Shards cut for 4 ranks run on a group of 2.
   const MoeShard quarter = shard_moe(m.weights, m.params, {1, 4}, SharedExpertSplit::kReplicated);
   const MoeBatch batch = random_batch(rng, 3, m.params.hidden, 0);
@@ -409,7 +441,8 @@ TEST(DistExpertParallel, BadSplitsNameTheProblem) {
     }
   });
   ASSERT_EQ(errors.size(), 2u);
-  for (const std::string& e : errors) EXPECT_NE(e.find("holds experts [2, 4) of 8"), std::string::npos) << e;
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("holds experts [2, 4) of 8"), std::string::npos) << e;
 }
 
 }  // namespace
