@@ -258,6 +258,24 @@ TEST_F(Sm90_MoeLayer, RouterGemmNoauxTcOneAdapter) {
   check_rows(got, x, slots, lf, refs, Tensor());
 }
 
+// Every token through all 32 experts (k = E = 32, the GPU router's limit; the serving tests route
+// this way so that batching cannot flip a near-tie of the router): the finalize sums 32 pairs per
+// token, with one adapter and base tokens mixed.
+TEST_F(Sm90_MoeLayer, TopK32RoutesEveryTokenThroughAllExperts) {
+  std::mt19937_64 rng(test::test_seed(508));
+  auto lf = make_layer(256, 128, 32, 32, 128, true, RouterKind::kSoftmaxTopK, 12, 1, 8, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  auto adapter = make_adapter(lf, 8, false, rng);
+  layer.set_adapter(0, adapter.gpu());
+  std::vector<ops::MoeLoraRef> refs = {adapter.ref()};
+  const int T = 11;
+  Tensor x = bf16_round(test::random_normal({T, 256}, rng));
+  std::vector<int32_t> slots(T, 0);
+  for (int t = 0; t < T; t += 4) slots[t] = -1;
+  Tensor got = run(layer, x, slots, Tensor());
+  check_rows(got, x, slots, lf, refs, Tensor());
+}
+
 // The single-adapter path (chosen by the host from the batch's slot set): a shared-outer adapter
 // in slot 2 (not 0) takes the dense cuBLAS shrinks; base tokens are mixed in. Must equal the
 // reference and the generic segmented path.
@@ -355,6 +373,12 @@ TEST_F(Sm90_MoeLayer, DeterministicAndBaseTokensUntouched) {
     layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{cap});
     EXPECT_EQ(test::max_abs_diff(run(layer, x, mixed, logits), m1), 0.0) << "lora_max_ctas " << cap;
   }
+  // The stream GEMMs' work items round-robin instead of claimed: bitwise the same output (one
+  // owner per output element, K blocks added in order), twice in a row.
+  layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kRoundRobin);
+  EXPECT_EQ(test::max_abs_diff(run(layer, x, mixed, logits), m1), 0.0) << "round-robin work items";
+  layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kClaimed);
+  EXPECT_EQ(test::max_abs_diff(run(layer, x, mixed, logits), m1), 0.0) << "claimed again";
 }
 
 // CUDA graphs: capture per batch bucket once; replay with new inputs, new slot maps and new

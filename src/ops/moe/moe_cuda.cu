@@ -129,7 +129,11 @@ __device__ __forceinline__ void add_scaled8(float (&acc)[8], const uint4& v, flo
 }
 
 // CTA = (token, 1024-column chunk). All loads of a thread's k expert rows are independent and
-// issued before use (restrict pointers let the compiler hoist them past the store).
+// issued before use (restrict pointers let the compiler hoist them past the store). kMaxTopK
+// bounds k at compile time so the pair positions and weights stay in registers: 16 for the
+// models served (k = 8 at most), 32 (the router's own limit) for tests and models that route a
+// token through more experts.
+template <int kMaxTopK>
 __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const MoeFinalizeArgs p) {
   __shared__ float reduce[kFinalizeThreads / 32];
   // Launched programmatically after GEMM2, the routing (written by the route and align kernels,
@@ -137,7 +141,6 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   // the wait, all in one round of independent loads (pair_pos is -1 for a pair without an expert,
   // so the ids are not needed); y and the deltas only after it, so the wait is followed by one
   // round trip and the store.
-  constexpr int kMaxTopK = 16;
   const int t = blockIdx.x;
   const int k = p.top_k;
   int pos_of[kMaxTopK];
@@ -240,12 +243,14 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
                 "moe finalize: shared_delta needs shared_delta_row and slot");
   MOELORA_CHECK(p.hidden % 8 == 0, ErrorCode::kInvalidArgument, "moe finalize: H = ", p.hidden,
                 " must be a multiple of 8 (16-byte rows)");
-  MOELORA_CHECK(p.top_k >= 1 && p.top_k <= 16, ErrorCode::kUnsupported, "moe finalize: top_k = ", p.top_k,
-                " outside [1, 16]");
+  MOELORA_CHECK(p.top_k >= 1 && p.top_k <= 32, ErrorCode::kUnsupported, "moe finalize: top_k = ", p.top_k,
+                " outside [1, 32] (the GPU router's limit)");
   if (p.max_tokens == 0) return;
-  ::moelora::cuda::launch_kernel(moe_finalize_kernel,
-                                 dim3(p.max_tokens, (p.hidden + kFinalizeCols - 1) / kFinalizeCols),
-                                 dim3(kFinalizeThreads), 0, stream, p.pdl, p);
+  const dim3 grid(p.max_tokens, (p.hidden + kFinalizeCols - 1) / kFinalizeCols);
+  if (p.top_k <= 16)
+    ::moelora::cuda::launch_kernel(moe_finalize_kernel<16>, grid, dim3(kFinalizeThreads), 0, stream, p.pdl, p);
+  else
+    ::moelora::cuda::launch_kernel(moe_finalize_kernel<32>, grid, dim3(kFinalizeThreads), 0, stream, p.pdl, p);
 }
 
 }  // namespace moelora::ops::cuda
