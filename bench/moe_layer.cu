@@ -9,10 +9,13 @@
 // Routed-only rows of the presets the peer was measured on carry the peer's µs (PERF.md: SGLang's
 // Triton fused_moe FP8 on an H200, LoRA by its fast-path kernels) and a P1 target entry each;
 // --compare-register also times the earlier register-fed decode GEMM on the no-LoRA decode rows
-// (before / after in one run). One JSON + Markdown file per preset: moe_layer_<preset>.json/.md.
+// (before / after in one run); --compare-schedule times every decode row again with the stream
+// GEMMs' round-robin work items instead of the claimed ones. One JSON + Markdown file per preset:
+// moe_layer_<preset>.json/.md.
 //
 //   bench_moe_layer [--preset NAME|all] [--decode 1,2,4,...] [--prefill 2048,4096] [--reps N]
 //                   [--no-routed-only] [--out DIR] [--quick] [--no-baseline] [--compare-register]
+//                   [--compare-schedule]
 #include <cublas_v2.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -88,6 +91,7 @@ struct Row {
   double baseline_us = 0;  // unfused baseline (0 = not run)
   double peer_us = 0;      // the peer's µs for this configuration (0 = not measured)
   double register_us = 0;  // the register-fed decode GEMM's µs (0 = not run)
+  double round_robin_us = 0;  // the stream GEMMs with round-robin work items (0 = not run)
   double check_cosine = 0; // cosine of the output against the unfused baseline's (0 = not checked)
 };
 
@@ -129,6 +133,7 @@ struct Options {
   bool quick = false;
   bool baseline = true;
   bool compare_register = false;
+  bool compare_schedule = false;
   ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
   std::vector<int> timeline;  // decode batch sizes whose kernel timeline is recorded (--timeline)
   ops::cuda::SideStreamScheduling side;  // the layer's default unless --lora-side-ctas
@@ -337,6 +342,8 @@ int main(int argc, char** argv) {
       opt.baseline = false;
     } else if (a == "--compare-register") {
       opt.compare_register = true;
+    } else if (a == "--compare-schedule") {
+      opt.compare_schedule = true;
     } else if (a == "--gemm-path") {
       const std::string v = next();
       if (v == "auto") opt.gemm_path = ops::cuda::GemmPath::kAuto;
@@ -380,6 +387,8 @@ int main(int argc, char** argv) {
           "  --quick             fewer configurations (smoke run)\n"
           "  --no-baseline       skip the unfused baseline (dequantize + cuBLAS per expert + separate LoRA GEMMs)\n"
           "  --compare-register  also time the earlier register-fed decode GEMM on the no-LoRA decode rows\n"
+          "  --compare-schedule  also time every decode row with the stream GEMMs' round-robin work items\n"
+          "                      (the default: claimed first come first served from an atomic counter)\n"
           "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels) or prefill\n"
           "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, start,\n"
           "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"
@@ -487,7 +496,8 @@ int main(int argc, char** argv) {
            << ", \"pct_of_copy_roofline\": " << r.pct_copy << ", \"tflops\": " << r.tflops << ", \"lora_ratio\": " << r.lora_ratio
            << ", \"ideal_lora_ratio\": " << r.ideal_ratio << ", \"ratio_of_ideal\": " << r.ratio_of_ideal
            << ", \"unfused_baseline_us\": " << r.baseline_us << ", \"peer_us\": " << r.peer_us
-           << ", \"register_decode_us\": " << r.register_us << ", \"cosine_vs_unfused\": " << r.check_cosine << "}"
+           << ", \"register_decode_us\": " << r.register_us << ", \"round_robin_us\": " << r.round_robin_us
+           << ", \"cosine_vs_unfused\": " << r.check_cosine << "}"
            << (i + 1 < rows.size() ? "," : "") << "\n";
       }
       js << "  ],\n  \"targets\": [\n";
@@ -502,26 +512,28 @@ int main(int argc, char** argv) {
       md << "# moe_layer " << preset << " on " << dev.name << " (commit " << commit << ", " << date << ")\n\n"
          << "Copy bandwidth measured in the same run: " << copy_bw / 1e12 << " TB/s (read + write). "
          << "peer µs: SGLang's Triton fused_moe FP8 on an H200 (PERF.md), routed experts only; "
-         << "register µs: the earlier register-fed decode GEMM in the same run.\n\n"
-         << "| preset | mode | tokens | LoRA | layer | µs (median) | µs (min) | experts | TB/s | % roofline | TFLOP/s | LoRA/no-LoRA | ideal | of ideal | peer µs | vs peer | register µs | unfused µs | speedup |\n"
-         << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+         << "register µs: the earlier register-fed decode GEMM in the same run; round-robin µs: the "
+         << "stream GEMMs with a fixed share of work items per CTA instead of claimed ones, same run.\n\n"
+         << "| preset | mode | tokens | LoRA | layer | µs (median) | µs (min) | experts | TB/s | % roofline | TFLOP/s | LoRA/no-LoRA | ideal | of ideal | peer µs | vs peer | register µs | round-robin µs | unfused µs | speedup |\n"
+         << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
       for (const auto& r : rows) {
         char line[768];
         std::string unfused = r.baseline_us > 0 ? std::to_string(static_cast<int>(r.baseline_us)) : "";
         std::string speedup = r.baseline_us > 0 ? std::to_string(r.baseline_us / r.us_median).substr(0, 5) + "x" : "";
-        char peer[32] = "", vs_peer[32] = "", reg[32] = "";
+        char peer[32] = "", vs_peer[32] = "", reg[32] = "", rr[32] = "";
         if (r.peer_us > 0) {
           std::snprintf(peer, sizeof peer, "%.1f", r.peer_us);
           std::snprintf(vs_peer, sizeof vs_peer, "%.2fx", r.peer_us / r.us_median);
         }
         if (r.register_us > 0) std::snprintf(reg, sizeof reg, "%.1f", r.register_us);
-        std::snprintf(line, sizeof line, "| %s | %s | %d | %s | %s | %.1f | %.1f | %d | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+        if (r.round_robin_us > 0) std::snprintf(rr, sizeof rr, "%.1f", r.round_robin_us);
+        std::snprintf(line, sizeof line, "| %s | %s | %d | %s | %s | %.1f | %.1f | %d | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
                       r.preset.c_str(), r.mode.c_str(), r.tokens, r.lora.c_str(), r.routed_only ? "routed only" : "full",
                       r.us_median, r.us_min, r.distinct_experts, r.tbps, r.pct_copy, r.tflops,
                       r.lora_ratio > 0 ? std::to_string(r.lora_ratio).substr(0, 5).c_str() : "",
                       r.ideal_ratio > 0 ? std::to_string(r.ideal_ratio).substr(0, 5).c_str() : "",
                       r.ratio_of_ideal > 0 ? std::to_string(r.ratio_of_ideal).substr(0, 5).c_str() : "", peer, vs_peer, reg,
-                      unfused.c_str(), speedup.c_str());
+                      rr, unfused.c_str(), speedup.c_str());
         md << line;
       }
       md << "\n## Targets\n\n| id | config | value | target | met |\n|---|---|---|---|---|\n";
@@ -723,6 +735,18 @@ int main(int argc, char** argv) {
               MOELORA_CUDA_CHECK(cudaGraphDestroy(reg_graph));
               layer.set_gemm_path(opt.gemm_path);
             }
+            // Claimed against round-robin work items of the stream GEMMs, in one run.
+            double round_robin_us = 0;
+            if (opt.compare_schedule && mode == "decode") {
+              layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kRoundRobin);
+              cudaGraph_t rr_graph;
+              cudaGraphExec_t rr_exec;
+              capture_forward(rr_graph, rr_exec);
+              round_robin_us = median(time_replays(rr_exec)) * 1e3;
+              MOELORA_CUDA_CHECK(cudaGraphExecDestroy(rr_exec));
+              MOELORA_CUDA_CHECK(cudaGraphDestroy(rr_graph));
+              layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kClaimed);
+            }
             double baseline_us = 0, check_cosine = 0;
             if (opt.baseline && baseline && mode == "decode" && lc.adapters <= 1) {
               std::vector<float> bms;
@@ -796,11 +820,12 @@ int main(int argc, char** argv) {
             }
             r.peer_us = peer_us_for(p.name, T, lc.name, routed_only);
             r.register_us = register_us;
+            r.round_robin_us = round_robin_us;
             all_rows.push_back(r);
-            std::printf("%-16s %-7s %6d %-22s %-6s %9.1f us  %6.2f TB/s  %5.1f%% roofline  %7.1f TF  ratio %.3f (ideal %.3f, %.3f)  peer %.1f us  register %.1f us  unfused %.1f us\n",
+            std::printf("%-16s %-7s %6d %-22s %-6s %9.1f us  %6.2f TB/s  %5.1f%% roofline  %7.1f TF  ratio %.3f (ideal %.3f, %.3f)  peer %.1f us  register %.1f us  round-robin %.1f us  unfused %.1f us\n",
                         p.name.c_str(), mode.c_str(), T, lc.name.c_str(), routed_only ? "routed" : "full", r.us_median,
                         r.tbps, r.pct_copy, r.tflops, r.lora_ratio, r.ideal_ratio, r.ratio_of_ideal, r.peer_us,
-                        r.register_us, r.baseline_us);
+                        r.register_us, r.round_robin_us, r.baseline_us);
             std::fflush(stdout);
           }
         }

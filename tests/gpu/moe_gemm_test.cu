@@ -11,6 +11,8 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "gpu/gpu_test_util.cuh"
 #include "ops/gemm/moe_gemm.h"
@@ -176,17 +178,37 @@ void check_stream_problem(const Problem& pb, uint64_t seed_fallback) {
   Tensor expected = ops::moe_gemm_fp8_ref(in.ref);
   const int P = in.ref.expert_offsets.back();
   const int sms = cuda::device_info(0).num_sms;
+  // claimed: work items from the atomic counters, two launches in a row (the first must leave
+  // the counters zeroed for the second); each result bit-equal to the round-robin one (every
+  // output element has one owner that adds its K blocks in order, whoever that is)
+  cuda::DeviceBuffer counters(2 * sizeof(int32_t));
+  MOELORA_CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
   for (int slack : {0, 70}) {
     for (bool pdl : {false, true}) {
       StreamInputs s = make_stream_inputs(in, pb, slack);
       cuda::Stream stream;
-      // poison the output: every stored element must be written by the kernel
-      MOELORA_CUDA_CHECK(cudaMemsetAsync(s.out.get(), 0xff, s.out.bytes(), stream.get()));
-      ops::cuda::launch_moe_gemm_fp8_stream(s.args, sms, pdl, stream.get());
-      stream.synchronize();
-      Tensor got = cuda::to_host(s.out, DType::kBF16, {P, pb.N}).to_f32();
-      EXPECT_TRUE(test::close_bf16(got, expected))
-          << "E=" << pb.E << " N=" << pb.N << " K=" << pb.K << " slack rows=" << slack << " pdl=" << pdl;
+      std::vector<uint16_t> round_robin;
+      for (int launch = 0; launch < 3; ++launch) {
+        const bool claimed = launch > 0;
+        ops::cuda::MoeGemmFp8Args args = s.args;
+        if (claimed) args.work_counters = counters.as<int32_t>();
+        // poison the output: every stored element must be written by the kernel
+        MOELORA_CUDA_CHECK(cudaMemsetAsync(s.out.get(), 0xff, s.out.bytes(), stream.get()));
+        ops::cuda::launch_moe_gemm_fp8_stream(args, sms, pdl, stream.get());
+        stream.synchronize();
+        const std::string what = "E=" + std::to_string(pb.E) + " N=" + std::to_string(pb.N) +
+                                 " K=" + std::to_string(pb.K) + " slack rows=" + std::to_string(slack) +
+                                 " pdl=" + std::to_string(pdl) + (claimed ? " claimed items, launch " : " round-robin") +
+                                 (claimed ? std::to_string(launch) : "");
+        Tensor got = cuda::to_host(s.out, DType::kBF16, {P, pb.N}).to_f32();
+        EXPECT_TRUE(test::close_bf16(got, expected)) << what;
+        const auto bits = test::download_vector<uint16_t>(s.out, static_cast<size_t>(P) * pb.N);
+        if (!claimed) round_robin = bits;
+        else EXPECT_EQ(bits, round_robin) << what;
+        if (claimed)
+          EXPECT_EQ(test::download_vector<int32_t>(counters, 2), (std::vector<int32_t>{0, 0}))
+              << what << ": the work counters must be left zeroed";
+      }
     }
   }
 }
@@ -231,9 +253,14 @@ TEST(Sm90_MoeGemmFp8Stream, GraphReplayBitEqualToEager) {
   const auto eager = test::download_vector<uint16_t>(s.out, static_cast<size_t>(P) * pb.N);
   cudaGraph_t graph;
   cudaGraphExec_t exec;
+  // replays claim their items from counters that every launch leaves zeroed for the next
+  cuda::DeviceBuffer counters(2 * sizeof(int32_t));
+  MOELORA_CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+  ops::cuda::MoeGemmFp8Args claimed = s.args;
+  claimed.work_counters = counters.as<int32_t>();
   MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
   MOELORA_CUDA_CHECK(cudaMemsetAsync(s.out.get(), 0xff, s.out.bytes(), stream.get()));
-  ops::cuda::launch_moe_gemm_fp8_stream(s.args, sms, true, stream.get());
+  ops::cuda::launch_moe_gemm_fp8_stream(claimed, sms, true, stream.get());
   MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
   MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 3; ++replay) {

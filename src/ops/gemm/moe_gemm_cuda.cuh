@@ -37,6 +37,11 @@ struct MoeGemmFp8Args {
   // and the leading dimension of its k-major scales (>= act_rows, a multiple of 4).
   int act_rows = 0;
   int act_scale_ld = 0;
+  // Stream kernel only, optional: two zeroed ints through which the CTAs claim work items first
+  // come first served (nullptr: round-robin). The kernel leaves them zeroed for its next launch;
+  // launches that may run at the same time (GEMM1 and GEMM2 of one layer overlap under
+  // programmatic launch) need their own pair.
+  int* work_counters = nullptr;
 };
 
 // Weight-streaming kernel for decode (moe_gemm_stream_cuda.cu): TMA ring of 64-row weight tiles

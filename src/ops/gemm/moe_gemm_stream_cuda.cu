@@ -18,9 +18,17 @@
 // - The consumer warpgroup multiplies the stage with four wgmma k32 steps into a block
 //   accumulator, promotes it into the main accumulator with sw * sx (DeepGEMM-style per-block
 //   promotion; a 64-row tile always lies inside one 128-row scale block) and frees the stage.
-// - Work items are spread over a persistent grid (<= 2 CTAs per SM) round-robin; the ring runs
-//   on across items, so the producer is already streaming the next tile while the consumer
-//   finishes this one. 12 stages x 8 KB of weights in flight per SM.
+// - Work items go to a persistent grid (<= 2 CTAs per SM): round-robin, or, when the caller gives
+//   work counters, first come first served from an atomic counter (a CTA on an SM that streams
+//   faster takes more items, so the CTAs finish together instead of spreading over the last 2-3
+//   items' time; the next item is claimed a few stages before the current one ends, so the
+//   atomic's latency is hidden). The ring runs on across items, so the producer is already
+//   streaming the next tile while the consumer finishes this one. 12 stages x 8 KB of weights in
+//   flight per SM. The producer records each stage's item (pass rows, weight rows, where its
+//   weight scale landed) in shared memory with the stage; the consumer reads it there, and a
+//   stage with no item ends the consumer.
+// - The weight scale of a stage comes with it (a 16-byte TMA box around the float), so the
+//   consumer never waits on a global load of its own.
 // - Programmatic dependent launch: the weights do not depend on the previous kernel, so the
 //   producer issues the weight copies of the first ring fill before griddepcontrol.wait and the
 //   activation / scale copies after it; the kernel lets its own dependents launch at once.
@@ -64,13 +72,25 @@ constexpr int kActTileBytes = kMaxTokens * kBlockK;
 constexpr int kScaleBoxFloats = kMaxTokens + 4;
 constexpr int kScaleTileBytes =
     512;  // >= kScaleBoxFloats * 4, keeps every stage's box 128-byte aligned
-static_assert(kScaleBoxFloats * 4 <= kScaleTileBytes);
+// The weight scale of the stage: a box of 4 floats starting at its index rounded down to 4 (16
+// bytes, the smallest box), placed after the activation scales in the same tile.
+constexpr int kWeightScaleBoxFloats = 4;
+constexpr int kWeightScaleOffset = 384;
+static_assert(kScaleBoxFloats * 4 <= kWeightScaleOffset &&
+              kWeightScaleOffset + kWeightScaleBoxFloats * 4 <= kScaleTileBytes);
+// Claim the next work item this many stages before the current item's last stage.
+constexpr int kClaimAheadStages = 4;
 // The routing schedule (active experts, expert offsets, the active count) is copied into shared
 // memory once per CTA: item switches then cost no dependent global loads (two of them per switch,
 // ~1.5 us, were as long as a whole GEMM2 item of 4 stages).
 constexpr int kMaxExperts = 512;
-constexpr int kRingBytes =
-    kStages * (kWeightTileBytes + kActTileBytes + kScaleTileBytes) + 2 * kStages * 8;
+// What the producer tells the consumer about a stage: the pass's sorted rows [q0, q_end) (q0 < 0:
+// no more work), the item's first weight row, and which float of the weight-scale box is the one.
+struct StageInfo {
+  int q0, q_end, m0, scale_lane;
+};
+constexpr int kRingBytes = kStages * (kWeightTileBytes + kActTileBytes + kScaleTileBytes) +
+                           2 * kStages * 8 + kStages * static_cast<int>(sizeof(StageInfo));
 constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
 constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
 
@@ -78,8 +98,8 @@ struct StreamParams {
   const int32_t* expert_offsets;  // [E + 1]
   const int32_t* active_experts;  // [E]
   const int32_t* num_active;      // [1]
-  const float* weight_scale;      // [E, ceil(N/128), K/128]
   __nv_bfloat16* out;             // [P, N]
+  int* work;                      // [2] next item, CTAs done; nullptr = round-robin items
   int n, k_blocks, n_scale_blocks, m_tiles, num_experts;
 };
 
@@ -104,6 +124,8 @@ struct Ring {
     return base + kStages * (kWeightTileBytes + kActTileBytes + kScaleTileBytes) + s * 8;
   }
   __device__ uint32_t empty(int s) const { return full(kStages) + s * 8; }
+  __device__ uint32_t weight_scale(int s) const { return scale(s) + kWeightScaleOffset; }
+  __device__ uint32_t info(int s) const { return full(2 * kStages) + s * sizeof(StageInfo); }
   __device__ uint32_t schedule() const { return base + kRingBytes; }
 };
 
@@ -112,49 +134,20 @@ __device__ __forceinline__ int pass_width(int n_valid) {
   return n_valid <= 8 ? 8 : n_valid <= 16 ? 16 : n_valid <= 32 ? 32 : 64;
 }
 
-// Walks the CTA's stages in the order both roles use: items (expert, 64-row tile) round-robin
-// over the grid, passes of <= 64 tokens, K blocks.
-struct StageWalk {
-  Schedule sched;
-  int k_blocks, m_tiles;
-  int total_items, item, kb, q0, q_end, expert, m0;
-  __device__ StageWalk(const Schedule& schedule, const StreamParams& p)
-      : sched(schedule), k_blocks(p.k_blocks), m_tiles(p.m_tiles) {
-    total_items = sched.num_active * m_tiles;
-    item = blockIdx.x;
-    kb = 0;
-    start_item();
-  }
-  __device__ void start_item() {
-    while (item < total_items) {
-      expert = sched.active[item / m_tiles];
-      m0 = (item % m_tiles) * kBlockM;
-      q0 = sched.offsets[expert];
-      q_end = sched.offsets[expert + 1];
-      if (q0 < q_end) return;
-      item += gridDim.x;  // an active expert always has tokens; guard against a stale list
-    }
-  }
-  __device__ bool done() const { return item >= total_items; }
-  __device__ int width() const {
-    return pass_width(q_end - q0 < kMaxTokens ? q_end - q0 : kMaxTokens);
-  }
-  __device__ void next() {
-    if (++kb < k_blocks) return;
-    kb = 0;
-    q0 += kMaxTokens;
-    if (q0 < q_end) return;
-    item += gridDim.x;
-    start_item();
-  }
-};
+// The CTA's next work item (expert, 64-row tile): from the shared counter, or round-robin.
+__device__ __forceinline__ int claim_item(const StreamParams& p, int current) {
+  return p.work ? atomicAdd(p.work, 1) : current + static_cast<int>(gridDim.x);
+}
 
-__device__ __forceinline__ void producer(const Ring& ring, const Schedule& sched,
+// The producer thread: walks its items (passes of <= 64 tokens, K blocks) and fills the ring.
+__device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, const Schedule& sched,
                                          const CUtensorMap* tma_w, const CUtensorMap* tma_x,
-                                         const CUtensorMap* tma_sx, const StreamParams& p) {
+                                         const CUtensorMap* tma_sx, const CUtensorMap* tma_sw,
+                                         const StreamParams& p) {
   sm90::prefetch_tensor_map(tma_w);
   sm90::prefetch_tensor_map(tma_x);
   sm90::prefetch_tensor_map(tma_sx);
+  sm90::prefetch_tensor_map(tma_sw);
   const uint64_t evict_first = sm90::l2_evict_first_policy();
   auto issue_activations = [&](int s, int q0, int width, int kb) {
     for (int j = 0; j < width / kTokenBox; ++j)
@@ -168,59 +161,74 @@ __device__ __forceinline__ void producer(const Ring& ring, const Schedule& sched
   bool waited = false;
   int stage = 0;
   uint32_t phase = 0;
-  for (StageWalk walk(sched, p); !walk.done(); walk.next()) {
-    const int width = walk.width();
-    sm90::mbar_wait(ring.empty(stage), phase ^ 1);
-    sm90::mbar_arrive_expect_tx(ring.full(stage),
-                                kWeightTileBytes + width * kBlockK + kScaleBoxFloats * 4);
-    sm90::tma_load_2d_hint(ring.weight(stage), tma_w, ring.full(stage), walk.kb * kBlockK,
-                           walk.expert * p.n + walk.m0, evict_first);
-    if (waited) {
-      issue_activations(stage, walk.q0, width, walk.kb);
-    } else {
-      pending_q0[pending] = walk.q0, pending_width[pending] = width, pending_kb[pending] = walk.kb;
-      if (++pending == kStages) {
-        sm90::grid_dependency_wait();
-        waited = true;
-        for (int s = 0; s < kStages; ++s)
-          issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
+  const int total_items = sched.num_active * p.m_tiles;
+  const int claim_at = p.k_blocks > kClaimAheadStages ? p.k_blocks - kClaimAheadStages : 0;
+  int item = p.work ? atomicAdd(p.work, 1) : static_cast<int>(blockIdx.x);
+  while (item < total_items) {
+    const int expert = sched.active[item / p.m_tiles];
+    const int m0 = (item % p.m_tiles) * kBlockM;
+    const int q_end = sched.offsets[expert + 1];
+    int next = -1;
+    // an active expert always has tokens; an empty one (a stale list) is skipped
+    for (int q0 = sched.offsets[expert]; q0 < q_end; q0 += kMaxTokens) {
+      const int rows = q_end - q0 < kMaxTokens ? q_end - q0 : kMaxTokens;
+      const int width = pass_width(rows);
+      const bool last_pass = q0 + kMaxTokens >= q_end;
+      const int scale_row = expert * p.n_scale_blocks + m0 / 128;
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        if (last_pass && kb == claim_at) next = claim_item(p, item);
+        sm90::mbar_wait(ring.empty(stage), phase ^ 1);
+        const int scale_index = scale_row * p.k_blocks + kb;
+        info[stage] = StageInfo{q0, q0 + rows, m0, scale_index & 3};
+        sm90::mbar_arrive_expect_tx(
+            ring.full(stage),
+            kWeightTileBytes + width * kBlockK + kScaleBoxFloats * 4 + kWeightScaleBoxFloats * 4);
+        sm90::tma_load_2d_hint(ring.weight(stage), tma_w, ring.full(stage), kb * kBlockK,
+                               expert * p.n + m0, evict_first);
+        sm90::tma_load_2d(ring.weight_scale(stage), tma_sw, ring.full(stage), scale_index & ~3, 0);
+        if (waited) {
+          issue_activations(stage, q0, width, kb);
+        } else {
+          pending_q0[pending] = q0, pending_width[pending] = width, pending_kb[pending] = kb;
+          if (++pending == kStages) {
+            sm90::grid_dependency_wait();
+            waited = true;
+            for (int s = 0; s < kStages; ++s)
+              issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
+          }
+        }
+        if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
-    if (++stage == kStages) stage = 0, phase ^= 1;
+    item = next >= 0 ? next : claim_item(p, item);
   }
   if (!waited) {
     sm90::grid_dependency_wait();
     for (int s = 0; s < pending; ++s)
       issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
   }
+  // No more items: a stage without copies whose record says so ends the consumer.
+  sm90::mbar_wait(ring.empty(stage), phase ^ 1);
+  info[stage] = StageInfo{-1, -1, 0, 0};
+  sm90::mbar_arrive(ring.full(stage));
 }
 
-// Weight scale of the stage `walk` stands at (its 64 rows lie in one 128-row scale block).
-__device__ __forceinline__ float stage_weight_scale(const StreamParams& p, const StageWalk& walk) {
-  if (walk.done()) return 0.f;
-  return __ldg(p.weight_scale +
-               (static_cast<size_t>(walk.expert) * p.n_scale_blocks + walk.m0 / 128) * p.k_blocks +
-               walk.kb);
-}
-
-// One pass of <= kWidth tokens over all K blocks of the current item, then its bf16 stores.
-// `ahead` walks one stage ahead of the consumer, so the weight scale of the next stage (also
-// across item boundaries) is always in flight while this one is multiplied.
+// One pass of <= kWidth tokens (rows [pass.q0, pass.q_end)) over all K blocks of an item, then
+// its bf16 stores. Each stage's weight scale arrived with the stage.
 template <int kWidth>
 __device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* smem_generic,
-                                             uint32_t smem_window, int& stage, uint32_t& phase,
-                                             const StreamParams& p, const StageWalk& walk,
-                                             StageWalk& ahead, float& sw_next) {
+                                             uint32_t smem_window, const StageInfo* info,
+                                             int& stage, uint32_t& phase, const StreamParams& p,
+                                             const StageInfo pass) {
   constexpr int kAcc = kWidth / 2;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   float acc[kAcc], blk[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
-    const float sw = sw_next;
-    ahead.next();
-    sw_next = stage_weight_scale(p, ahead);
     sm90::mbar_wait(ring.full(stage), phase);
+    const float sw = reinterpret_cast<const float*>(
+        smem_generic + (ring.weight_scale(stage) - smem_window))[info[stage].scale_lane];
     const uint64_t desc_w = sm90::wgmma_desc_k_major_sw128(ring.weight(stage));
     const uint64_t desc_x = sm90::wgmma_desc_k_major_sw128(ring.act(stage));
 #pragma unroll
@@ -236,7 +244,7 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* sm
     for (int i = 0; i < kAcc; ++i) sm90::fence_operand(blk[i]);
     const float* sx =
         reinterpret_cast<const float*>(smem_generic + (ring.scale(stage) - smem_window)) +
-        (walk.q0 & 3);
+        (pass.q0 & 3);
 #pragma unroll
     for (int c = 0; c < kWidth / 8; ++c) {
       const float s0 = sw * sx[8 * c + 2 * (lane % 4)], s1 = sw * sx[8 * c + 2 * (lane % 4) + 1];
@@ -249,15 +257,15 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* sm
     if (lane == 0) sm90::mbar_arrive(ring.empty(stage));
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
-  const int n_valid = walk.q_end - walk.q0 < kMaxTokens ? walk.q_end - walk.q0 : kMaxTokens;
-  const int row = walk.m0 + 16 * warp + lane / 4;
+  const int n_valid = pass.q_end - pass.q0;
+  const int row = pass.m0 + 16 * warp + lane / 4;
 #pragma unroll
   for (int c = 0; c < kWidth / 8; ++c)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int col = 8 * c + 2 * (lane % 4) + j;
       if (col >= n_valid) continue;
-      __nv_bfloat16* out_row = p.out + static_cast<size_t>(walk.q0 + col) * p.n;
+      __nv_bfloat16* out_row = p.out + static_cast<size_t>(pass.q0 + col) * p.n;
 #pragma unroll
       for (int i = 0; i < 2; ++i)
         if (row + 8 * i < p.n) out_row[row + 8 * i] = __float2bfloat16(acc[4 * c + 2 * i + j]);
@@ -267,7 +275,8 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* sm
 __global__ void __launch_bounds__(kThreads, 2)
     moe_gemm_fp8_stream_kernel(const __grid_constant__ CUtensorMap tma_w,
                                const __grid_constant__ CUtensorMap tma_x,
-                               const __grid_constant__ CUtensorMap tma_sx, const StreamParams p) {
+                               const __grid_constant__ CUtensorMap tma_sx,
+                               const __grid_constant__ CUtensorMap tma_sw, const StreamParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
   const uint32_t window = ::moelora::cuda::ptx::smem_addr(smem);
@@ -293,24 +302,33 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   __syncthreads();
   const Schedule sched{s_active, s_offsets, sched_smem[2 * kMaxExperts + 1]};
+  StageInfo* info = reinterpret_cast<StageInfo*>(smem + (ring.info(0) - window));
   if (threadIdx.x >= kConsumerThreads) {
-    if (threadIdx.x == kConsumerThreads) producer(ring, sched, &tma_w, &tma_x, &tma_sx, p);
+    if (threadIdx.x == kConsumerThreads)
+      producer(ring, info, sched, &tma_w, &tma_x, &tma_sx, &tma_sw, p);
     return;
   }
   int stage = 0;
   uint32_t phase = 0;
-  StageWalk ahead(sched, p);
-  float sw_next = stage_weight_scale(p, ahead);
-  for (StageWalk walk(sched, p); !walk.done();) {
-    switch (walk.width()) {
-      case 8: consume_pass<8>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
-      case 16: consume_pass<16>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
-      case 32: consume_pass<32>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
-      default: consume_pass<64>(ring, smem, window, stage, phase, p, walk, ahead, sw_next); break;
+  for (;;) {
+    sm90::mbar_wait(ring.full(stage), phase);
+    const StageInfo pass = info[stage];
+    if (pass.q0 < 0) break;
+    switch (pass_width(pass.q_end - pass.q0)) {
+      case 8: consume_pass<8>(ring, smem, window, info, stage, phase, p, pass); break;
+      case 16: consume_pass<16>(ring, smem, window, info, stage, phase, p, pass); break;
+      case 32: consume_pass<32>(ring, smem, window, info, stage, phase, p, pass); break;
+      default: consume_pass<64>(ring, smem, window, info, stage, phase, p, pass); break;
     }
-    // skip the K blocks the pass consumed (the walk's own kb stays 0 at pass boundaries)
-    walk.kb = p.k_blocks - 1;
-    walk.next();
+  }
+  // The last CTA out resets the work counters for the next launch: every CTA counted itself
+  // done only after its producer's final claim, so no claim of this launch can follow the reset.
+  if (p.work && threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(p.work, 0);
+      atomicExch(p.work + 1, 0);
+    }
   }
 #else
   __trap();  // wgmma and TMA need sm_90a; the launcher refuses other devices
@@ -418,14 +436,23 @@ void launch_moe_gemm_fp8_stream(const MoeGemmFp8Args& a, int num_sms, bool pdl,
       make_tensor_map_2d(a.act_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, a.act_scale_ld, k_blocks,
                          static_cast<uint64_t>(a.act_scale_ld) * 4, kScaleBoxFloats, 1,
                          CU_TENSOR_MAP_SWIZZLE_NONE, "the activation scales");
+  MOELORA_CHECK(reinterpret_cast<uintptr_t>(a.weight_scale) % 16 == 0, ErrorCode::kInvalidArgument,
+                "stream GEMM: weight_scale must be 16-byte aligned (TMA)");
+  const uint64_t weight_scale_count =
+      static_cast<uint64_t>(a.num_experts) * ((a.n + 127) / 128) * k_blocks;
+  // All weight scales as one row; a stage loads the 4 floats around its own (16 bytes, aligned).
+  const CUtensorMap tma_sw = make_tensor_map_2d(
+      a.weight_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, weight_scale_count, 1,
+      (weight_scale_count * 4 + 15) / 16 * 16, kWeightScaleBoxFloats, 1,
+      CU_TENSOR_MAP_SWIZZLE_NONE, "the weight scales");
   MOELORA_CHECK(a.num_experts <= kMaxExperts, ErrorCode::kUnsupported,
                 "stream GEMM: E = ", a.num_experts,
                 " experts; the kernel's shared-memory schedule holds at most ", kMaxExperts);
   StreamParams p{a.expert_offsets,
                  a.active_experts,
                  a.num_active,
-                 a.weight_scale,
                  a.out,
+                 a.work_counters,
                  a.n,
                  k_blocks,
                  (a.n + 127) / 128,
@@ -434,7 +461,8 @@ void launch_moe_gemm_fp8_stream(const MoeGemmFp8Args& a, int num_sms, bool pdl,
 
   prepare_device_for_stream_kernel();
   ::moelora::cuda::launch_kernel(moe_gemm_fp8_stream_kernel, dim3(stream_grid(a, num_sms)),
-                                 dim3(kThreads), kSmemBytes, stream, pdl, tma_w, tma_x, tma_sx, p);
+                                 dim3(kThreads), kSmemBytes, stream, pdl, tma_w, tma_x, tma_sx, tma_sw,
+                                 p);
 }
 
 }  // namespace moelora::ops::cuda

@@ -249,6 +249,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.sa = m.ws.reserve(static_cast<size_t>(m.scale_ld) * (m.Ip / 128) * 4);
     m.prefill_ws_bytes = moe_gemm_prefill_workspace_bytes(E, m.num_sms);
     m.prefill_ws = m.ws.reserve(m.prefill_ws_bytes);
+    m.gemm_work = m.ws.reserve(4 * sizeof(int32_t));
   }
   m.h = m.ws.reserve(P * 2 * I * 2);
   m.a16 = m.ws.reserve(P * I * 2);
@@ -273,6 +274,8 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     }
   }
   m.ws.allocate();
+  // The stream GEMMs' work counters start at zero; each launch leaves them so for the next.
+  if (!bf16) MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));
   ::moelora::cuda::wait_for_host_copies();
 }
 

@@ -108,6 +108,12 @@ enum class LoraPath { kAuto, kCudaCore, kTensorCore };
 // instance needs 183 registers), so the side stream stays the default.
 enum class DecodeLoraPath { kSideStream, kFused };
 
+// How the stream GEMM's CTAs get their work items (expert, 64-row tile). kClaimed: first come
+// first served from an atomic counter in the layer's workspace, so CTAs on SMs that stream faster
+// take more items and all finish together; kRoundRobin: a fixed share per CTA (the earlier
+// schedule; benchmarks compare the two).
+enum class StreamGemmSchedule { kClaimed, kRoundRobin };
+
 // How the decode LoRA kernels on the side stream share the GPU with the expert GEMMs on the main
 // stream: the grid cap of the segment kernels (LoraSegmentsView::max_ctas). The stream GEMM is a
 // persistent grid of two CTAs per SM; capping the side grids to leave it room was measured slower
@@ -143,6 +149,7 @@ class MoeLayerCuda {
   void set_lora_path(LoraPath path) { lora_path_ = path; }
   void set_side_stream_scheduling(const SideStreamScheduling& s) { side_scheduling_ = s; }
   void set_decode_lora_path(DecodeLoraPath path) { decode_lora_ = path; }
+  void set_stream_gemm_schedule(StreamGemmSchedule s) { stream_schedule_ = s; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
   // incl. scales or bf16 experts, router, shared expert): the byte roofline's numerator.
@@ -185,6 +192,7 @@ class MoeLayerCuda {
   LoraPath lora_path_ = LoraPath::kAuto;
   SideStreamScheduling side_scheduling_;
   DecodeLoraPath decode_lora_ = DecodeLoraPath::kSideStream;
+  StreamGemmSchedule stream_schedule_ = StreamGemmSchedule::kClaimed;
 };
 
 }  // namespace moelora::ops::cuda

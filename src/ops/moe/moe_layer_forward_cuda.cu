@@ -288,6 +288,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g1.k = m.Hp;
     g1.max_active_experts = max_active;
     g1.max_tokens_per_expert = max_tokens_per_expert;
+    if (stream && stream_schedule_ == StreamGemmSchedule::kClaimed)
+      g1.work_counters = m.x<int32_t>(m.gemm_work);
     run_gemm(g1);
   }
 
@@ -352,6 +354,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g2.out = m.x<__nv_bfloat16>(m.y);
     g2.n = H;
     g2.k = m.Ip;
+    // GEMM2 claims its first items while GEMM1 still runs (programmatic launch): its own pair
+    if (g1.work_counters) g2.work_counters = m.x<int32_t>(m.gemm_work) + 2;
     run_gemm(g2);
   }
 
