@@ -10,12 +10,12 @@
 // Triton fused_moe FP8 on an H200, LoRA by its fast-path kernels) and a P1 target entry each;
 // --compare-register also times the earlier register-fed decode GEMM on the no-LoRA decode rows
 // (before / after in one run); --compare-schedule times every decode row again with the stream
-// GEMMs' round-robin work items instead of the claimed ones. One JSON + Markdown file per preset:
-// moe_layer_<preset>.json/.md.
+// GEMMs' round-robin work items (--stream-schedule picks the timed rows' schedule). One JSON +
+// Markdown file per preset: moe_layer_<preset>.json/.md.
 //
 //   bench_moe_layer [--preset NAME|all] [--decode 1,2,4,...] [--prefill 2048,4096] [--reps N]
 //                   [--no-routed-only] [--out DIR] [--quick] [--no-baseline] [--compare-register]
-//                   [--compare-schedule]
+//                   [--compare-schedule] [--stream-schedule auto|claimed|round-robin]
 #include <cublas_v2.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -134,6 +134,7 @@ struct Options {
   bool baseline = true;
   bool compare_register = false;
   bool compare_schedule = false;
+  ops::cuda::StreamGemmSchedule stream_schedule = ops::cuda::StreamGemmSchedule::kAuto;
   ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
   std::vector<int> timeline;  // decode batch sizes whose kernel timeline is recorded (--timeline)
   ops::cuda::SideStreamScheduling side;  // the layer's default unless --lora-side-ctas
@@ -344,6 +345,15 @@ int main(int argc, char** argv) {
       opt.compare_register = true;
     } else if (a == "--compare-schedule") {
       opt.compare_schedule = true;
+    } else if (a == "--stream-schedule") {
+      const std::string v = next();
+      if (v == "auto") opt.stream_schedule = ops::cuda::StreamGemmSchedule::kAuto;
+      else if (v == "claimed") opt.stream_schedule = ops::cuda::StreamGemmSchedule::kClaimed;
+      else if (v == "round-robin") opt.stream_schedule = ops::cuda::StreamGemmSchedule::kRoundRobin;
+      else {
+        std::fprintf(stderr, "bench_moe_layer: --stream-schedule must be auto, claimed or round-robin, got '%s'\n", v.c_str());
+        return 2;
+      }
     } else if (a == "--gemm-path") {
       const std::string v = next();
       if (v == "auto") opt.gemm_path = ops::cuda::GemmPath::kAuto;
@@ -388,7 +398,8 @@ int main(int argc, char** argv) {
           "  --no-baseline       skip the unfused baseline (dequantize + cuBLAS per expert + separate LoRA GEMMs)\n"
           "  --compare-register  also time the earlier register-fed decode GEMM on the no-LoRA decode rows\n"
           "  --compare-schedule  also time every decode row with the stream GEMMs' round-robin work items\n"
-          "                      (the default: claimed first come first served from an atomic counter)\n"
+          "  --stream-schedule S work items of the stream GEMMs: auto (default; claimed from an atomic\n"
+          "                      counter without LoRA, round-robin with it), claimed or round-robin\n"
           "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels) or prefill\n"
           "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, start,\n"
           "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"
@@ -579,6 +590,7 @@ int main(int argc, char** argv) {
       layer.set_gemm_path(opt.gemm_path);
       layer.set_side_stream_scheduling(opt.side);
       layer.set_decode_lora_path(opt.decode_lora);
+      layer.set_stream_gemm_schedule(opt.stream_schedule);
       const int max_decode = *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
       if (opt.baseline) baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
@@ -745,7 +757,7 @@ int main(int argc, char** argv) {
               round_robin_us = median(time_replays(rr_exec)) * 1e3;
               MOELORA_CUDA_CHECK(cudaGraphExecDestroy(rr_exec));
               MOELORA_CUDA_CHECK(cudaGraphDestroy(rr_graph));
-              layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kClaimed);
+              layer.set_stream_gemm_schedule(opt.stream_schedule);
             }
             double baseline_us = 0, check_cosine = 0;
             if (opt.baseline && baseline && mode == "decode" && lc.adapters <= 1) {

@@ -19,14 +19,16 @@
 //   accumulator, promotes it into the main accumulator with sw * sx (DeepGEMM-style per-block
 //   promotion; a 64-row tile always lies inside one 128-row scale block) and frees the stage.
 // - Work items go to a persistent grid (<= 2 CTAs per SM): round-robin, or, when the caller gives
-//   work counters, first come first served from an atomic counter (a CTA on an SM that streams
-//   faster takes more items, so the CTAs finish together instead of spreading over the last 2-3
-//   items' time; the next item is claimed a few stages before the current one ends, so the
-//   atomic's latency is hidden). The ring runs on across items, so the producer is already
-//   streaming the next tile while the consumer finishes this one. 12 stages x 8 KB of weights in
-//   flight per SM. The producer records each stage's item (pass rows, weight rows, where its
-//   weight scale landed) in shared memory with the stage; the consumer reads it there, and a
-//   stage with no item ends the consumer.
+//   work counters, each CTA's first item by its index and the rest first come first served from
+//   an atomic counter (a CTA on an SM that streams faster takes more items, so the CTAs finish
+//   together instead of spreading over the last 2-3 items' time; the next item is claimed a few
+//   stages before the current one ends, so the atomic's latency is hidden). The ring runs on
+//   across items, so the producer is already streaming the next tile while the consumer finishes
+//   this one. 12 stages x 8 KB of weights in flight per SM. The producer records each stage's
+//   item (pass rows, weight rows, where its weight scale landed) beside the stage before it
+//   arrives on the stage's barrier (release); the consumer reads it after its wait (acquire), and
+//   a stage with no item ends the consumer. Every consumer thread arrives on the stage's empty
+//   barrier itself, so each of its reads is ordered before the producer's next write there.
 // - The weight scale of a stage comes with it (a 16-byte TMA box around the float), so the
 //   consumer never waits on a global load of its own.
 // - Programmatic dependent launch: the weights do not depend on the previous kernel, so the
@@ -99,7 +101,7 @@ struct StreamParams {
   const int32_t* active_experts;  // [E]
   const int32_t* num_active;      // [1]
   __nv_bfloat16* out;             // [P, N]
-  int* work;                      // [2] next item, CTAs done; nullptr = round-robin items
+  int* work;  // [2] items claimed past the first gridDim.x, CTAs done; nullptr = round-robin
   int n, k_blocks, n_scale_blocks, m_tiles, num_experts;
 };
 
@@ -134,9 +136,10 @@ __device__ __forceinline__ int pass_width(int n_valid) {
   return n_valid <= 8 ? 8 : n_valid <= 16 ? 16 : n_valid <= 32 ? 32 : 64;
 }
 
-// The CTA's next work item (expert, 64-row tile): from the shared counter, or round-robin.
+// The CTA's next work item (expert, 64-row tile) after its first (its own index): from the shared
+// counter, or round-robin.
 __device__ __forceinline__ int claim_item(const StreamParams& p, int current) {
-  return p.work ? atomicAdd(p.work, 1) : current + static_cast<int>(gridDim.x);
+  return (p.work ? atomicAdd(p.work, 1) : current) + static_cast<int>(gridDim.x);
 }
 
 // The producer thread: walks its items (passes of <= 64 tokens, K blocks) and fills the ring.
@@ -163,7 +166,7 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
   uint32_t phase = 0;
   const int total_items = sched.num_active * p.m_tiles;
   const int claim_at = p.k_blocks > kClaimAheadStages ? p.k_blocks - kClaimAheadStages : 0;
-  int item = p.work ? atomicAdd(p.work, 1) : static_cast<int>(blockIdx.x);
+  int item = static_cast<int>(blockIdx.x);
   while (item < total_items) {
     const int expert = sched.active[item / p.m_tiles];
     const int m0 = (item % p.m_tiles) * kBlockM;
@@ -207,10 +210,20 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
     for (int s = 0; s < pending; ++s)
       issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
   }
-  // No more items: a stage without copies whose record says so ends the consumer.
+  // No more items: a stage whose record says so ends the consumer.
   sm90::mbar_wait(ring.empty(stage), phase ^ 1);
   info[stage] = StageInfo{-1, -1, 0, 0};
   sm90::mbar_arrive(ring.full(stage));
+  // The last CTA to have made its final claim resets the counters for the next launch (no claim
+  // of this launch can follow). Done here, not at the CTA's end, so that the round trip overlaps
+  // the consumer's last stages.
+  if (p.work) {
+    __threadfence();
+    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(p.work, 0);
+      atomicExch(p.work + 1, 0);
+    }
+  }
 }
 
 // One pass of <= kWidth tokens (rows [pass.q0, pass.q_end)) over all K blocks of an item, then
@@ -253,8 +266,7 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* sm
       acc[4 * c + 2] = fmaf(blk[4 * c + 2], s0, acc[4 * c + 2]);  // row r + 8, token 2t
       acc[4 * c + 3] = fmaf(blk[4 * c + 3], s1, acc[4 * c + 3]);  // row r + 8, token 2t + 1
     }
-    __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(ring.empty(stage));
+    sm90::mbar_arrive(ring.empty(stage));  // every thread, after its last read of the stage
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
   const int n_valid = pass.q_end - pass.q0;
@@ -296,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(ring.full(s), 1);                       // the producer's arrive.expect_tx
-      sm90::mbar_init(ring.empty(s), kConsumerThreads / 32);  // one arrival per consumer warp
+      sm90::mbar_init(ring.empty(s), kConsumerThreads);  // one arrival per consumer thread
     }
     sm90::fence_barrier_init();
   }
@@ -319,15 +331,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       case 16: consume_pass<16>(ring, smem, window, info, stage, phase, p, pass); break;
       case 32: consume_pass<32>(ring, smem, window, info, stage, phase, p, pass); break;
       default: consume_pass<64>(ring, smem, window, info, stage, phase, p, pass); break;
-    }
-  }
-  // The last CTA out resets the work counters for the next launch: every CTA counted itself
-  // done only after its producer's final claim, so no claim of this launch can follow the reset.
-  if (p.work && threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      atomicExch(p.work, 0);
-      atomicExch(p.work + 1, 0);
     }
   }
 #else

@@ -108,11 +108,13 @@ enum class LoraPath { kAuto, kCudaCore, kTensorCore };
 // instance needs 183 registers), so the side stream stays the default.
 enum class DecodeLoraPath { kSideStream, kFused };
 
-// How the stream GEMM's CTAs get their work items (expert, 64-row tile). kClaimed: first come
-// first served from an atomic counter in the layer's workspace, so CTAs on SMs that stream faster
-// take more items and all finish together; kRoundRobin: a fixed share per CTA (the earlier
-// schedule; benchmarks compare the two).
-enum class StreamGemmSchedule { kClaimed, kRoundRobin };
+// How the stream GEMM's CTAs get their work items (expert, 64-row tile). kClaimed: each CTA's
+// first item by its index, the rest first come first served from an atomic counter in the
+// layer's workspace, so CTAs on SMs that stream faster take more items and all finish together;
+// kRoundRobin: a fixed share per CTA (the earlier schedule). kAuto: claimed without LoRA and
+// round-robin with it, as measured (docs/gpu_moe.md §6.0a): with LoRA the side-stream kernels
+// wait for SMs, and the GEMM CTAs that finish early under round-robin give them SMs sooner.
+enum class StreamGemmSchedule { kAuto, kClaimed, kRoundRobin };
 
 // How the decode LoRA kernels on the side stream share the GPU with the expert GEMMs on the main
 // stream: the grid cap of the segment kernels (LoraSegmentsView::max_ctas). The stream GEMM is a
@@ -192,7 +194,7 @@ class MoeLayerCuda {
   LoraPath lora_path_ = LoraPath::kAuto;
   SideStreamScheduling side_scheduling_;
   DecodeLoraPath decode_lora_ = DecodeLoraPath::kSideStream;
-  StreamGemmSchedule stream_schedule_ = StreamGemmSchedule::kClaimed;
+  StreamGemmSchedule stream_schedule_ = StreamGemmSchedule::kAuto;
 };
 
 }  // namespace moelora::ops::cuda

@@ -288,8 +288,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g1.k = m.Hp;
     g1.max_active_experts = max_active;
     g1.max_tokens_per_expert = max_tokens_per_expert;
-    if (stream && stream_schedule_ == StreamGemmSchedule::kClaimed)
-      g1.work_counters = m.x<int32_t>(m.gemm_work);
+    const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
+                         (stream_schedule_ == StreamGemmSchedule::kAuto && !lora);
+    if (stream && claimed) g1.work_counters = m.x<int32_t>(m.gemm_work);
     run_gemm(g1);
   }
 
