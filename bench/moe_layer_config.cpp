@@ -1,0 +1,254 @@
+// bench_moe_layer's presets, command line and peer table (moe_layer_config.h).
+#include "moe_layer_config.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+#include <map>
+#include <sstream>
+#include <utility>
+
+#include "bench_util.h"
+
+namespace moelora::bench {
+
+const std::vector<Preset> kPresets = {
+    {"qwen3.5-35b-a3b", 256, 8, 2048, 512, 512, true, RouterKind::kSoftmaxTopK, 1, 1, 1.0f},
+    {"kimi-k2.5", 384, 8, 7168, 2048, 2048, false, RouterKind::kSigmoidNoauxTc, 1, 1, 2.827f},
+    {"kimi-k2.5-ep8", 48, 8, 7168, 2048, 2048, false, RouterKind::kSigmoidNoauxTc, 1, 1, 2.827f},
+    {"qwen3-30b-a3b", 128, 8, 2048, 768, 0, false, RouterKind::kSoftmaxTopK, 1, 1, 1.0f},
+};
+
+const std::vector<LoraConfig> kLoraConfigs = {
+    {"none", 0, 0, false},
+    {"1x r16", 1, 16, false},
+    {"1x r64", 1, 64, false},
+    {"8x r16", 8, 16, false},
+    {"1x r16 shared-outer", 1, 16, true},
+};
+
+namespace {
+
+// The peer on the same H200 (PERF.md, "The peer"): SGLang's Triton fused_moe FP8 (w8a8, 128x128
+// blocks, tuned H200 configs), routed experts only (no router GEMM, no shared expert); LoRA =
+// one r16 per-expert adapter through its fast-path kernels, given as the LoRA / no-LoRA time ratio.
+struct PeerPoint {
+  int tokens;
+  double no_lora_us, lora_time_ratio;
+};
+const std::map<std::string, std::vector<PeerPoint>> kPeer = {
+    {"qwen3.5-35b-a3b",
+     {{1, 29.8, 1.35},
+      {4, 47.1, 1.27},
+      {16, 100.0, 1.22},
+      {32, 144.0, 1.19},
+      {64, 196.5, 1.16},
+      {128, 225.2, 1.16},
+      {4096, 766.0, 1.38}}},
+    {"kimi-k2.5-ep8",
+     {{1, 113, 1.11},
+      {4, 303, 1.05},
+      {16, 518, 1.04},
+      {32, 545, 1.05},
+      {64, 559, 1.07},
+      {128, 576, 1.09},
+      {4096, 4668, 1.18}}},
+};
+
+// Sets `out` to the value named `v` among `choices`; false, with a message naming the flag and
+// the choices, when none has that name.
+template <typename T>
+bool pick_choice(const std::string& flag, const std::string& v,
+                 std::initializer_list<std::pair<const char*, T>> choices, T& out) {
+  std::string names;
+  for (const auto& [name, value] : choices) {
+    if (v == name) {
+      out = value;
+      return true;
+    }
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  std::fprintf(stderr, "bench_moe_layer: %s must be one of %s, got '%s'\n", flag.c_str(),
+               names.c_str(), v.c_str());
+  return false;
+}
+
+}  // namespace
+
+double peer_us_for(const std::string& preset, int tokens, const std::string& lora,
+                   bool routed_only) {
+  if (!routed_only || (lora != "none" && lora != "1x r16")) return 0;
+  auto it = kPeer.find(preset);
+  if (it == kPeer.end()) return 0;
+  for (const auto& pt : it->second)
+    if (pt.tokens == tokens)
+      return lora == "none" ? pt.no_lora_us : pt.no_lora_us * pt.lora_time_ratio;
+  return 0;
+}
+
+double lora_bytes(const Preset& p, const LoraConfig& lc, const std::vector<int32_t>& ids,
+                  const std::vector<int32_t>& slots, int k, bool shared) {
+  if (lc.adapters == 0) return 0;
+  std::map<std::pair<int, int>, int> pairs;
+  std::map<int, int> slots_used;
+  for (size_t t = 0; t < slots.size(); ++t) {
+    if (slots[t] < 0) continue;
+    slots_used[slots[t]] = 1;
+    for (int j = 0; j < k; ++j) pairs[{slots[t], ids[t * k + j]}] = 1;
+  }
+  const double r = lc.rank, H = p.H, I = p.I;
+  // per (slot, expert): gate_up A [r, H], B [2I, r]; down A [r, I], B [H, r] (bf16)
+  double per_pair = 2.0 * r * (H + 2 * I + I + H);
+  double per_slot = 0;
+  if (lc.shared_outer) {  // A13 and B2 are per slot, not per pair
+    per_pair = 2.0 * r * (2 * I + I);
+    per_slot = 2.0 * r * (H + H);
+  }
+  // shared expert: gate/up A [r, H] + B [2Is, r], down A [r, Is] + B [H, r], once per slot
+  if (shared && p.Is > 0) per_slot += 2.0 * r * (H + 2.0 * p.Is + p.Is + H);
+  return per_pair * pairs.size() + per_slot * slots_used.size();
+}
+
+int parse_options(int argc, char** argv, Options& opt) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "bench_moe_layer: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--preset") {
+      std::string v = next();
+      opt.presets.clear();
+      if (v == "all") {
+        for (auto& p : kPresets) opt.presets.push_back(p.name);
+      } else {
+        std::stringstream ss(v);
+        for (std::string item; std::getline(ss, item, ',');) opt.presets.push_back(item);
+      }
+    } else if (a == "--decode") {
+      opt.decode = parse_list(next());
+    } else if (a == "--prefill") {
+      opt.prefill = parse_list(next());
+    } else if (a == "--reps") {
+      opt.reps = std::stoi(next());
+    } else if (a == "--out") {
+      opt.out = next();
+    } else if (a == "--no-routed-only") {
+      opt.routed_only_too = false;
+    } else if (a == "--routed-only") {
+      opt.full_layer = false;
+    } else if (a == "--lora") {
+      std::stringstream ss(next());
+      for (std::string item; std::getline(ss, item, ',');) {
+        std::replace(item.begin(), item.end(), '_', ' ');  // 1x_r16 = "1x r16" (no quoting needed)
+        if (std::none_of(kLoraConfigs.begin(), kLoraConfigs.end(),
+                         [&](const LoraConfig& c) { return c.name == item; })) {
+          std::fprintf(stderr, "bench_moe_layer: unknown LoRA configuration '%s' (see --help)\n",
+                       item.c_str());
+          return 2;
+        }
+        opt.lora.push_back(item);
+      }
+    } else if (a == "--quick") {
+      opt.quick = true;
+    } else if (a == "--no-baseline") {
+      opt.baseline = false;
+    } else if (a == "--compare-register") {
+      opt.compare_register = true;
+    } else if (a == "--compare-schedule") {
+      opt.compare_schedule = true;
+    } else if (a == "--stream-schedule") {
+      if (!pick_choice(a, next(),
+                       {{"auto", ops::cuda::StreamGemmSchedule::kAuto},
+                        {"claimed", ops::cuda::StreamGemmSchedule::kClaimed},
+                        {"round-robin", ops::cuda::StreamGemmSchedule::kRoundRobin}},
+                       opt.stream_schedule))
+        return 2;
+    } else if (a == "--gemm-path") {
+      if (!pick_choice(a, next(),
+                       {{"auto", ops::cuda::GemmPath::kAuto},
+                        {"stream", ops::cuda::GemmPath::kDecode},
+                        {"register", ops::cuda::GemmPath::kDecodeRegister},
+                        {"prefill", ops::cuda::GemmPath::kPrefill}},
+                       opt.gemm_path))
+        return 2;
+    } else if (a == "--timeline") {
+      opt.timeline = parse_list(next());
+    } else if (a == "--decode-lora") {
+      if (!pick_choice(a, next(),
+                       {{"side", ops::cuda::DecodeLoraPath::kSideStream},
+                        {"fused", ops::cuda::DecodeLoraPath::kFused}},
+                       opt.decode_lora))
+        return 2;
+    } else if (a == "--lora-side-ctas") {
+      const std::string v = next();
+      opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
+      if (opt.side.lora_max_ctas < -1) {
+        std::fprintf(stderr,
+                     "bench_moe_layer: --lora-side-ctas must be sms, 0 or a CTA count, got '%s'\n",
+                     v.c_str());
+        return 2;
+      }
+    } else if (a == "--warmup-ms") {
+      opt.warmup_ms = std::stof(next());
+    } else if (a == "--help" || a == "-h") {
+      std::printf(
+          "bench_moe_layer: time one FP8 MoE layer with multi-LoRA on the GPU.\n"
+          "  --preset LIST|all   comma-separated from qwen3.5-35b-a3b, kimi-k2.5, kimi-k2.5-ep8, "
+          "qwen3-30b-a3b\n"
+          "                      (default: the first three)\n"
+          "  --decode LIST       decode batch sizes (default 1,2,4,8,16,32,64,128)\n"
+          "  --prefill LIST      prefill token counts (default 2048,4096,8192,16384; none = no "
+          "prefill rows)\n"
+          "  --reps N            timed repetitions per configuration (default 60)\n"
+          "  --no-routed-only    skip the routed-experts-only rows (router logits given, no shared "
+          "expert)\n"
+          "  --routed-only       run the routed-experts-only rows alone (what the peer measured)\n"
+          "  --lora LIST         LoRA configurations, comma-separated from: none, 1x r16, 1x r64, "
+          "8x r16,\n"
+          "                      1x r16 shared-outer; _ for a space (1x_r16). Default: all; "
+          "prefill runs none and 1x r16\n"
+          "  --quick             fewer configurations (smoke run)\n"
+          "  --no-baseline       skip the unfused baseline (dequantize + cuBLAS per expert + "
+          "separate LoRA GEMMs)\n"
+          "  --compare-register  also time the earlier register-fed decode GEMM on the no-LoRA "
+          "decode rows\n"
+          "  --compare-schedule  also time every decode row with the stream GEMMs' round-robin "
+          "work items\n"
+          "  --stream-schedule S work items of the stream GEMMs: auto (default; claimed from an "
+          "atomic\n"
+          "                      counter without LoRA, round-robin with it), claimed or "
+          "round-robin\n"
+          "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels) "
+          "or prefill\n"
+          "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, "
+          "start,\n"
+          "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"
+          "  --decode-lora P     routed-expert LoRA at decode: side (default; shrink + expand "
+          "kernels on the\n"
+          "                      side stream) or fused (shrinks and the seam-1 expand inside the "
+          "quant and\n"
+          "                      activation kernels)\n"
+          "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
+          "(default, one\n"
+          "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"
+          "  --warmup-ms MS      warm-up replays before each timing (default 20; 0 under a "
+          "profiler)\n"
+          "  --out DIR           results directory (default bench/results/h200); one\n"
+          "                      moe_layer_<preset>.json / .md per preset\n"
+          "Routed-only rows of qwen3.5-35b-a3b and kimi-k2.5-ep8 show the peer's µs (PERF.md) and "
+          "a P1 target.\n");
+      return 0;
+    } else {
+      std::fprintf(stderr, "bench_moe_layer: unknown option %s (see --help)\n", a.c_str());
+      return 2;
+    }
+  }
+  return -1;
+}
+
+}  // namespace moelora::bench
