@@ -11,8 +11,15 @@
 
 namespace moelora::test {
 
-std::filesystem::path data_dir() { return MOELORA_TEST_DATA_DIR; }
-std::filesystem::path binary_dir() { return MOELORA_BINARY_DIR; }
+namespace {
+std::filesystem::path env_or(const char* name, const char* built_in) {
+  const char* value = std::getenv(name);
+  return value && *value ? value : built_in;
+}
+}  // namespace
+
+std::filesystem::path data_dir() { return env_or("MOELORA_TEST_DATA_DIR", MOELORA_TEST_DATA_DIR); }
+std::filesystem::path binary_dir() { return env_or("MOELORA_BINARY_DIR", MOELORA_BINARY_DIR); }
 std::filesystem::path fixture(const std::string& model) { return data_dir() / "parity" / model; }
 
 uint64_t test_seed(uint64_t fallback) {

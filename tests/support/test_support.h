@@ -17,9 +17,10 @@
 
 namespace moelora::test {
 
-// Directory of committed fixtures (tests/data).
+// Directory of committed fixtures (tests/data): $MOELORA_TEST_DATA_DIR when set (test executables
+// run on another machine than the one that built them), else the source tree's.
 std::filesystem::path data_dir();
-// Build directory (holds the moelora binary).
+// Directory holding the moelora binary: $MOELORA_BINARY_DIR when set, else the build directory.
 std::filesystem::path binary_dir();
 // A committed model fixture: data_dir() / "parity" / model (its base/ and adapter directories).
 std::filesystem::path fixture(const std::string& model);
