@@ -248,30 +248,28 @@ int main(int argc, char** argv) {
               timelines[p.name] += "## decode B=" + std::to_string(T) + ", LoRA " + lc.name + (routed_only ? ", routed experts only" : ", full layer") +
                                    "\n\n" + bench::format_timeline(traced[2]) + "\n";
             }
-            // Before / after in one run: the same forward with the register-fed decode GEMM.
-            double register_us = 0;
-            if (opt.compare_register && mode == "decode" && lc.adapters == 0) {
-              layer.set_gemm_path(ops::cuda::GemmPath::kDecodeRegister);
-              cudaGraph_t reg_graph;
-              cudaGraphExec_t reg_exec;
-              capture_forward(reg_graph, reg_exec);
-              register_us = median(time_replays(reg_exec)) * 1e3;
-              MOELORA_CUDA_CHECK(cudaGraphExecDestroy(reg_exec));
-              MOELORA_CUDA_CHECK(cudaGraphDestroy(reg_graph));
-              layer.set_gemm_path(opt.gemm_path);
-            }
-            // Claimed against round-robin work items of the stream GEMMs, in one run.
-            double round_robin_us = 0;
-            if (opt.compare_schedule && mode == "decode") {
-              layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kRoundRobin);
-              cudaGraph_t rr_graph;
-              cudaGraphExec_t rr_exec;
-              capture_forward(rr_graph, rr_exec);
-              round_robin_us = median(time_replays(rr_exec)) * 1e3;
-              MOELORA_CUDA_CHECK(cudaGraphExecDestroy(rr_exec));
-              MOELORA_CUDA_CHECK(cudaGraphDestroy(rr_graph));
-              layer.set_stream_gemm_schedule(opt.stream_schedule);
-            }
+            // The same forward with one setting changed, captured and timed in this run (median µs);
+            // `set` changes the layer, `restore` puts the benchmark's setting back.
+            auto time_variant = [&](auto set, auto restore) {
+              set();
+              cudaGraph_t variant_graph;
+              cudaGraphExec_t variant_exec;
+              capture_forward(variant_graph, variant_exec);
+              const double us = median(time_replays(variant_exec)) * 1e3;
+              MOELORA_CUDA_CHECK(cudaGraphExecDestroy(variant_exec));
+              MOELORA_CUDA_CHECK(cudaGraphDestroy(variant_graph));
+              restore();
+              return us;
+            };
+            // Before / after in one run: the register-fed decode GEMM; round-robin work items.
+            double register_us = 0, round_robin_us = 0;
+            if (opt.compare_register && mode == "decode" && lc.adapters == 0)
+              register_us = time_variant([&] { layer.set_gemm_path(ops::cuda::GemmPath::kDecodeRegister); },
+                                         [&] { layer.set_gemm_path(opt.gemm_path); });
+            if (opt.compare_schedule && mode == "decode")
+              round_robin_us = time_variant(
+                  [&] { layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kRoundRobin); },
+                  [&] { layer.set_stream_gemm_schedule(opt.stream_schedule); });
             double baseline_us = 0, check_cosine = 0;
             if (opt.baseline && baseline && mode == "decode" && lc.adapters <= 1) {
               std::vector<float> bms;
