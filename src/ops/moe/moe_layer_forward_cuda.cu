@@ -355,7 +355,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g2.out = m.x<__nv_bfloat16>(m.y);
     g2.n = H;
     g2.k = m.Ip;
-    // GEMM2 claims its first items while GEMM1 still runs (programmatic launch): its own pair
+    // GEMM2 may claim items while GEMM1 still runs (programmatic launch): its own pair
     if (g1.work_counters) g2.work_counters = m.x<int32_t>(m.gemm_work) + 2;
     run_gemm(g2);
   }
