@@ -1,0 +1,358 @@
+// bench_decode_step: where the engine's decode step spends its time, kernel by kernel.
+//
+//   bench_decode_step --preset qwen3-30b-a3b --batch-sizes 16,64 --context 2048 --adapters 0,1
+//                     [--layers N] [--rank 16] [--warm-steps 3] [--steps 4] [--out DIR]
+//
+// For each batch size B and adapter count K it builds one engine (random FP8 weights drawn on the
+// device, K random adapters of --rank), runs B prompts of --context tokens through prefill, lets
+// the decode graph of the bucket be captured (--warm-steps), then records --steps decode steps with
+// CUPTI's kernel activity (bench/kernel_timeline.*): every kernel of the graph replay with its
+// queue and GPU timestamps. It prints, per (B, K), each kernel's calls and microseconds per step,
+// its share of the step, and the time the main queue sat idle before it (launch gaps and waits on
+// the side stream), sorted by time; --out also gets the whole timeline of the first recorded step
+// and the tables as JSON. The engine's own decode throughput is `moelora bench`'s job; this program
+// says which kernels a faster step has to shorten or remove.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "core/error.h"
+#include "io/hf_config.h"
+#include "kernel_timeline.h"
+#include "moelora/engine.h"
+#include "synth.h"
+
+namespace fs = std::filesystem;
+using moelora::ErrorCode;
+
+namespace {
+
+struct Options {
+  std::string preset = "qwen3-30b-a3b";
+  int64_t layers = 0;
+  std::string batch_sizes = "16,64";
+  std::string adapters = "0,1";
+  int64_t context = 2048;
+  int64_t rank = 16;
+  int64_t warm_steps = 3;
+  int64_t steps = 4;
+  std::string attention = "auto";
+  std::string out;
+  uint64_t seed = 0;
+};
+
+// One kernel name's share of a decode step, averaged over the recorded steps.
+struct KernelRow {
+  std::string name;
+  double calls = 0;      // launches per step
+  double us = 0;         // summed duration per step
+  double main_idle = 0;  // main queue idle before its launches, per step (main-queue kernels only)
+  // What its launches added to the step's span: the part of each one that ends after every kernel
+  // that started before it. Kernels launched early with programmatic dependent launch wait inside
+  // (their duration includes the wait), so this, not the duration, is their cost.
+  double adds = 0;
+  bool main = false;  // ran on the main queue at least once
+};
+
+struct StepProfile {
+  double span_us = 0;       // first kernel start to last kernel end
+  double main_busy_us = 0;  // summed kernel time on the main queue
+  double main_idle_us = 0;  // gaps between consecutive main-queue kernels
+  double side_busy_us = 0;  // summed kernel time on every other queue
+  double kernels = 0;       // launches per step
+  std::vector<KernelRow> rows;
+};
+
+void check(const moelora::Status& s) {
+  if (!s) throw moelora::Error(s.code(), s.message());
+}
+
+// The queue with the most kernels is the main stream's (the side stream runs only LoRA work).
+StepProfile profile_steps(const std::vector<std::vector<moelora::bench::KernelRecord>>& steps) {
+  StepProfile p;
+  std::map<std::string, KernelRow> by_name;
+  for (const auto& step : steps) {
+    if (step.empty()) continue;
+    std::map<uint32_t, int> per_queue;
+    for (const auto& r : step) ++per_queue[r.stream];
+    const uint32_t main_queue =
+        std::max_element(per_queue.begin(), per_queue.end(), [](const auto& a, const auto& b) {
+          return a.second < b.second;
+        })->first;
+    uint64_t first = step.front().start_ns, last = first, main_end = 0;
+    for (const auto& r : step) {  // sorted by start time
+      const double dur = static_cast<double>(r.end_ns - r.start_ns) / 1e3;
+      KernelRow& row = by_name[r.name];
+      row.name = r.name;
+      row.calls += 1;
+      row.us += dur;
+      row.adds += r.end_ns > last ? static_cast<double>(r.end_ns - last) / 1e3 : 0;
+      last = std::max(last, r.end_ns);
+      p.kernels += 1;
+      if (r.stream == main_queue) {
+        row.main = true;
+        const double idle = main_end > 0 && r.start_ns > main_end
+                                ? static_cast<double>(r.start_ns - main_end) / 1e3
+                                : 0;
+        row.main_idle += idle;
+        p.main_idle_us += idle;
+        p.main_busy_us += dur;
+        main_end = std::max(main_end, r.end_ns);
+      } else {
+        p.side_busy_us += dur;
+      }
+    }
+    p.span_us += static_cast<double>(last - first) / 1e3;
+  }
+  const double n = std::max<double>(1, static_cast<double>(steps.size()));
+  for (auto& [name, row] : by_name) {
+    row.calls /= n;
+    row.us /= n;
+    row.main_idle /= n;
+    row.adds /= n;
+    p.rows.push_back(row);
+  }
+  p.span_us /= n;
+  p.main_busy_us /= n;
+  p.main_idle_us /= n;
+  p.side_busy_us /= n;
+  p.kernels /= n;
+  std::sort(p.rows.begin(), p.rows.end(),
+            [](const KernelRow& a, const KernelRow& b) { return a.adds > b.adds; });
+  return p;
+}
+
+std::string format_profile(const StepProfile& p, int64_t layers) {
+  std::string out;
+  char line[512];
+  std::snprintf(
+      line, sizeof line,
+      "step span %.1f us (%.2f us per layer), %.0f kernels; main queue busy %.1f us, idle "
+      "%.1f us; other queues busy %.1f us\n\n",
+      p.span_us, p.span_us / static_cast<double>(std::max<int64_t>(layers, 1)), p.kernels,
+      p.main_busy_us, p.main_idle_us, p.side_busy_us);
+  out += line;
+  out +=
+      "| kernel | queue | calls/step | adds to span, us/step | % of span | adds per call, us | "
+      "duration per call, us | main idle before, us/step |\n";
+  out += "|---|---|---|---|---|---|---|---|\n";
+  for (const KernelRow& r : p.rows) {
+    const double calls = std::max(r.calls, 1e-9);
+    std::snprintf(line, sizeof line, "| %s | %s | %.0f | %.1f | %.1f | %.2f | %.2f | %.1f |\n",
+                  r.name.substr(0, 60).c_str(), r.main ? "main" : "side", r.calls, r.adds,
+                  100.0 * r.adds / std::max(p.span_us, 1e-9), r.adds / calls, r.us / calls,
+                  r.main_idle);
+    out += line;
+  }
+  return out;
+}
+
+nlohmann::json profile_json(const StepProfile& p) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const KernelRow& r : p.rows)
+    rows.push_back({{"kernel", r.name},
+                    {"main_queue", r.main},
+                    {"calls_per_step", r.calls},
+                    {"us_per_step", r.us},
+                    {"adds_to_span_us", r.adds},
+                    {"main_idle_before_us", r.main_idle}});
+  return {{"span_us", p.span_us},           {"main_busy_us", p.main_busy_us},
+          {"main_idle_us", p.main_idle_us}, {"side_busy_us", p.side_busy_us},
+          {"kernels_per_step", p.kernels},  {"kernels", rows}};
+}
+
+int run(const Options& o) {
+  const auto bad = ErrorCode::kInvalidArgument;
+  const std::vector<int> batch_sizes = moelora::bench::parse_list(o.batch_sizes);
+  const std::vector<int> adapter_counts = moelora::bench::parse_list(o.adapters);
+  MOELORA_CHECK(!batch_sizes.empty(), bad, "--batch-sizes: expected a comma list such as 16,64");
+  MOELORA_CHECK(!adapter_counts.empty(), bad, "--adapters: expected a comma list such as 0,1,8");
+  for (int b : batch_sizes) MOELORA_CHECK(b >= 1, bad, "--batch-sizes: ", b, " is not >= 1");
+  for (int k : adapter_counts) MOELORA_CHECK(k >= 0, bad, "--adapters: ", k, " is not >= 0");
+  MOELORA_CHECK(o.context >= 1 && o.steps >= 1 && o.warm_steps >= 1, bad,
+                "--context, --steps and --warm-steps must be >= 1");
+
+  // Only the configuration goes to disk: the GPU draws the weights (EngineOptions::random_weights).
+  const fs::path dir =
+      fs::temp_directory_path() / ("moelora-decode-step-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const moelora::io::ModelConfig config = moelora::cli::preset_config(o.preset, o.layers, "fp8");
+  {
+    std::ofstream f(dir / "config.json");
+    f << moelora::io::model_config_to_json(config).dump(2) << "\n";
+    MOELORA_CHECK(f.good(), bad, "cannot write ", (dir / "config.json").string());
+  }
+  const int64_t layers = config.num_hidden_layers;
+  if (!o.out.empty()) fs::create_directories(o.out);
+  moelora::bench::KernelTimeline timeline;
+  nlohmann::json results = nlohmann::json::array();
+  std::string report = "# Decode step kernels: " + o.preset + ", " + std::to_string(layers) +
+                       " layers, context " + std::to_string(o.context) + ", r" +
+                       std::to_string(o.rank) + " adapters\n\n";
+  report +=
+      "Command: bench_decode_step --preset " + o.preset + " --layers " + std::to_string(o.layers) +
+      " --batch-sizes " + o.batch_sizes + " --adapters " + o.adapters + " --context " +
+      std::to_string(o.context) + " --steps " + std::to_string(o.steps) +
+      ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
+      "over the recorded steps; 'main idle before' is the gap on the main queue before the "
+      "kernel's launches (launch latency, or a wait on the side stream).\n\n";
+
+  for (int batch : batch_sizes) {
+    for (int adapters : adapter_counts) {
+      moelora::EngineOptions options;
+      options.model_dir = dir;
+      options.device = "cuda";
+      options.max_running = batch;
+      options.max_batch_tokens =
+          std::max<int64_t>(batch, std::min<int64_t>(batch * o.context, 8192));
+      options.adapter_slots = std::max(adapters, 1);
+      options.max_loras_per_batch = std::max(adapters, 1);
+      options.host_adapter_cache = std::max(adapters, 1);
+      options.max_lora_rank = (o.rank + 7) / 8 * 8;
+      options.random_weights = true;
+      options.random_seed = o.seed;
+      options.attention = o.attention;
+      const int64_t prefill_steps =
+          (batch * o.context + options.max_batch_tokens - 1) / options.max_batch_tokens;
+      const int64_t max_new_tokens = prefill_steps + o.warm_steps + o.steps + 4;
+      options.max_seq_len = o.context + max_new_tokens + 8;
+      auto created = moelora::Engine::create(options);
+      check(created.status());
+      moelora::Engine& engine = *created.value();
+      std::vector<std::string> names;
+      for (int i = 0; i < adapters; ++i) {
+        names.push_back("random-r" + std::to_string(o.rank) + "-" + std::to_string(i));
+        check(engine.register_random_adapter(names.back(), o.rank, false, o.seed + 1 + i,
+                                             /*pin=*/true));
+      }
+      std::mt19937_64 rng(o.seed);
+      std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(config.vocab_size - 1));
+      std::vector<int64_t> generated(static_cast<size_t>(batch), 0);
+      std::vector<moelora::RequestId> ids;
+      for (int i = 0; i < batch; ++i) {
+        moelora::Request request;
+        request.prompt.resize(static_cast<size_t>(o.context));
+        for (auto& t : request.prompt) t = token(rng);
+        request.adapter = names.empty() ? "" : names[static_cast<size_t>(i) % names.size()];
+        // Long enough that no request ends before the recorded steps: the first requests decode
+        // while later prompts are still in prefill. They are cancelled after the recording.
+        request.sampling.max_new_tokens = max_new_tokens;
+        request.sampling.ignore_eos = true;
+        auto id = engine.submit(std::move(request), [&generated, i](const moelora::TokenEvent& e) {
+          if (e.token >= 0) ++generated[static_cast<size_t>(i)];
+        });
+        check(id.status());
+        ids.push_back(id.value());
+      }
+      std::fprintf(stderr, "B=%d, %d adapters: prefill of %d x %lld tokens ...\n", batch, adapters,
+                   batch, static_cast<long long>(o.context));
+      auto all_started = [&] {
+        return std::all_of(generated.begin(), generated.end(), [](int64_t g) { return g > 0; });
+      };
+      while (!all_started()) check(engine.step());
+      for (int64_t s = 0; s < o.warm_steps; ++s)
+        check(engine.step());  // captures the bucket's graph
+      std::vector<std::vector<moelora::bench::KernelRecord>> steps;
+      for (int64_t s = 0; s < o.steps; ++s) {
+        timeline.start();
+        check(engine.step());
+        steps.push_back(timeline.stop());
+      }
+      for (moelora::RequestId id : ids) check(engine.cancel(id));
+      check(engine.run_until_idle());
+      const moelora::EngineStats stats = engine.stats();
+      MOELORA_CHECK(stats.graph_replays >= o.steps, ErrorCode::kInternal,
+                    "expected the recorded decode steps to be graph replays; the engine replayed ",
+                    stats.graph_replays, " graphs in all");
+
+      const StepProfile p = profile_steps(steps);
+      const std::string title = "## B = " + std::to_string(batch) + ", " +
+                                std::to_string(adapters) + " adapter" + (adapters == 1 ? "" : "s");
+      const std::string table = format_profile(p, layers);
+      std::printf("%s\n\n%s\n", title.c_str(), table.c_str());
+      std::fflush(stdout);
+      report += title + "\n\n" + table + "\n";
+      nlohmann::json j = profile_json(p);
+      j["batch_size"] = batch;
+      j["adapters"] = adapters;
+      results.push_back(j);
+      if (!o.out.empty()) {
+        const fs::path path =
+            fs::path(o.out) / ("decode_step_" + o.preset + "_B" + std::to_string(batch) + "_" +
+                               std::to_string(adapters) + "adapters_timeline.md");
+        std::ofstream f(path);
+        f << title << ", the first recorded step\n\n"
+          << moelora::bench::format_timeline(steps.front());
+      }
+    }
+  }
+  fs::remove_all(dir);
+  if (!o.out.empty()) {
+    const fs::path base = fs::path(o.out) / ("decode_step_" + o.preset);
+    std::ofstream(base.string() + ".md") << report;
+    nlohmann::json doc = {{"benchmark", "bench_decode_step"},
+                          {"preset", o.preset},
+                          {"layers", layers},
+                          {"context", o.context},
+                          {"rank", o.rank},
+                          {"steps", o.steps},
+                          {"runs", results}};
+    std::ofstream(base.string() + ".json") << doc.dump(2) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "Where the engine's decode step spends its time: the kernels of a decode graph replay, "
+      "recorded with CUPTI, per batch size and adapter count (random weights drawn on the GPU)."};
+  app.add_option("--preset", o.preset, "Model preset of `moelora synth` (its config only)")
+      ->capture_default_str();
+  app.add_option("--layers", o.layers, "Keep the first N decoder layers (0 = all)")
+      ->capture_default_str();
+  app.add_option("--batch-sizes", o.batch_sizes, "Comma list of decode batch sizes")
+      ->capture_default_str();
+  app.add_option("--adapters", o.adapters, "Comma list of adapter counts (0 = no LoRA)")
+      ->capture_default_str();
+  app.add_option("--context", o.context,
+                 "Prompt tokens per sequence (the KV context of the decode steps)")
+      ->capture_default_str();
+  app.add_option("--rank", o.rank, "Rank of the random adapters")->capture_default_str();
+  app.add_option("--warm-steps", o.warm_steps,
+                 "Decode steps before recording (the first captures the graph)")
+      ->capture_default_str();
+  app.add_option("--steps", o.steps, "Decode steps recorded and averaged")->capture_default_str();
+  app.add_option("--attention", o.attention, "GQA attention kernels: auto, flashinfer, moelora")
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "Seed of the weights, adapters and prompts")
+      ->capture_default_str();
+  app.add_option("--out", o.out,
+                 "Folder for decode_step_<preset>.{md,json} and the per-run timelines");
+  app.footer(
+      "Example: bench_decode_step --preset qwen3-30b-a3b --batch-sizes 16,64 --adapters 0,1 "
+      "--context 2048 "
+      "--out bench/results/h200\nNeeds a GPU and CUPTI (LD_LIBRARY_PATH with the toolkit's "
+      "extras/CUPTI/lib64).");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_decode_step: %s\n", e.what());
+    return 1;
+  }
+}
