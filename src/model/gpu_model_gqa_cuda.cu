@@ -1,6 +1,6 @@
 // GQA attention of the GPU model (Qwen3-MoE, and Qwen3.5's gated full attention): one fused qkv
-// projection with the LoRA of q/k/v, per-head q/k RMSNorm, rotate-half RoPE (on the first
-// rotary_dim dims of each head: Qwen3.5 rotates 64 of 256), the paged KV append and attention
+// projection with the LoRA of q/k/v, one kernel for the per-head q/k RMSNorm, rotate-half RoPE (on
+// the first rotary_dim dims of each head: Qwen3.5 rotates 64 of 256) and the paged KV append, attention
 // (FlashInfer's paged-prefill kernel or moelora's), Qwen3.5's sigmoid output gate, o_proj with its
 // LoRA. Gated layers hold q_proj's rows as [q of every head | gate of every head] (regrouped at
 // upload, see Layer), so q, k and v are read exactly as without the gate.
@@ -51,25 +51,6 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
   const int width = layer.qkv.out;
   project(shape, layer, hnorm_, layer.qkv, qkv_,
           {{kQ, 0}, {kK, layer.q_out}, {kV, layer.q_out + layer.kv_out}});
-  if (layer.q_norm) {
-    for (const auto& [ptr, heads, weight] :
-         {std::tuple{qkv_, Hq, layer.q_norm}, std::tuple{qkv_ + layer.q_out, Hkv, layer.k_norm}}) {
-      gd::HeadNormArgs a;
-      a.x = ptr;
-      a.tokens = shape.tokens;
-      a.num_tokens = d.num_tokens;
-      a.heads = heads;
-      a.head_dim = D;
-      a.token_stride = width;
-      a.weight = weight;
-      a.eps = static_cast<float>(config_.rms_norm_eps);
-      a.style = config_.norm_style;
-      gd::launch_head_rms_norm(a, main_.get());
-    }
-  }
-  rope(qkv_, shape, Hq, width, D, 0);
-  rope(qkv_ + layer.q_out, shape, Hkv, width, D, 0);
-
   ops::cuda::PagedKv cache;
   cache.k = k_cache_ + static_cast<size_t>(layer.kv_index) * kv_layer_elems_;
   cache.v = v_cache_ + static_cast<size_t>(layer.kv_index) * kv_layer_elems_;
@@ -77,17 +58,28 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
   cache.num_kv_heads = Hkv;
   cache.head_dim = D;
   cache.v_head_dim = D;
-  ops::cuda::PagedKvAppendArgs append;
-  append.cache = cache;
-  append.batch = batch(shape);
-  append.k = qkv_ + layer.q_out;
-  append.k_stride = width;
-  append.v = qkv_ + layer.q_out + layer.kv_out;
-  append.v_stride = width;
-  ops::cuda::launch_paged_kv_append(append, main_.get());
+  // q/k norms, RoPE and the KV append in one launch (ops/attention/qkv_prologue_cuda.cuh).
+  ops::cuda::QkvPrologueArgs prologue;
+  prologue.qkv = qkv_;
+  prologue.row_stride = width;
+  prologue.num_tokens = d.num_tokens;
+  prologue.q_heads = Hq;
+  prologue.k_offset = layer.q_out;
+  prologue.v_offset = layer.q_out + layer.kv_out;
+  prologue.q_norm = layer.q_norm;
+  prologue.k_norm = layer.q_norm ? layer.k_norm : nullptr;
+  prologue.eps = static_cast<float>(config_.rms_norm_eps);
+  prologue.norm_style = config_.norm_style;
+  prologue.rotary_dim = rotary_dim_;
+  prologue.inv_freq = inv_freq_;
+  prologue.attention_factor = attention_factor_;
+  prologue.rope_style = config_.rope_style;
+  prologue.cache = cache;
+  prologue.batch = batch(shape);
+  ops::cuda::launch_qkv_prologue(prologue, main_.get());
   ops::cuda::PagedAttentionArgs attn;
   attn.cache = cache;
-  attn.batch = append.batch;
+  attn.batch = prologue.batch;
   attn.q = qkv_;
   attn.q_stride = width;
   attn.num_q_heads = Hq;

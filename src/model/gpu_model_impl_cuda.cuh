@@ -36,6 +36,7 @@
 #include "model/weights.h"
 #include "ops/attention/attention_cuda.cuh"
 #include "ops/attention/attention_flashinfer.cuh"
+#include "ops/attention/qkv_prologue_cuda.cuh"
 #include "ops/embedding/embedding_cuda.cuh"
 #include "ops/gdn/gdn_cuda.cuh"
 #include "ops/linear/linear_cuda.cuh"
