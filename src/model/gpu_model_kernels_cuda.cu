@@ -1,4 +1,4 @@
-// Kernels of gpu_model_kernels_cuda.cuh: per-head RMSNorm, last-row gather, the cuBLAS bf16 GEMM
+// Kernels of gpu_model_kernels_cuda.cuh: the sigmoid gate, last-row gather, the cuBLAS bf16 GEMM
 // wrapper and the seeded fills.
 #include "model/gpu_model_kernels_cuda.cuh"
 
@@ -9,30 +9,6 @@
 namespace moelora::model::gpu_detail {
 
 namespace {
-
-constexpr int kWarpsPerBlock = 4;
-
-// One warp per (token, head): sum of squares over D, then the scaled write (in place).
-__global__ void head_rms_norm_kernel(HeadNormArgs p) {
-  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
-  const int lane = threadIdx.x % 32;
-  const int valid = p.num_tokens ? min(*p.num_tokens, p.tokens) : p.tokens;
-  const int token = warp / p.heads, head = warp % p.heads;
-  if (token >= valid) return;
-  __nv_bfloat16* row = p.x + token * p.token_stride + static_cast<int64_t>(head) * p.head_dim;
-  float sum = 0.0f;
-  for (int d = lane; d < p.head_dim; d += 32) {
-    const float v = __bfloat162float(row[d]);
-    sum += v * v;
-  }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  const float inv_rms = 1.0f / sqrtf(sum / static_cast<float>(p.head_dim) + p.eps);
-  for (int d = lane; d < p.head_dim; d += 32) {
-    const float w = __bfloat162float(p.weight[d]);
-    const float v = __bfloat162float(row[d]) * inv_rms;
-    row[d] = __float2bfloat16(p.style == NormStyle::kOnePlusWeight ? v * (1.0f + w) : w * v);
-  }
-}
 
 // One block per output row.
 __global__ void gather_rows_kernel(const __nv_bfloat16* src, int src_rows, const int32_t* rows,
@@ -91,13 +67,33 @@ void check_cublas(cublasStatus_t status, const char* what) {
                 " failed with cuBLAS status ", static_cast<int>(status));
 }
 
-// One CTA per token row, threads over the width.
-__global__ void sigmoid_gate_kernel(SigmoidGateArgs p) {
-  const int t = blockIdx.x;
+// Grid (column blocks of 8 * 256, token rows): a thread takes 8 consecutive columns (one 16-byte
+// vector of x and of the gate when both are aligned). One CTA per row walking the whole width left
+// a decode batch of 16 rows at 16 CTAs and 9.5 us per layer on the H200.
+constexpr int kGateThreads = 256;
+constexpr int kGateVec = 8;
+
+__global__ void __launch_bounds__(kGateThreads) sigmoid_gate_kernel(SigmoidGateArgs p, bool vec) {
+  const int t = blockIdx.y;
   if (p.num_tokens != nullptr && t >= *p.num_tokens) return;
   __nv_bfloat16* x = p.x + static_cast<int64_t>(t) * p.width;
   const __nv_bfloat16* g = p.gate + static_cast<int64_t>(t) * p.gate_stride;
-  for (int i = threadIdx.x; i < p.width; i += blockDim.x) {
+  const int i0 = (blockIdx.x * kGateThreads + threadIdx.x) * kGateVec;
+  if (i0 >= p.width) return;
+  if (vec && i0 + kGateVec <= p.width) {
+    uint4 xv = *reinterpret_cast<const uint4*>(x + i0);
+    const uint4 gv = *reinterpret_cast<const uint4*>(g + i0);
+    auto* xe = reinterpret_cast<__nv_bfloat16*>(&xv);
+    const auto* ge = reinterpret_cast<const __nv_bfloat16*>(&gv);
+#pragma unroll
+    for (int j = 0; j < kGateVec; ++j) {
+      const float gate = __bfloat162float(ge[j]);
+      xe[j] = __float2bfloat16(__bfloat162float(xe[j]) * (1.0f / (1.0f + expf(-gate))));
+    }
+    *reinterpret_cast<uint4*>(x + i0) = xv;
+    return;
+  }
+  for (int i = i0; i < min(i0 + kGateVec, p.width); ++i) {
     const float gate = __bfloat162float(g[i]);
     x[i] = __float2bfloat16(__bfloat162float(x[i]) * (1.0f / (1.0f + expf(-gate))));
   }
@@ -110,19 +106,13 @@ void launch_sigmoid_gate(const SigmoidGateArgs& args, cudaStream_t stream) {
                 ErrorCode::kInvalidArgument, "sigmoid_gate: x, gate, width = ", args.width,
                 " and gate_stride = ", args.gate_stride, " (>= width) are required");
   if (args.tokens <= 0) return;
-  sigmoid_gate_kernel<<<args.tokens, 256, 0, stream>>>(args);
-  MOELORA_CUDA_CHECK_LAUNCH();
-}
-
-void launch_head_rms_norm(const HeadNormArgs& args, cudaStream_t stream) {
-  MOELORA_CHECK(
-      args.x && args.weight && args.heads > 0 && args.head_dim > 0 && args.head_dim <= 1024,
-      ErrorCode::kInvalidArgument, "head_rms_norm: x, weight, heads = ", args.heads,
-      " and head_dim = ", args.head_dim, " (<= 1024) are required");
-  if (args.tokens <= 0) return;
-  const int64_t warps = static_cast<int64_t>(args.tokens) * args.heads;
-  const int blocks = static_cast<int>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  head_rms_norm_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(args);
+  MOELORA_CHECK(args.tokens <= 65535, ErrorCode::kInvalidArgument, "sigmoid_gate: tokens = ",
+                args.tokens, " exceeds the grid's 65535 rows");
+  const bool vec = reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(args.gate) % 16 == 0 && args.width % kGateVec == 0 &&
+                   args.gate_stride % kGateVec == 0;
+  const dim3 grid((args.width + kGateThreads * kGateVec - 1) / (kGateThreads * kGateVec), args.tokens);
+  sigmoid_gate_kernel<<<grid, kGateThreads, 0, stream>>>(args, vec);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

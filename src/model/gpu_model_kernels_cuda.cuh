@@ -1,6 +1,5 @@
-// Small kernels of the GPU decoder that no operator folder owns: the per-head RMSNorm of
-// Qwen3's q/k (heads are slices of the fused qkv rows, so the rows are not uniformly strided),
-// Qwen3.5's sigmoid output gate of the attention,
+// Small kernels of the GPU decoder that no operator folder owns: Qwen3.5's sigmoid output gate of
+// the attention,
 // the gather of each sequence's last row for the output head, the bf16 dense GEMM wrapper over
 // cuBLAS, and the counter-based random fills that GpuModel::random() and randomize_slot() use.
 //
@@ -17,22 +16,6 @@
 #include "core/model_enums.h"
 
 namespace moelora::model::gpu_detail {
-
-// In-place RMSNorm over each head of x [T, heads, D] where head h of token t starts at
-// x + t * token_stride + h * D (q or k inside a fused qkv row). fp32 math like ops::rms_norm_ref:
-// y = w * (x * rsqrt(mean(x^2) + eps)) (or (1 + w) with NormStyle::kOnePlusWeight), rounded once.
-struct HeadNormArgs {
-  __nv_bfloat16* x = nullptr;
-  int tokens = 0;                       // grid capacity
-  const int32_t* num_tokens = nullptr;  // [1] valid tokens (device), nullptr = tokens
-  int heads = 0;
-  int head_dim = 0;                       // D <= 1024
-  int64_t token_stride = 0;               // elements between tokens
-  const __nv_bfloat16* weight = nullptr;  // [D]
-  float eps = 1e-6f;
-  NormStyle style = NormStyle::kWeight;
-};
-void launch_head_rms_norm(const HeadNormArgs& args, cudaStream_t stream);
 
 // Qwen3.5's attention output gate, in place: x[t, i] *= sigmoid(gate[t, i]) for i < width
 // (x [T, width] contiguous rows; gate rows gate_stride apart, e.g. a column block of the fused

@@ -28,6 +28,7 @@
 
 #include "core/dtype.h"
 #include "gpu/gpu_test_util.cuh"
+#include "model/gpu_model_kernels_cuda.cuh"
 #include "ops/embedding/embedding.h"
 #include "ops/embedding/embedding_cuda.cuh"
 #include "ops/linear/linear.h"
@@ -640,6 +641,57 @@ TEST(Sm90_DenseOps, SampledDistributionFollowsSoftmax) {
     // A grid point that sits within rounding of a boundary may move to the neighbour token.
     EXPECT_LE(differing, 4) << "T " << p.temperature << " top_p " << p.top_p << " top_k "
                             << p.top_k;
+  }
+}
+
+
+// ---------------------------------------------------------------- sigmoid output gate
+
+// Qwen3.5's attention output gate x *= sigmoid(gate) against the formula in fp32 with one bf16
+// rounding, on the vector path (Qwen3.5-35B-A3B's 16 heads of 256, gate rows inside wider qkv
+// rows) and the scalar one (odd width and stride), with rows past the count untouched.
+TEST(Sm90_DenseOps, SigmoidGateMatchesTheFormula) {
+  MOELORA_REQUIRE_SM90();
+  struct GateCase {
+    int width, gate_stride, tokens, valid;
+  };
+  uint64_t seed = 40;
+  for (const GateCase& c : {GateCase{4096, 4096 * 2 + 1024, 9, 7}, GateCase{1003, 1011, 5, 5}}) {
+    SCOPED_TRACE(c.width);
+    std::mt19937_64 rng(test::test_seed(seed++));
+    const std::vector<uint16_t> x = random_bf16(rng, static_cast<size_t>(c.tokens) * c.width, 1.0f);
+    const std::vector<uint16_t> gate = random_bf16(rng, static_cast<size_t>(c.tokens) * c.gate_stride, 2.0f);
+    auto x_d = upload_vector(x);
+    auto gate_d = upload_vector(gate);
+    auto count_d = upload_vector(std::vector<int32_t>{c.valid});
+    model::gpu_detail::SigmoidGateArgs a;
+    a.x = x_d.as<__nv_bfloat16>();
+    a.gate = gate_d.as<__nv_bfloat16>();
+    a.gate_stride = c.gate_stride;
+    a.width = c.width;
+    a.tokens = c.tokens;
+    a.num_tokens = count_d.as<int32_t>();
+    model::gpu_detail::launch_sigmoid_gate(a, nullptr);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto y = download_vector<uint16_t>(x_d, x.size());
+    size_t off = 0;
+    for (int t = 0; t < c.tokens; ++t) {
+      for (int i = 0; i < c.width; ++i) {
+        const size_t at = static_cast<size_t>(t) * c.width + i;
+        if (t >= c.valid) {
+          ASSERT_EQ(y[at], x[at]) << "row " << t << " past the count changed";
+          continue;
+        }
+        const float g = bf16_bits_to_f32(gate[static_cast<size_t>(t) * c.gate_stride + i]);
+        const float want = round_to_bf16(bf16_bits_to_f32(x[at]) * (1.0f / (1.0f + std::exp(-g))));
+        // expf on the device and std::exp here may differ in the last fp32 bit: one bf16 ulp.
+        if (bf16_bits_to_f32(y[at]) != want) {
+          ++off;
+          ASSERT_NEAR(bf16_bits_to_f32(y[at]), want, std::fabs(want) / 128 + 1e-30f) << "row " << t << " col " << i;
+        }
+      }
+    }
+    EXPECT_LE(off, x.size() / 100);
   }
 }
 
