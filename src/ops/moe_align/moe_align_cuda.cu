@@ -196,14 +196,14 @@ void launch_moe_align(const MoeAlignDeviceArgs& a, cudaStream_t stream) {
                 a.num_experts * (a.num_slots + 1), " bins need ", smem, " bytes of shared memory; at most 200 KB");
   MOELORA_CHECK(a.num_slots == 0 || (a.lora_segments && a.num_lora_segments), ErrorCode::kInvalidArgument,
                 "moe_align: lora_segments and num_lora_segments are required when S > 0");
-  if (smem > 48 * 1024) {  // opt in once per size class; not a stream operation, so capture-safe
-    static int configured_bytes = 0;
-    if (static_cast<int>(smem) > configured_bytes) {
-      MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_align_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              200 * 1024));
-      configured_bytes = 200 * 1024;
-    }
-  }
+  // Opt in once to 200 KB: the 48 KB default bounds static + dynamic shared memory together, so a
+  // dynamic size just under 48 KB failed to launch with this kernel's static part; not a stream
+  // operation, so capture-safe.
+  static const bool opted_in = [] {
+    MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_align_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    return true;
+  }();
+  (void)opted_in;
   ::moelora::cuda::launch_kernel(moe_align_kernel, dim3(1), dim3(kThreads), smem, stream, a.pdl, a);
 }
 
