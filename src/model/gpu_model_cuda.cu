@@ -56,42 +56,21 @@ void GpuModelImpl::rms_norm(const bf16* x, bf16* residual, const bf16* weight, b
   ops::cuda::launch_rms_norm(a, main_.get());
 }
 
-void GpuModelImpl::residual_norm(const ForwardShape& shape, const bf16* weight, bf16* y) {
-  ops::cuda::RmsNormArgs a;
-  a.x = branch_;
-  a.residual = resid_;
-  a.weight = weight;
-  a.y = y;
-  a.rows = shape.tokens;
-  a.num_rows = device_step_.num_tokens;
-  a.dim = hidden_;
-  a.eps = static_cast<float>(config_.rms_norm_eps);
-  a.style = config_.norm_style;
-  MOELORA_ASSERT(branch_lora_.num_targets <= 1, "branch_ has ", branch_lora_.num_targets,
-                 " pending LoRA targets; its projections have one");
-  if (branch_lora_.num_targets == 1)
-    a.x_lora = ops::cuda::lora_row_delta_of(branch_lora_, 0, device_step_.token_slot);
-  ops::cuda::launch_rms_norm(a, main_.get());
-  branch_lora_.num_targets = 0;
-}
-
 void GpuModelImpl::project(const ForwardShape& shape, const Layer& layer, const bf16* x,
                            const Linear& w, bf16* y,
-                           std::initializer_list<std::pair<int, int>> loras,
-                           ops::cuda::LoraMultiExpandArgs* deferred) {
+                           std::initializer_list<std::pair<int, int>> loras) {
   std::array<ProjectLora, ops::cuda::kLoraMaxTargets> targets{};
   MOELORA_ASSERT(loras.size() <= targets.size(), "a projection has ", loras.size(),
                  " LoRA targets");
   size_t n = 0;
   for (const auto& [target, column] : loras) targets[n++] = {target, y, column, w.out};
   const ProjectGemm gemm{&w, y};
-  project_group(shape, layer, x, std::span(&gemm, 1), std::span(targets.data(), n), deferred);
+  project_group(shape, layer, x, std::span(&gemm, 1), std::span(targets.data(), n));
 }
 
 void GpuModelImpl::project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
                                  std::span<const ProjectGemm> gemms,
-                                 std::span<const ProjectLora> loras,
-                                 ops::cuda::LoraMultiExpandArgs* deferred) {
+                                 std::span<const ProjectLora> loras) {
   cudaStream_t main = main_.get(), side = side_.get();
   const int T = limits_.max_tokens;
   ops::cuda::LoraMultiShrinkArgs shrink;
@@ -139,13 +118,8 @@ void GpuModelImpl::project_group(const ForwardShape& shape, const Layer& layer, 
     gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, x, g.w->in, g.w->w, g.y,
                   CUDA_R_16BF, g.w->out, shape.tokens, g.w->out, g.w->in);
   }
-  if (deferred != nullptr) deferred->num_targets = 0;
   if (!use_lora) return;
   MOELORA_CUDA_CHECK(cudaStreamWaitEvent(main, join_.get(), 0));
-  if (deferred != nullptr) {  // the consumer adds the deltas
-    *deferred = expand;
-    return;
-  }
   ops::cuda::launch_lora_expand_multi(expand, main);
 }
 
@@ -171,7 +145,6 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
   embed.hidden = H;
   embed.vocab = vocab_;
   ops::cuda::launch_embedding(embed, main);
-  branch_lora_.num_targets = 0;
 
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
@@ -179,7 +152,7 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
     if (l == 0) {
       rms_norm(resid_, nullptr, layer.input_norm, hnorm_, shape.tokens, d.num_tokens, H);
     } else {
-      residual_norm(shape, layer.input_norm, hnorm_);
+      rms_norm(branch_, resid_, layer.input_norm, hnorm_, shape.tokens, d.num_tokens, H);
     }
     if (layer.linear) {
       linear_attention(shape, layer);
@@ -188,12 +161,8 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
     } else {
       gqa_attention(shape, layer, static_cast<int64_t>(l));
     }
-    residual_norm(shape, layer.post_norm, hnorm_);
+    rms_norm(branch_, resid_, layer.post_norm, hnorm_, shape.tokens, d.num_tokens, H);
     ffn(shape, layer);
-  }
-  if (branch_lora_.num_targets > 0) {  // a dense last layer's down_proj: no norm reads it per row
-    ops::cuda::launch_lora_expand_multi(branch_lora_, main);
-    branch_lora_.num_targets = 0;
   }
 
   // Output head on each sequence's last row only: gather, final (residual-fused) norm, lm_head.

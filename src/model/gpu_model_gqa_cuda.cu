@@ -49,10 +49,8 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
             Hkv = static_cast<int>(config_.num_key_value_heads);
   const int D = static_cast<int>(config_.head_dim);
   const int width = layer.qkv.out;
-  // The q/k/v LoRA deltas are added by the prologue below, not by an expand-add launch.
-  ops::cuda::LoraMultiExpandArgs qkv_lora;
   project(shape, layer, hnorm_, layer.qkv, qkv_,
-          {{kQ, 0}, {kK, layer.q_out}, {kV, layer.q_out + layer.kv_out}}, &qkv_lora);
+          {{kQ, 0}, {kK, layer.q_out}, {kV, layer.q_out + layer.kv_out}});
   ops::cuda::PagedKv cache;
   cache.k = k_cache_ + static_cast<size_t>(layer.kv_index) * kv_layer_elems_;
   cache.v = v_cache_ + static_cast<size_t>(layer.kv_index) * kv_layer_elems_;
@@ -78,11 +76,6 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
   prologue.rope_style = config_.rope_style;
   prologue.cache = cache;
   prologue.batch = batch(shape);
-  prologue.lora.num_targets = qkv_lora.num_targets;
-  for (int i = 0; i < qkv_lora.num_targets; ++i) {
-    prologue.lora.targets[i] = ops::cuda::lora_row_delta_of(qkv_lora, i, d.token_slot);
-    prologue.lora.columns[i] = qkv_lora.targets[i].out - qkv_;
-  }
   ops::cuda::launch_qkv_prologue(prologue, main_.get());
   ops::cuda::PagedAttentionArgs attn;
   attn.cache = cache;
@@ -108,7 +101,7 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
     gate.num_tokens = d.num_tokens;
     gd::launch_sigmoid_gate(gate, main_.get());
   }
-  project(shape, layer, attn_, layer.o, branch_, {{kO, 0}}, &branch_lora_);
+  project(shape, layer, attn_, layer.o, branch_, {{kO, 0}});
 }
 
 }  // namespace moelora::model::gpu_impl

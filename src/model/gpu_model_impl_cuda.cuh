@@ -311,8 +311,6 @@ class GpuModelImpl final : public GpuModel {
 
   void rms_norm(const bf16* x, bf16* residual, const bf16* weight, bf16* y, int rows,
                 const int32_t* num_rows, int dim, int64_t x_stride = 0, int64_t y_stride = 0) const;
-  // resid += branch_ (+ the LoRA delta pending on branch_, see branch_lora_); y = norm(resid).
-  void residual_norm(const ForwardShape& shape, const bf16* weight, bf16* y);
 
   void rope(bf16* x, const ForwardShape& shape, int heads, int64_t token_stride,
             int64_t head_stride, int dim_offset) const;
@@ -332,12 +330,9 @@ class GpuModelImpl final : public GpuModel {
   };
 
   // y [T, w.out] = x [T, w.in] W^T, plus the LoRA delta of each (target, first column) of `loras`
-  // on the rows of the LoRA segments. With `deferred`, the expand-add is not launched: the main
-  // stream waits for the shrink and *deferred gets the expand's arguments (num_targets 0 without
-  // LoRA work) for the consumer that adds the deltas itself (the GQA qkv prologue).
+  // on the rows of the LoRA segments.
   void project(const ForwardShape& shape, const Layer& layer, const bf16* x, const Linear& w,
-               bf16* y, std::initializer_list<std::pair<int, int>> loras,
-               ops::cuda::LoraMultiExpandArgs* deferred = nullptr);
+               bf16* y, std::initializer_list<std::pair<int, int>> loras);
 
   // The base GEMMs of `gemms` and the LoRA of every target of `loras`, all reading x [T, in]
   // (q/k/v of one fused GEMM; MLA's q_a and kv_a; gate and up): one shrink launch for all targets
@@ -349,15 +344,13 @@ class GpuModelImpl final : public GpuModel {
   // base GEMM (at decode ~2-4 us against 5-7 us for the qkv or o GEMM of Qwen3-30B-A3B), so the
   // join is free and the main stream pays for one small kernel, the same count as the add_rows
   // that used to follow it, but no longer waits for a side chain of shrink + expand; it also
-  // reads the fp32 partials ([splits, T, R], ~100 KB) instead of a bf16 delta [T, out]. It
-  // cannot run on the side stream: no cross-stream in-place add on a buffer the main stream
-  // writes. Where the consumer is one kernel that reads every column anyway, the add moves into
-  // it (`deferred`: the GQA qkv prologue adds q/k/v deltas before its norms; 5 us per layer of
-  // Qwen3-30B-A3B at 16 decode rows on the H200). Rounding is that of expand + add_rows: the delta
-  // is rounded to bf16, then added to the bf16 output in fp32 and rounded once.
+  // reads the fp32 partials ([splits, T, R], ~100 KB) instead of a bf16 delta [T, out]. The add
+  // cannot move into the consumers (q/k norms, rope, the next residual RMSNorm) without putting
+  // LoRA into every one of them, and it cannot run on the side stream: no cross-stream in-place
+  // add on a buffer the main stream writes. Rounding is that of expand + add_rows: the delta is
+  // rounded to bf16, then added to the bf16 output in fp32 and rounded once.
   void project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
-                     std::span<const ProjectGemm> gemms, std::span<const ProjectLora> loras,
-                     ops::cuda::LoraMultiExpandArgs* deferred = nullptr);
+                     std::span<const ProjectGemm> gemms, std::span<const ProjectLora> loras);
 
   void gqa_attention(const ForwardShape& shape, const Layer& layer, int64_t l);
   void linear_attention(const ForwardShape& shape, const Layer& layer);
@@ -407,9 +400,6 @@ class GpuModelImpl final : public GpuModel {
   bf16* latent_cache_ = nullptr;
 
   bf16 *resid_ = nullptr, *hnorm_ = nullptr, *branch_ = nullptr;
-  // The LoRA of the projection that last wrote branch_ (o_proj, out_proj, down_proj), its expand-add
-  // left to the residual RMSNorm that reads branch_ next (residual_norm); num_targets 0: none.
-  ops::cuda::LoraMultiExpandArgs branch_lora_;
   bf16 *qkv_ = nullptr, *attn_ = nullptr;
   bf16 *q_lat_ = nullptr, *q_ = nullptr, *kv_ = nullptr, *q_full_ = nullptr, *o_lat_ = nullptr;
   bf16 *gate_up_ = nullptr, *act_ = nullptr;

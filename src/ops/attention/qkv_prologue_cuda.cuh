@@ -20,19 +20,8 @@
 
 #include "core/model_enums.h"
 #include "ops/attention/attention_cuda.cuh"
-#include "ops/lora/lora_cuda.cuh"
 
 namespace moelora::ops::cuda {
-
-// The LoRA of the projection that wrote qkv, added by the prologue to each column block before
-// anything reads it, instead of by an expand-add launch after the projection: target t's delta
-// (LoraRowDelta, the expand's kAdd arithmetic) goes to columns [column_t, column_t +
-// pool.out_features) of a row.
-struct QkvPrologueLora {
-  int num_targets = 0;  // 0: no LoRA
-  LoraRowDelta targets[3];
-  int64_t columns[3] = {0, 0, 0};
-};
 
 struct QkvPrologueArgs {
   __nv_bfloat16* qkv = nullptr;  // [tokens, row_stride]: q at 0, k at k_offset, v at v_offset
@@ -55,7 +44,6 @@ struct QkvPrologueArgs {
   // page_table, max_tokens = the grid).
   PagedKv cache;
   AttentionBatch batch;
-  QkvPrologueLora lora;
 };
 
 void launch_qkv_prologue(const QkvPrologueArgs& args, cudaStream_t stream);

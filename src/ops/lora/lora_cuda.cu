@@ -582,32 +582,6 @@ void check_row_major(const LoraSegmentsView& seg, const char* what) {
 
 }  // namespace
 
-LoraRowDelta lora_row_delta_of(const LoraMultiExpandArgs& expand, int i, const int32_t* row_slot) {
-  MOELORA_CHECK(i >= 0 && i < expand.num_targets, ErrorCode::kInvalidArgument, "lora_row_delta_of: target ",
-                i, " of ", expand.num_targets);
-  LoraRowDelta d;
-  d.pool = expand.targets[i].pool;
-  d.partial = expand.targets[i].partial;
-  d.splits = expand.splits > 0 ? expand.splits : lora_shrink_splits(d.pool.in_features);
-  d.row_capacity = expand.row_capacity;
-  d.row_slot = row_slot;
-  return d;
-}
-
-void check_lora_row_delta(const LoraRowDelta& d, int rows, int columns, const char* what) {
-  if (d.pool.b == nullptr) return;
-  MOELORA_CHECK(d.partial && d.pool.scaling && d.pool.rank && d.row_slot, ErrorCode::kInvalidArgument,
-                what, ": a LoRA row delta needs partial, pool.scaling, pool.rank and row_slot");
-  MOELORA_CHECK(d.splits > 0 && d.row_capacity >= rows, ErrorCode::kInvalidArgument, what,
-                ": LoRA row delta splits ", d.splits, " (> 0) and row_capacity ", d.row_capacity,
-                " (>= ", rows, " rows)");
-  MOELORA_CHECK(d.pool.max_rank > 0 && d.pool.max_rank <= kLoraRowMaxRank && d.pool.max_rank % 8 == 0,
-                ErrorCode::kInvalidArgument, what, ": LoRA row delta max_rank ", d.pool.max_rank,
-                " must be a multiple of 8 in [8, ", kLoraRowMaxRank, "]");
-  MOELORA_CHECK(d.pool.out_features >= columns, ErrorCode::kInvalidArgument, what,
-                ": LoRA row delta out_features ", d.pool.out_features, " < ", columns, " columns");
-}
-
 int lora_shrink_splits(int in_features) {
   const int cols = 256 * shrink_vec(in_features);
   return (in_features + cols - 1) / cols;

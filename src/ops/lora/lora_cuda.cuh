@@ -105,7 +105,6 @@ struct LoraExpandArgs {
 // ---- multi-target launches ----
 
 constexpr int kLoraMaxTargets = 4;  // Gated DeltaNet's in_proj_qkv / z / b / a
-constexpr int kLoraRowMaxRank = 256;  // LoraRowDelta: the pool's max_rank at most
 
 // One target of a multi-target shrink. Every target of a launch has the same in_features (they
 // read the same x), hence the same K splits; max_rank may differ.
@@ -151,26 +150,6 @@ struct LoraMultiExpandArgs {
   const int32_t* u_row = nullptr;  // row of `partial` holding sorted row q's u; nullptr = q
   LoraExpandMode mode = LoraExpandMode::kWrite;
 };
-
-// One dense target's LoRA delta for a consumer kernel that adds it to its input rows itself
-// instead of an expand-add launch (the GQA qkv prologue, the residual RMSNorm after o_proj):
-//   x[row, n] = bf16(x[row, n] + bf16(scaling[s] * sum_r (sum_split partial[split, row, r]) *
-//               B[s, 0, n, r]))  for s = row_slot[row] >= 0 with rank[s] > 0,
-// the multi-target expand's kAdd arithmetic in its order (lora_row_delta_cuda.cuh has the device
-// side). pool.b == nullptr: no delta.
-struct LoraRowDelta {
-  LoraPoolTarget pool;             // a dense pool (one expert)
-  const float* partial = nullptr;  // [splits, row_capacity, pool.max_rank] from the shrink
-  int splits = 0;                  // lora_shrink_splits(pool.in_features)
-  int row_capacity = 0;
-  const int32_t* row_slot = nullptr;  // [rows] adapter slot of each row, -1 = base
-};
-// The LoraRowDelta of target i of a multi-target expand over token rows (its kAdd launch left to
-// the consumer); row_slot: the rows' adapter slots.
-LoraRowDelta lora_row_delta_of(const LoraMultiExpandArgs& expand, int i, const int32_t* row_slot);
-// Checks a LoraRowDelta for a consumer of `rows` rows and `columns` output columns (Error naming
-// the field); no-op when pool.b is null.
-void check_lora_row_delta(const LoraRowDelta& d, int rows, int columns, const char* what);
 
 // Number of K splits the shrink uses for `in` input features (the expand needs it too).
 int lora_shrink_splits(int in_features);

@@ -1,8 +1,7 @@
 // RMSNorm on the GPU (see norm_cuda.cuh). A "row group" of threads normalizes one row: a warp for
 // D <= 1024 (q/k heads of 128, MLA latents of 512 / 1536: many short rows, one CTA of 8 warps
 // takes 8 rows) or a whole CTA for longer rows (the hidden size). Two passes over the row:
-//   1. r = x (+ its LoRA delta when x_lora is set, the expand-add's arithmetic) (+ residual, fp32
-//      sum rounded to bf16 once and written back to residual);
+//   1. r = x (+ residual, fp32 sum rounded to bf16 once and written back to residual);
 //      sum of r^2 in fp32, reduced over the group;
 //   2. y = style(w, r * inv_rms), re-reading r (from residual when fused, else from x).
 // Each element is read and written by the same thread in both passes, so y may alias x.
@@ -10,7 +9,6 @@
 #include <cstdint>
 
 #include "core/cuda_utils.h"
-#include "ops/lora/lora_row_delta_cuda.cuh"
 #include "ops/norm/norm_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -62,10 +60,8 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float v[8]) {
 }
 
 // One row, processed by `group` threads with index `g` in the group. kVec: 8 elements per step.
-// lora: the row's LoRA delta (lora_rank > 0; u holds its scaled partial sums) added to x first.
 template <bool kVec>
-__device__ float row_pass1(const RmsNormArgs& a, int64_t row, int g, int group, int lora_slot,
-                           int lora_rank, const float* u) {
+__device__ float row_pass1(const RmsNormArgs& a, int64_t row, int g, int group) {
   const __nv_bfloat16* x = a.x + row * a.x_stride;
   __nv_bfloat16* res = a.residual ? a.residual + row * a.dim : nullptr;
   float sum_sq = 0.0f;
@@ -73,10 +69,6 @@ __device__ float row_pass1(const RmsNormArgs& a, int64_t row, int g, int group, 
     for (int c = g * 8; c < a.dim; c += group * 8) {
       float v[8];
       load8(x + c, v);
-      if (lora_rank > 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = lora_row_add(a.x_lora, lora_slot, lora_rank, c + i, u, v[i]);
-      }
       if (res) {
         float r[8];
         load8(res + c, r);
@@ -90,7 +82,6 @@ __device__ float row_pass1(const RmsNormArgs& a, int64_t row, int g, int group, 
   } else {
     for (int c = g; c < a.dim; c += group) {
       float v = __bfloat162float(x[c]);
-      if (lora_rank > 0) v = lora_row_add(a.x_lora, lora_slot, lora_rank, c, u, v);
       if (res) {
         const __nv_bfloat16 r = __float2bfloat16_rn(v + __bfloat162float(res[c]));
         res[c] = r;
@@ -134,12 +125,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_warp_kernel(const RmsNo
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kNormThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= a.rows || row >= valid_rows(a)) return;  // whole warps leave together
-  __shared__ float lora_u[kNormThreads / 32][kLoraRowMaxRank];
-  float* u = lora_u[threadIdx.x / 32];
-  int slot = -1;
-  const int rank = lora_row_u(a.x_lora, static_cast<int>(row), lane, 32, u, &slot);
-  __syncwarp();
-  const float sum_sq = warp_sum(row_pass1<kVec>(a, row, lane, 32, slot, rank, u));
+  const float sum_sq = warp_sum(row_pass1<kVec>(a, row, lane, 32));
   __syncwarp();  // the residual row written by other lanes is re-read in pass 2
   const float inv_rms = 1.0f / sqrtf(sum_sq / static_cast<float>(a.dim) + a.eps);
   row_pass2<kVec>(a, row, lane, 32, inv_rms);
@@ -151,12 +137,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_block_kernel(const RmsN
   __shared__ float scratch[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   if (row >= valid_rows(a)) return;  // uniform over the CTA
-  __shared__ float u[kLoraRowMaxRank];
-  int slot = -1;
-  const int rank = lora_row_u(a.x_lora, static_cast<int>(row), threadIdx.x, blockDim.x, u, &slot);
-  if (rank > 0) __syncthreads();  // uniform: the row's slot is the CTA's
-  const float sum_sq =
-      block_sum(row_pass1<kVec>(a, row, threadIdx.x, blockDim.x, slot, rank, u), scratch);
+  const float sum_sq = block_sum(row_pass1<kVec>(a, row, threadIdx.x, blockDim.x), scratch);
   const float inv_rms = 1.0f / sqrtf(sum_sq / static_cast<float>(a.dim) + a.eps);
   row_pass2<kVec>(a, row, threadIdx.x, blockDim.x, inv_rms);
 }
@@ -182,11 +163,6 @@ void launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream) {
                 ", y_stride ", args.y_stride);
   MOELORA_CHECK(args.eps >= 0.0f, ErrorCode::kInvalidArgument, "rms_norm: eps must be >= 0, got ",
                 args.eps);
-  if (args.x_lora.pool.b != nullptr) {
-    MOELORA_CHECK(args.residual != nullptr && args.rows_per_token == 1, ErrorCode::kInvalidArgument,
-                  "rms_norm: x_lora needs the residual (pass 2 re-reads the sum) and rows_per_token 1");
-    check_lora_row_delta(args.x_lora, args.rows, args.dim, "rms_norm");
-  }
   RmsNormArgs a = args;
   if (a.x_stride == 0) a.x_stride = a.dim;
   if (a.y_stride == 0) a.y_stride = a.dim;

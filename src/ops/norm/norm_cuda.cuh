@@ -15,7 +15,6 @@
 #include <cstdint>
 
 #include "core/model_enums.h"
-#include "ops/lora/lora_cuda.cuh"
 
 namespace moelora::ops::cuda {
 
@@ -31,10 +30,6 @@ struct RmsNormArgs {
   int64_t x_stride = 0, y_stride = 0;     // 0 = D
   float eps = 1e-6f;
   NormStyle style = NormStyle::kWeight;
-  // The LoRA delta of the projection that wrote x, added to x before the residual (the expand-add
-  // launch folded into this kernel; see LoraRowDelta): needs residual and rows_per_token 1.
-  // pool.b == nullptr: none.
-  LoraRowDelta x_lora;
 };
 void launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
 
