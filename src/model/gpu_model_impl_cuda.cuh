@@ -344,10 +344,11 @@ class GpuModelImpl final : public GpuModel {
   // base GEMM (at decode ~2-4 us against 5-7 us for the qkv or o GEMM of Qwen3-30B-A3B), so the
   // join is free and the main stream pays for one small kernel, the same count as the add_rows
   // that used to follow it, but no longer waits for a side chain of shrink + expand; it also
-  // reads the fp32 partials ([splits, T, R], ~100 KB) instead of a bf16 delta [T, out]. The add
-  // cannot move into the consumers (q/k norms, rope, the next residual RMSNorm) without putting
-  // LoRA into every one of them, and it cannot run on the side stream: no cross-stream in-place
-  // add on a buffer the main stream writes. Rounding is that of expand + add_rows: the delta is
+  // reads the fp32 partials ([splits, T, R], ~100 KB) instead of a bf16 delta [T, out]. Folding
+  // the add into the consumers (the qkv prologue, the next residual RMSNorm) was measured on the
+  // H200 and gained nothing: each consumer row re-reads B, which the expand reads once per CTA
+  // (docs/gpu_engine.md §3a). It cannot run on the side stream: no cross-stream in-place add on
+  // a buffer the main stream writes. Rounding is that of expand + add_rows: the delta is
   // rounded to bf16, then added to the bf16 output in fp32 and rounded once.
   void project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
                      std::span<const ProjectGemm> gemms, std::span<const ProjectLora> loras);
