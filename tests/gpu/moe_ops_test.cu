@@ -36,11 +36,6 @@ namespace {
 using test::download_vector;
 using test::upload_vector;
 
-std::vector<float> to_vec(const Tensor& t) {
-  Tensor f = t.to_f32();
-  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
-}
-
 // Logits with a clear gap between every pair of consecutive sorted values, so that fp32
 // rounding differences between CPU and GPU cannot reorder the top-k.
 Tensor separated_logits(int T, int E, std::mt19937_64& rng) {

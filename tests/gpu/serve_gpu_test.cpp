@@ -94,11 +94,6 @@ class ServeGpu : public ::testing::Test {
 server::Server* ServeGpu::server_ = nullptr;
 fs::path ServeGpu::root_;
 
-std::string whole_text(const test::HttpAnswer& a) {
-  if (a.status != 200) return "status " + std::to_string(a.status) + " " + a.error + ": " + a.raw;
-  return a.body["choices"][0]["text"].get<std::string>();
-}
-
 // bf16 GEMMs of other batch sizes round differently, so a greedy request served in a batch may
 // leave its answer alone at a near-tie. Both runs report their log-probabilities (chat format:
 // every alternative with its bytes): up to the first differing token they must agree exactly, and
