@@ -16,8 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
+
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 
 #include <filesystem>
@@ -25,6 +25,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "bench_util.h"
@@ -139,7 +140,8 @@ std::string format_profile(const StepProfile& p, int64_t layers) {
   char line[512];
   std::snprintf(
       line, sizeof line,
-      "step span %.1f us (%.2f us per layer), %.0f kernels; main queue busy %.1f us, idle "
+      "step span %.1f us (%.2f us per layer), %.0f kernels; main queue kernel time %.1f us (durations summed: "
+      "kernels launched early overlap), idle "
       "%.1f us; other queues busy %.1f us\n\n",
       p.span_us, p.span_us / static_cast<double>(std::max<int64_t>(layers, 1)), p.kernels,
       p.main_busy_us, p.main_idle_us, p.side_busy_us);
@@ -188,6 +190,13 @@ int run(const Options& o) {
   const fs::path dir =
       fs::temp_directory_path() / ("moelora-decode-step-" + std::to_string(::getpid()));
   fs::create_directories(dir);
+  struct RemoveOnExit {  // also when a run throws
+    fs::path path;
+    ~RemoveOnExit() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+  } remove_dir{dir};
   const moelora::io::ModelConfig config = moelora::cli::preset_config(o.preset, o.layers, "fp8");
   {
     std::ofstream f(dir / "config.json");
@@ -265,17 +274,25 @@ int run(const Options& o) {
       for (int64_t s = 0; s < o.warm_steps; ++s)
         check(engine.step());  // captures the bucket's graph
       std::vector<std::vector<moelora::bench::KernelRecord>> steps;
+      const moelora::EngineStats before = engine.stats();
       for (int64_t s = 0; s < o.steps; ++s) {
         timeline.start();
         check(engine.step());
         steps.push_back(timeline.stop());
       }
+      const moelora::EngineStats after = engine.stats();
+      // Every recorded step must be one replay of the bucket's decode graph over all B sequences
+      // (no prefill chunk, no capture, no request ending in between).
+      MOELORA_CHECK(after.graph_replays - before.graph_replays == o.steps &&
+                        after.graph_captures == before.graph_captures &&
+                        after.decode_only_tokens - before.decode_only_tokens == o.steps * batch,
+                    ErrorCode::kInternal, "the ", o.steps, " recorded steps were ",
+                    after.graph_replays - before.graph_replays, " graph replays and ",
+                    after.graph_captures - before.graph_captures, " captures decoding ",
+                    after.decode_only_tokens - before.decode_only_tokens, " tokens; expected ",
+                    o.steps, " replays of ", batch, " tokens each (raise --warm-steps)");
       for (moelora::RequestId id : ids) check(engine.cancel(id));
       check(engine.run_until_idle());
-      const moelora::EngineStats stats = engine.stats();
-      MOELORA_CHECK(stats.graph_replays >= o.steps, ErrorCode::kInternal,
-                    "expected the recorded decode steps to be graph replays; the engine replayed ",
-                    stats.graph_replays, " graphs in all");
 
       const StepProfile p = profile_steps(steps);
       const std::string title = "## B = " + std::to_string(batch) + ", " +
@@ -298,7 +315,6 @@ int run(const Options& o) {
       }
     }
   }
-  fs::remove_all(dir);
   if (!o.out.empty()) {
     const fs::path base = fs::path(o.out) / ("decode_step_" + o.preset);
     std::ofstream(base.string() + ".md") << report;
