@@ -138,13 +138,13 @@ StepProfile profile_steps(const std::vector<std::vector<moelora::bench::KernelRe
 std::string format_profile(const StepProfile& p, int64_t layers) {
   std::string out;
   char line[512];
-  std::snprintf(
-      line, sizeof line,
-      "step span %.1f us (%.2f us per layer), %.0f kernels; main queue kernel time %.1f us (durations summed: "
-      "kernels launched early overlap), idle "
-      "%.1f us; other queues busy %.1f us\n\n",
-      p.span_us, p.span_us / static_cast<double>(std::max<int64_t>(layers, 1)), p.kernels,
-      p.main_busy_us, p.main_idle_us, p.side_busy_us);
+  std::snprintf(line, sizeof line,
+                "step span %.1f us (%.2f us per layer), %.0f kernels; main queue kernel time %.1f "
+                "us (durations summed: "
+                "kernels launched early overlap), idle "
+                "%.1f us; other queues busy %.1f us\n\n",
+                p.span_us, p.span_us / static_cast<double>(std::max<int64_t>(layers, 1)), p.kernels,
+                p.main_busy_us, p.main_idle_us, p.side_busy_us);
   out += line;
   out +=
       "| kernel | queue | calls/step | adds to span, us/step | % of span | adds per call, us | "
