@@ -16,7 +16,9 @@
 //   head: last_branch / last_resid / last_norm [B, H], logits fp32 [B, V], sampled int32 [B].
 // Dense LoRA: fork after the projection's input is ready, one multi-target shrink for all targets
 // that read it on the side stream while the main stream runs the base GEMM(s), join, one
-// multi-target expand on the main stream that adds the deltas into the output columns.
+// multi-target expand on the main stream that adds the deltas into the output columns. The
+// projections that write branch_ run the expand on the side stream too, into branch_delta_, and
+// the next residual RMSNorm adds the delta rows (project_branch, branch_norm).
 #include "model/gpu_model_impl_cuda.cuh"
 
 namespace moelora::model::gpu_impl {
@@ -56,21 +58,48 @@ void GpuModelImpl::rms_norm(const bf16* x, bf16* residual, const bf16* weight, b
   ops::cuda::launch_rms_norm(a, main_.get());
 }
 
-void GpuModelImpl::project(const ForwardShape& shape, const Layer& layer, const bf16* x,
+void GpuModelImpl::branch_norm(const ForwardShape& shape, const bf16* weight) {
+  ops::cuda::RmsNormArgs a;
+  a.x = branch_;
+  a.residual = resid_;
+  a.weight = weight;
+  a.y = hnorm_;
+  a.rows = shape.tokens;
+  a.num_rows = device_step_.num_tokens;
+  a.dim = hidden_;
+  a.eps = static_cast<float>(config_.rms_norm_eps);
+  a.style = config_.norm_style;
+  if (branch_delta_pending_) {
+    a.x_delta = branch_delta_;
+    a.delta_slot = device_step_.token_slot;
+    branch_delta_pending_ = false;
+  }
+  ops::cuda::launch_rms_norm(a, main_.get());
+}
+
+void GpuModelImpl::project_branch(const ForwardShape& shape, const Layer& layer, const bf16* x,
+                                  const Linear& w, int target) {
+  MOELORA_ASSERT(w.out == hidden_ && !branch_delta_pending_, "project_branch: out ", w.out,
+                 ", pending ", branch_delta_pending_);
+  branch_delta_pending_ = project(shape, layer, x, w, branch_, {{target, 0}}, branch_delta_);
+}
+
+bool GpuModelImpl::project(const ForwardShape& shape, const Layer& layer, const bf16* x,
                            const Linear& w, bf16* y,
-                           std::initializer_list<std::pair<int, int>> loras) {
+                           std::initializer_list<std::pair<int, int>> loras, bf16* lora_delta) {
   std::array<ProjectLora, ops::cuda::kLoraMaxTargets> targets{};
   MOELORA_ASSERT(loras.size() <= targets.size(), "a projection has ", loras.size(),
                  " LoRA targets");
   size_t n = 0;
   for (const auto& [target, column] : loras) targets[n++] = {target, y, column, w.out};
   const ProjectGemm gemm{&w, y};
-  project_group(shape, layer, x, std::span(&gemm, 1), std::span(targets.data(), n));
+  return project_group(shape, layer, x, std::span(&gemm, 1), std::span(targets.data(), n),
+                       lora_delta);
 }
 
-void GpuModelImpl::project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
+bool GpuModelImpl::project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
                                  std::span<const ProjectGemm> gemms,
-                                 std::span<const ProjectLora> loras) {
+                                 std::span<const ProjectLora> loras, bf16* lora_delta) {
   cudaStream_t main = main_.get(), side = side_.get();
   const int T = limits_.max_tokens;
   ops::cuda::LoraMultiShrinkArgs shrink;
@@ -87,7 +116,7 @@ void GpuModelImpl::project_group(const ForwardShape& shape, const Layer& layer, 
       shrink.targets[i] = {view, partial};
       expand.targets[i].pool = view;
       expand.targets[i].partial = partial;
-      expand.targets[i].out = l.y + l.column;
+      expand.targets[i].out = (lora_delta ? lora_delta : l.y) + l.column;
       expand.targets[i].out_stride = l.y_stride;
     }
   }
@@ -108,19 +137,22 @@ void GpuModelImpl::project_group(const ForwardShape& shape, const Layer& layer, 
     expand.num_targets = shrink.num_targets;
     expand.seg = seg;
     expand.row_capacity = T;
-    expand.mode = ops::cuda::LoraExpandMode::kAdd;
+    expand.mode = lora_delta ? ops::cuda::LoraExpandMode::kWrite : ops::cuda::LoraExpandMode::kAdd;
     fork_.record(main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(side, fork_.get(), 0));
     ops::cuda::launch_lora_shrink_multi(shrink, side);
+    if (lora_delta) ops::cuda::launch_lora_expand_multi(expand, side);
     join_.record(side);
   }
   for (const ProjectGemm& g : gemms) {
     gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, x, g.w->in, g.w->w, g.y,
                   CUDA_R_16BF, g.w->out, shape.tokens, g.w->out, g.w->in);
   }
-  if (!use_lora) return;
+  if (!use_lora) return false;
   MOELORA_CUDA_CHECK(cudaStreamWaitEvent(main, join_.get(), 0));
+  if (lora_delta) return true;
   ops::cuda::launch_lora_expand_multi(expand, main);
+  return false;
 }
 
 void GpuModelImpl::forward(const ForwardShape& shape) {
@@ -146,13 +178,14 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
   embed.vocab = vocab_;
   ops::cuda::launch_embedding(embed, main);
 
+  branch_delta_pending_ = false;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     // resid += branch (the previous half-layer's output); hnorm = norm(resid)
     if (l == 0) {
       rms_norm(resid_, nullptr, layer.input_norm, hnorm_, shape.tokens, d.num_tokens, H);
     } else {
-      rms_norm(branch_, resid_, layer.input_norm, hnorm_, shape.tokens, d.num_tokens, H);
+      branch_norm(shape, layer.input_norm);
     }
     if (layer.linear) {
       linear_attention(shape, layer);
@@ -161,8 +194,19 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
     } else {
       gqa_attention(shape, layer, static_cast<int64_t>(l));
     }
-    rms_norm(branch_, resid_, layer.post_norm, hnorm_, shape.tokens, d.num_tokens, H);
+    branch_norm(shape, layer.post_norm);
     ffn(shape, layer);
+  }
+  if (branch_delta_pending_) {  // a dense last layer's down_proj: add its delta before the head
+    ops::cuda::AddRowsArgs add;
+    add.y = branch_;
+    add.delta = branch_delta_;
+    add.row_slot = d.token_slot;
+    add.tokens = shape.tokens;
+    add.num_tokens = d.num_tokens;
+    add.cols = H;
+    ops::cuda::launch_add_rows(add, main);
+    branch_delta_pending_ = false;
   }
 
   // Output head on each sequence's last row only: gather, final (residual-fused) norm, lm_head.

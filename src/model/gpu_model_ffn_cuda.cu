@@ -49,7 +49,7 @@ void GpuModelImpl::ffn(const ForwardShape& shape, const Layer& layer) {
   s.num_tokens = d.num_tokens;
   s.inter = layer.inter;
   ops::cuda::launch_silu_mul(s, main_.get());
-  project(shape, layer, act_, layer.down, branch_, {{kMlpDown, 0}});
+  project_branch(shape, layer, act_, layer.down, kMlpDown);
 }
 
 }  // namespace moelora::model::gpu_impl

@@ -57,7 +57,7 @@ void GpuModelImpl::linear_attention(const ForwardShape& shape, const Layer& laye
   a.chunked_min_tokens =
       shape.max_q_len >= ops::cuda::kGdnChunkedMinTokens ? ops::cuda::kGdnChunkedMinTokens : 0;
   ops::cuda::launch_gdn_mix(a, main_.get());
-  project(shape, layer, gdn_mix_, layer.gdn_out, branch_, {{kOutProj, 0}});
+  project_branch(shape, layer, gdn_mix_, layer.gdn_out, kOutProj);
 }
 
 void GpuModelImpl::reset_state(int32_t state_slot, cudaStream_t stream) {

@@ -101,7 +101,7 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
     gate.num_tokens = d.num_tokens;
     gd::launch_sigmoid_gate(gate, main_.get());
   }
-  project(shape, layer, attn_, layer.o, branch_, {{kO, 0}});
+  project_branch(shape, layer, attn_, layer.o, kO);
 }
 
 }  // namespace moelora::model::gpu_impl

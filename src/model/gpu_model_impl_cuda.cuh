@@ -330,9 +330,19 @@ class GpuModelImpl final : public GpuModel {
   };
 
   // y [T, w.out] = x [T, w.in] W^T, plus the LoRA delta of each (target, first column) of `loras`
-  // on the rows of the LoRA segments.
-  void project(const ForwardShape& shape, const Layer& layer, const bf16* x, const Linear& w,
-               bf16* y, std::initializer_list<std::pair<int, int>> loras);
+  // on the rows of the LoRA segments. With `lora_delta` ([T, w.out], laid out like y) the deltas
+  // are written there instead, on the side stream (see project_group); returns whether they were.
+  bool project(const ForwardShape& shape, const Layer& layer, const bf16* x, const Linear& w,
+               bf16* y, std::initializer_list<std::pair<int, int>> loras,
+               bf16* lora_delta = nullptr);
+
+  // The projections that write branch_ (o_proj, out_proj, a dense MLP's down_proj): the LoRA delta
+  // goes to branch_delta_ and the residual RMSNorm that reads branch_ next adds it
+  // (branch_norm); base-only steps and models without slots project as usual.
+  void project_branch(const ForwardShape& shape, const Layer& layer, const bf16* x, const Linear& w,
+                      int target);
+  // resid += branch_ (+ its pending LoRA delta); hnorm = norm(resid).
+  void branch_norm(const ForwardShape& shape, const bf16* weight);
 
   // The base GEMMs of `gemms` and the LoRA of every target of `loras`, all reading x [T, in]
   // (q/k/v of one fused GEMM; MLA's q_a and kv_a; gate and up): one shrink launch for all targets
@@ -350,8 +360,15 @@ class GpuModelImpl final : public GpuModel {
   // (docs/gpu_engine.md §3a). It cannot run on the side stream: no cross-stream in-place add on
   // a buffer the main stream writes. Rounding is that of expand + add_rows: the delta is
   // rounded to bf16, then added to the bf16 output in fp32 and rounded once.
-  void project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
-                     std::span<const ProjectGemm> gemms, std::span<const ProjectLora> loras);
+  //
+  // With `lora_delta` (a buffer laid out like the outputs) the expand writes the deltas there
+  // (LoraExpandMode::kWrite) on the side stream right after the shrink, beside the base GEMM, and
+  // the main stream only waits for the join: the consumer adds the delta rows as it reads its
+  // input (the residual RMSNorm after o_proj: rms_norm's x_delta, same rounding). Returns whether
+  // deltas were written (false: no LoRA work this step, nothing to add).
+  bool project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
+                     std::span<const ProjectGemm> gemms, std::span<const ProjectLora> loras,
+                     bf16* lora_delta = nullptr);
 
   void gqa_attention(const ForwardShape& shape, const Layer& layer, int64_t l);
   void linear_attention(const ForwardShape& shape, const Layer& layer);
@@ -401,6 +418,10 @@ class GpuModelImpl final : public GpuModel {
   bf16* latent_cache_ = nullptr;
 
   bf16 *resid_ = nullptr, *hnorm_ = nullptr, *branch_ = nullptr;
+  // [T, H]: the LoRA delta of the projection that last wrote branch_ (project_branch), added by
+  // the next branch_norm while branch_delta_pending_; nullptr without adapter slots.
+  bf16* branch_delta_ = nullptr;
+  bool branch_delta_pending_ = false;
   bf16 *qkv_ = nullptr, *attn_ = nullptr;
   bf16 *q_lat_ = nullptr, *q_ = nullptr, *kv_ = nullptr, *q_full_ = nullptr, *o_lat_ = nullptr;
   bf16 *gate_up_ = nullptr, *act_ = nullptr;

@@ -81,7 +81,7 @@ void GpuModelImpl::mla_attention(const ForwardShape& shape, const Layer& layer, 
   proj.tokens = shape.tokens;
   ops::cuda::launch_mla_project_output(handle, proj, main_.get());
   if (kvb_lora) ops::cuda::launch_mla_kvb_lora_output(kvb, main_.get());
-  project(shape, layer, attn_, layer.o, branch_, {{kO, 0}});
+  project_branch(shape, layer, attn_, layer.o, kO);
 }
 
 }  // namespace moelora::model::gpu_impl

@@ -479,6 +479,7 @@ void GpuModelImpl::finish_construction() {
   resid_ = alloc<bf16>(t * H);
   hnorm_ = alloc<bf16>(t * H);
   branch_ = alloc<bf16>(t * H);
+  if (limits_.num_slots > 0) branch_delta_ = alloc<bf16>(t * H);
   const int n = static_cast<int>(config_.num_attention_heads);
   if (config_.use_mla) {
     mla_shape_.num_heads = n;

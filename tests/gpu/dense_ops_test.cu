@@ -277,6 +277,88 @@ TEST(Sm90_DenseOps, RmsNormMatchesReference) {
   for (const NormCase& c : cases) check_norm(c, seed++);
 }
 
+// The LoRA delta of the projection that wrote x, added by the residual RMSNorm as it reads x
+// (x_delta): bit for bit add_rows (x += delta on rows with slot >= 0) followed by the plain norm,
+// for the block kernel (hidden 2048, vector and scalar rows) and the warp kernel (512).
+TEST(Sm90_DenseOps, RmsNormAddsTheLoraDeltaLikeAddRows) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(341));
+  for (const int dim : {2048, 1030, 512}) {
+    SCOPED_TRACE(dim);
+    const int T = 19, valid = 17;
+    const size_t n = static_cast<size_t>(T) * dim;
+    const std::vector<uint16_t> x = random_bf16(rng, n, 1.0f);
+    const std::vector<uint16_t> delta = random_bf16(rng, n, 0.2f);
+    const std::vector<uint16_t> resid = random_bf16(rng, n, 1.0f);
+    const std::vector<uint16_t> w = random_bf16(rng, dim, 0.5f, 1.0f);
+    std::vector<int32_t> slot(T);
+    std::uniform_int_distribution<int32_t> slot_dist(-1, 2);
+    for (auto& v : slot) v = slot_dist(rng);
+    slot[0] = -1;
+    slot[1] = 0;
+    auto slot_d = upload_vector(slot);
+    auto count_d = upload_vector(std::vector<int32_t>{valid});
+    auto w_d = upload_vector(w);
+    auto delta_d = upload_vector(delta);
+    // kPlain: the norm alone; kAddRows: add_rows then the norm; kFold: the norm with x_delta.
+    enum Mode { kPlain, kAddRows, kFold };
+    auto run = [&](Mode mode) {
+      auto x_d = upload_vector(x);
+      auto r_d = upload_vector(resid);
+      auto y_d = upload_vector(std::vector<uint16_t>(n, 0));
+      if (mode == kAddRows) {
+        ops::cuda::AddRowsArgs add;
+        add.y = x_d.as<__nv_bfloat16>();
+        add.delta = delta_d.as<__nv_bfloat16>();
+        add.row_slot = slot_d.as<int32_t>();
+        add.tokens = T;
+        add.num_tokens = count_d.as<int32_t>();
+        add.cols = dim;
+        ops::cuda::launch_add_rows(add, nullptr);
+      }
+      ops::cuda::RmsNormArgs a;
+      a.x = x_d.as<__nv_bfloat16>();
+      a.residual = r_d.as<__nv_bfloat16>();
+      a.weight = w_d.as<__nv_bfloat16>();
+      a.y = y_d.as<__nv_bfloat16>();
+      a.rows = T;
+      a.num_rows = count_d.as<int32_t>();
+      a.dim = dim;
+      if (mode == kFold) {
+        a.x_delta = delta_d.as<__nv_bfloat16>();
+        a.delta_slot = slot_d.as<int32_t>();
+      }
+      ops::cuda::launch_rms_norm(a, nullptr);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      return std::make_pair(download_vector<uint16_t>(y_d, n), download_vector<uint16_t>(r_d, n));
+    };
+    const auto [y_ref, r_ref] = run(kAddRows);
+    const auto [y_got, r_got] = run(kFold);
+    EXPECT_EQ(y_got, y_ref);
+    EXPECT_EQ(r_got, r_ref);
+    // The delta really moved the rows it belongs to (slot 1 is a LoRA row): not a no-op test.
+    const std::vector<uint16_t> y_plain = run(kPlain).first;
+    EXPECT_NE(std::vector<uint16_t>(y_got.begin() + dim, y_got.begin() + 2 * dim),
+              std::vector<uint16_t>(y_plain.begin() + dim, y_plain.begin() + 2 * dim));
+    EXPECT_EQ(std::vector<uint16_t>(y_got.begin(), y_got.begin() + dim),
+              std::vector<uint16_t>(y_plain.begin(), y_plain.begin() + dim));
+  }
+}
+
+TEST(DenseOps, RmsNormRefusesADeltaWithoutTheResidual) {
+  ops::cuda::RmsNormArgs a;
+  alignas(16) static uint16_t buf[64];
+  a.y = reinterpret_cast<__nv_bfloat16*>(buf);
+  a.x = a.weight = a.y;
+  a.x_delta = reinterpret_cast<const __nv_bfloat16*>(buf);
+  a.delta_slot = reinterpret_cast<const int32_t*>(buf);
+  a.rows = 1;
+  a.dim = 8;
+  const std::string message = test::error_message([&] { ops::cuda::launch_rms_norm(a, nullptr); },
+                                                  ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("x_delta needs"), std::string::npos) << message;
+}
+
 // ---------------------------------------------------------------- rope
 
 struct RopeCase {

@@ -1,7 +1,8 @@
 // RMSNorm on the GPU (see norm_cuda.cuh). A "row group" of threads normalizes one row: a warp for
 // D <= 1024 (q/k heads of 128, MLA latents of 512 / 1536: many short rows, one CTA of 8 warps
 // takes 8 rows) or a whole CTA for longer rows (the hidden size). Two passes over the row:
-//   1. r = x (+ residual, fp32 sum rounded to bf16 once and written back to residual);
+//   1. r = x (+ its LoRA delta, rounded to bf16 once) (+ residual, fp32 sum rounded to bf16 once
+//      and written back to residual);
 //      sum of r^2 in fp32, reduced over the group;
 //   2. y = style(w, r * inv_rms), re-reading r (from residual when fused, else from x).
 // Each element is read and written by the same thread in both passes, so y may alias x.
@@ -64,11 +65,18 @@ template <bool kVec>
 __device__ float row_pass1(const RmsNormArgs& a, int64_t row, int g, int group) {
   const __nv_bfloat16* x = a.x + row * a.x_stride;
   __nv_bfloat16* res = a.residual ? a.residual + row * a.dim : nullptr;
+  const __nv_bfloat16* dx = a.x_delta && a.delta_slot[row] >= 0 ? a.x_delta + row * a.dim : nullptr;
   float sum_sq = 0.0f;
   if constexpr (kVec) {
     for (int c = g * 8; c < a.dim; c += group * 8) {
       float v[8];
       load8(x + c, v);
+      if (dx) {
+        float d[8];
+        load8(dx + c, d);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] + d[i]));
+      }
       if (res) {
         float r[8];
         load8(res + c, r);
@@ -82,6 +90,7 @@ __device__ float row_pass1(const RmsNormArgs& a, int64_t row, int g, int group) 
   } else {
     for (int c = g; c < a.dim; c += group) {
       float v = __bfloat162float(x[c]);
+      if (dx) v = __bfloat162float(__float2bfloat16_rn(v + __bfloat162float(dx[c])));
       if (res) {
         const __nv_bfloat16 r = __float2bfloat16_rn(v + __bfloat162float(res[c]));
         res[c] = r;
@@ -163,6 +172,12 @@ void launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream) {
                 ", y_stride ", args.y_stride);
   MOELORA_CHECK(args.eps >= 0.0f, ErrorCode::kInvalidArgument, "rms_norm: eps must be >= 0, got ",
                 args.eps);
+  MOELORA_CHECK(!args.x_delta || (args.delta_slot && args.residual && args.rows_per_token == 1),
+                ErrorCode::kInvalidArgument,
+                "rms_norm: x_delta needs delta_slot, the residual (pass 2 re-reads the sum) and "
+                "rows_per_token 1 (got delta_slot ",
+                args.delta_slot != nullptr, ", residual ", args.residual != nullptr,
+                ", rows_per_token ", args.rows_per_token, ")");
   RmsNormArgs a = args;
   if (a.x_stride == 0) a.x_stride = a.dim;
   if (a.y_stride == 0) a.y_stride = a.dim;
@@ -170,7 +185,8 @@ void launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream) {
                 "rms_norm: row strides (x ", a.x_stride, ", y ", a.y_stride, ") must be >= dim ",
                 a.dim);
   const bool vec = a.dim % 8 == 0 && a.x_stride % 8 == 0 && a.y_stride % 8 == 0 && aligned16(a.x) &&
-                   aligned16(a.y) && aligned16(a.weight) && (!a.residual || aligned16(a.residual));
+                   aligned16(a.y) && aligned16(a.weight) &&
+                   (!a.residual || aligned16(a.residual)) && (!a.x_delta || aligned16(a.x_delta));
   if (a.dim <= kWarpRowMaxDim) {
     const int rows_per_cta = kNormThreads / 32;
     const int grid = (a.rows + rows_per_cta - 1) / rows_per_cta;

@@ -4,6 +4,10 @@
 //   residual == nullptr:  y = norm(x)                                 (q/k norms, MLA latents)
 //   residual != nullptr:  r = x + residual (fp32 sum rounded to bf16 once, written back to
 //                         residual), y = norm(r)                      (input / post-attn norms)
+//   x_delta != nullptr:   x is first replaced by bf16(x + x_delta) on the rows whose
+//                         delta_slot >= 0 (the LoRA delta of the projection that wrote x,
+//                         computed on the side stream; add_rows' arithmetic, so the result is
+//                         bit-identical to adding the delta into x first)
 //
 // Rows are [rows, D] with a row stride (so q/k norms run on [T * heads, head_dim] views and MLA's
 // kv_a_layernorm on the first r columns of [T, r + rope]). One warp (D <= 1024) or one CTA per row.
@@ -30,6 +34,9 @@ struct RmsNormArgs {
   int64_t x_stride = 0, y_stride = 0;     // 0 = D
   float eps = 1e-6f;
   NormStyle style = NormStyle::kWeight;
+  // Optional: needs the residual (pass 2 re-reads the sum) and rows_per_token 1.
+  const __nv_bfloat16* x_delta = nullptr;  // [rows, D] contiguous
+  const int32_t* delta_slot = nullptr;     // [rows] adapter slot of each row, < 0 = no delta
 };
 void launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
 
