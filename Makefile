@@ -6,9 +6,10 @@ BUILD_DIR ?= build
 SANITIZE_DIR ?= build-sanitize
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
-# The benchmark programs in bench/ run on a GPU host (scripts/gpu-run builds them there); `make test`
-# leaves them out so the CPU-only CI build stays short. `make run` builds them.
-BENCHMARKS ?= ON
+# The benchmark programs in bench/ run on a GPU host: scripts/gpu-run builds them there (or
+# `make build BENCHMARKS=ON`); `make run` and `make test` leave them out, which keeps the CPU-only
+# build short.
+BENCHMARKS ?= OFF
 
 .PHONY: run test setup build build-sanitize test-sanitize test-fuzz format clean
 
@@ -22,7 +23,6 @@ build: setup
 run: build
 	$(BUILD_DIR)/moelora run
 
-test: BENCHMARKS = OFF
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
 	$(MAKE) test-sanitize
