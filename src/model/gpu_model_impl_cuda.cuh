@@ -357,15 +357,18 @@ class GpuModelImpl final : public GpuModel {
   // reads the fp32 partials ([splits, T, R], ~100 KB) instead of a bf16 delta [T, out]. Folding
   // the add into the consumers (the qkv prologue, the next residual RMSNorm) was measured on the
   // H200 and gained nothing: each consumer row re-reads B, which the expand reads once per CTA
-  // (docs/gpu_engine.md §3a). It cannot run on the side stream: no cross-stream in-place add on
-  // a buffer the main stream writes. Rounding is that of expand + add_rows: the delta is
-  // rounded to bf16, then added to the bf16 output in fp32 and rounded once.
+  // (docs/gpu_engine.md §3a). The in-place add cannot run on the side stream: no cross-stream
+  // in-place add on a buffer the main stream writes. Rounding is that of expand + add_rows: the
+  // delta is rounded to bf16, then added to the bf16 output in fp32 and rounded once.
   //
   // With `lora_delta` (a buffer laid out like the outputs) the expand writes the deltas there
   // (LoraExpandMode::kWrite) on the side stream right after the shrink, beside the base GEMM, and
   // the main stream only waits for the join: the consumer adds the delta rows as it reads its
-  // input (the residual RMSNorm after o_proj: rms_norm's x_delta, same rounding). Returns whether
-  // deltas were written (false: no LoRA work this step, nothing to add).
+  // input (the residual RMSNorm after o_proj: rms_norm's x_delta, same rounding; unlike the
+  // consumer fold above it reads a finished delta row, it does not recompute it from B). On the
+  // H200 this took 1.5-2 % off a LoRA decode step (docs/gpu_engine.md §3a); the q/k/v targets
+  // still use the main-stream expand. Returns whether deltas were written (false: no LoRA work
+  // this step, nothing to add).
   bool project_group(const ForwardShape& shape, const Layer& layer, const bf16* x,
                      std::span<const ProjectGemm> gemms, std::span<const ProjectLora> loras,
                      bf16* lora_delta = nullptr);
