@@ -181,9 +181,12 @@ int parse_options(int argc, char** argv, Options& opt) {
     } else if (a == "--decode-lora") {
       if (!pick_choice(a, next(),
                        {{"side", ops::cuda::DecodeLoraPath::kSideStream},
-                        {"fused", ops::cuda::DecodeLoraPath::kFused}},
+                        {"fused", ops::cuda::DecodeLoraPath::kFused},
+                        {"epilogue", ops::cuda::DecodeLoraPath::kEpilogue}},
                        opt.decode_lora))
         return 2;
+    } else if (a == "--seam1-after-quant") {
+      opt.side.seam1_after_quant = true;
     } else if (a == "--lora-side-ctas") {
       const std::string v = next();
       opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
@@ -232,7 +235,13 @@ int parse_options(int argc, char** argv, Options& opt) {
           "kernels on the\n"
           "                      side stream) or fused (shrinks and the seam-1 expand inside the "
           "quant and\n"
-          "                      activation kernels)\n"
+          "                      activation kernels) or epilogue (the shrinks in the quant and "
+          "activation\n"
+          "                      kernels, the expands in the expert GEMMs' epilogues: no LoRA "
+          "kernel)\n"
+          "  --seam1-after-quant the side stream's seam-1 LoRA kernels start after the quant "
+          "kernel (default:\n"
+          "                      after the align), so GEMM1 reaches the SMs first\n"
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"

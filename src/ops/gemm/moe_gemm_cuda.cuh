@@ -16,6 +16,29 @@
 
 namespace moelora::ops::cuda {
 
+// The routed experts' LoRA delta added in the stream kernel's epilogue, before the bf16 store:
+//
+//   out[q, n] += scaling[s] * sum_r u[q, r] * B[s, eb, n, r],   u[q, r] = sum_split partial[split, q, r]
+//
+// with {s, e} = row_slot_expert[q] (eb = 0 when the pool's B is shared by the experts), r below
+// the slot's rank; rows of slot -1 or rank 0 get nothing. The shrink partials come from the kernel
+// this one follows (the quant kernel for GEMM1, the activation kernel for GEMM2: ops/lora/
+// lora_row_fused.cuh), so the expand costs no launch and no extra pass over the output. Rows of
+// one expert are sorted by slot (moe_align), so a pass meets each of its slots in one run.
+struct MoeGemmLoraEpilogue {
+  const __nv_bfloat16* b = nullptr;        // pool [S, Eb, N, R]; nullptr = no LoRA epilogue
+  const float* scaling = nullptr;          // [S]
+  const int32_t* rank = nullptr;           // [S]
+  const uint8_t* b_shared = nullptr;       // [S] 1 = expert 0 of B serves every expert, or nullptr
+  const float* partial = nullptr;          // [splits, row_capacity, R]
+  const int2* row_slot_expert = nullptr;   // [rows] {slot, expert} of each sorted position
+  int num_slots = 0;                       // S
+  int b_experts = 1;                       // Eb (1 or E)
+  int max_rank = 0;                        // R, a multiple of 8, at most 256
+  int splits = 0;                          // K chunks of the partials
+  int row_capacity = 0;                    // rows of one split (>= the sorted positions)
+};
+
 struct MoeGemmFp8Args {
   const uint8_t* act = nullptr;      // e4m3 [rows, K]
   const float* act_scale = nullptr;  // [rows, K/128], or k-major [K/128, act_scale_ld] (stream kernel)
@@ -42,6 +65,8 @@ struct MoeGemmFp8Args {
   // launches that may run at the same time (GEMM1 and GEMM2 of one layer overlap under
   // programmatic launch) need their own pair.
   int* work_counters = nullptr;
+  // Stream kernel only, optional: the LoRA delta added before the store (lora.b == nullptr: none).
+  MoeGemmLoraEpilogue lora;
 };
 
 // Weight-streaming kernel for decode (moe_gemm_stream_cuda.cu): TMA ring of 64-row weight tiles

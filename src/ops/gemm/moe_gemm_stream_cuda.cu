@@ -35,6 +35,10 @@
 //   producer issues the weight copies of the first ring fill before griddepcontrol.wait and the
 //   activation / scale copies after it; the kernel lets its own dependents launch at once.
 //
+// - LoRA epilogue (MoeGemmLoraEpilogue, the kLora instance): each pass stages the slot deltas'
+//   inputs u at its start and adds u . B^T to its accumulators with mma.sync before the store
+//   (lora_pass_prepare / lora_pass_apply below; docs/gpu_moe.md §6.0c has what it measured).
+//
 // Rows of a pass past the expert's tokens and weight rows past N are computed but not stored
 // (each output column depends only on its own activation row, so stale shared memory there
 // cannot leak into stored values). Results are deterministic: one CTA owns each output element
@@ -96,6 +100,20 @@ constexpr int kRingBytes = kStages * (kWeightTileBytes + kActTileBytes + kScaleT
 constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
 constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
 
+// The LoRA epilogue's staging area (kLora instance): per token of a pass, the expand's input u for
+// 16 ranks as bf16 pairs, the high parts in words 0..7 and the rounding residues in 8..15 (u =
+// hi + lo to ~16 bits: the expand runs on bf16 tensor cores without rounding u to bf16), and the
+// token's slot. Rows are 20 words apart so a warp's fragment loads hit 32 different banks.
+constexpr int kLoraRanksPerStep = 16;  // the k of one mma.m16n8k16
+constexpr int kLoraRowWords = 20;
+struct LoraScratch {
+  uint32_t u[kMaxTokens][kLoraRowWords];
+  int slot[kMaxTokens];
+};
+// Two CTAs per SM still fit: 2 x (kSmemBytes + the scratch) + 2 KB reserved <= 228 KB.
+constexpr int kSmemBytesLora = kSmemBytes + static_cast<int>(sizeof(LoraScratch));
+static_assert(2 * (kSmemBytesLora + 1024) <= 228 * 1024);
+
 struct StreamParams {
   const int32_t* expert_offsets;  // [E + 1]
   const int32_t* active_experts;  // [E]
@@ -103,6 +121,7 @@ struct StreamParams {
   __nv_bfloat16* out;             // [P, N]
   int* work;  // [2] items claimed past the first gridDim.x, CTAs done; nullptr = round-robin
   int n, k_blocks, n_scale_blocks, m_tiles, num_experts;
+  MoeGemmLoraEpilogue lora;  // the kLora instance only
 };
 
 // The schedule in shared memory: active[E], offsets[E + 1], count.
@@ -129,6 +148,7 @@ struct Ring {
   __device__ uint32_t weight_scale(int s) const { return scale(s) + kWeightScaleOffset; }
   __device__ uint32_t info(int s) const { return full(2 * kStages) + s * sizeof(StageInfo); }
   __device__ uint32_t schedule() const { return base + kRingBytes; }
+  __device__ uint32_t lora_scratch() const { return schedule() + kScheduleBytes; }
 };
 
 // wgmma N for a pass of n_valid tokens.
@@ -226,15 +246,183 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
   }
 }
 
+// The four consumer warps only (the producer warp never joins): named barrier 1.
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
+}
+
+// d += a . b on the tensor cores (mma.m16n8k16, bf16 in, fp32 accumulate), d as the four
+// accumulator registers of one 8-token column block: the wgmma accumulator of a warp lays out its
+// 16 rows x 8 tokens exactly as the mma's C fragment, so the delta lands in place.
+__device__ __forceinline__ void mma_bf16_into(float& d0, float& d1, float& d2, float& d3,
+                                              const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two B values (ranks r, r + 1 of one weight row) as an mma A-fragment register; ranks at or past
+// the slot's rank read as zero (the pool's rank tail is never multiplied in).
+__device__ __forceinline__ uint32_t lora_b_pair(const __nv_bfloat16* row, int r, int rank, bool row_ok) {
+  if (!row_ok || r >= rank) return 0u;
+  uint32_t v = *reinterpret_cast<const uint32_t*>(row + r);
+  if (r + 1 >= rank) v &= 0xffffu;  // the low half is rank r
+  return v;
+}
+
+// The LoRA delta of one pass (MoeGemmLoraEpilogue), in two halves around the pass's K loop so
+// that the loads it needs (slots, ranks, shrink partials, B rows: L2 and HBM round trips under a
+// saturated memory system, ~1 us each) overlap the weight stream instead of stalling the
+// consumer after it: lora_pass_prepare at the start of the pass stages, per token, u for ranks
+// 0..15 (partials summed over the K splits, times the slot's scaling, split into bf16 hi + lo) in
+// shared memory and loads the B fragments of the pass's first slot run into registers;
+// lora_pass_apply after the K loop runs, per slot run, mma(B rows of the warp's 16 weight rows,
+// u of the run's tokens) for hi and lo into the accumulators, and handles ranks past 16 (staged
+// then). Deterministic: fixed summation order, no atomics.
+struct LoraPassState {
+  int max_rank = 0;     // the largest rank among the pass's slots (0: nothing to add)
+  int first_run = -1;   // start of the first run with rank > 0 whose B fragments are in `a`
+  uint32_t a[4] = {0u, 0u, 0u, 0u};
+};
+
+// u of ranks r0 .. r0 + 15 for every token of the pass, into the scratch (slots staged).
+template <int kWidth>
+__device__ __forceinline__ void lora_stage_u(const StreamParams& p, const StageInfo& pass,
+                                             LoraScratch& ls, int r0) {
+  const MoeGemmLoraEpilogue& L = p.lora;
+  const int R = L.max_rank;
+  for (int e = threadIdx.x; e < kWidth * kLoraRanksPerStep; e += kConsumerThreads) {
+    const int n = e / kLoraRanksPerStep, j = e % kLoraRanksPerStep, r = r0 + j;
+    const int s = ls.slot[n];
+    // The partial loads do not wait for the slot's rank (one round trip, not two): rows and
+    // ranks without a delta may hold anything, so their sum is discarded by the select below.
+    float sum = 0.f;
+    if (s >= 0 && r < R) {
+      const float* part = L.partial + static_cast<size_t>(pass.q0 + n) * R + r;
+#pragma unroll 8
+      for (int sp = 0; sp < L.splits; ++sp) sum += part[static_cast<size_t>(sp) * L.row_capacity * R];
+    }
+    const int rank = s >= 0 ? L.rank[s] : 0;
+    const float scaling = s >= 0 ? L.scaling[s] : 0.f;
+    const float u = r < rank ? sum * scaling : 0.f;
+    const __nv_bfloat16 hi = __float2bfloat16(u);
+    const __nv_bfloat16 lo = __float2bfloat16(u - __bfloat162float(hi));
+    __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(ls.u[n]);
+    row[j] = hi;
+    row[kLoraRanksPerStep + j] = lo;
+  }
+}
+
+// The B fragments of slot s (ranks r0 .. r0 + 15) for the warp's 16 weight rows.
+__device__ __forceinline__ void lora_load_b(const StreamParams& p, const StageInfo& pass, int s,
+                                            int expert, int r0, uint32_t (&a)[4]) {
+  const MoeGemmLoraEpilogue& L = p.lora;
+  const int R = L.max_rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int rank = L.rank[s];
+  const int eb = (L.b_experts == 1 || (L.b_shared && L.b_shared[s])) ? 0 : expert;
+  const __nv_bfloat16* b =
+      L.b + (static_cast<size_t>(s) * L.b_experts + eb) * static_cast<size_t>(p.n) * R;
+  const int row_a = pass.m0 + 16 * warp + lane / 4, row_b = row_a + 8;
+  const int r = r0 + 2 * (lane % 4);
+  a[0] = lora_b_pair(b + static_cast<size_t>(row_a) * R, r, rank, row_a < p.n);
+  a[1] = lora_b_pair(b + static_cast<size_t>(row_b) * R, r, rank, row_b < p.n);
+  a[2] = lora_b_pair(b + static_cast<size_t>(row_a) * R, r + 8, rank, row_a < p.n);
+  a[3] = lora_b_pair(b + static_cast<size_t>(row_b) * R, r + 8, rank, row_b < p.n);
+}
+
+// End of the slot run that starts at token n0 (tokens of one expert are sorted by slot).
+__device__ __forceinline__ int lora_run_end(const LoraScratch& ls, int n0, int n_valid) {
+  int n1 = n0 + 1;
+  while (n1 < n_valid && ls.slot[n1] == ls.slot[n0]) ++n1;
+  return n1;
+}
+
+template <int kWidth>
+__device__ __forceinline__ LoraPassState lora_pass_prepare(const StreamParams& p,
+                                                           const StageInfo& pass, LoraScratch& ls) {
+  const MoeGemmLoraEpilogue& L = p.lora;
+  const int n_valid = pass.q_end - pass.q0;
+  consumer_sync();  // the previous pass's readers are done with the scratch
+  for (int n = threadIdx.x; n < kWidth; n += kConsumerThreads)
+    ls.slot[n] = n < n_valid ? L.row_slot_expert[pass.q0 + n].x : -1;
+  consumer_sync();
+  LoraPassState st;
+  lora_stage_u<kWidth>(p, pass, ls, 0);
+  const int expert = L.row_slot_expert[pass.q0].y;
+  for (int n0 = 0; n0 < n_valid;) {
+    const int n1 = lora_run_end(ls, n0, n_valid);
+    const int s = ls.slot[n0];
+    const int rank = s >= 0 ? L.rank[s] : 0;
+    st.max_rank = max(st.max_rank, rank);
+    if (rank > 0 && st.first_run < 0) {
+      st.first_run = n0;
+      lora_load_b(p, pass, s, expert, 0, st.a);  // consumed after the K loop
+    }
+    n0 = n1;
+  }
+  consumer_sync();  // u staged
+  return st;
+}
+
+template <int kWidth>
+__device__ __forceinline__ void lora_pass_apply(float (&acc)[kWidth / 2], const StreamParams& p,
+                                                const StageInfo& pass, LoraScratch& ls,
+                                                const LoraPassState& st) {
+  const MoeGemmLoraEpilogue& L = p.lora;
+  const int lane = threadIdx.x % 32;
+  const int n_valid = pass.q_end - pass.q0;
+  const int expert = L.row_slot_expert[pass.q0].y;
+  for (int r0 = 0; r0 < st.max_rank; r0 += kLoraRanksPerStep) {
+    if (r0 > 0) {  // ranks past 16: staged now (the previous block's readers done first)
+      consumer_sync();
+      lora_stage_u<kWidth>(p, pass, ls, r0);
+      consumer_sync();
+    }
+    for (int n0 = 0; n0 < n_valid;) {  // slot runs [n0, n1) of the pass
+      const int n1 = lora_run_end(ls, n0, n_valid);
+      const int s = ls.slot[n0];
+      const int rank = s >= 0 ? L.rank[s] : 0;
+      if (rank > r0) {
+        uint32_t a[4];
+        if (r0 == 0 && n0 == st.first_run) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[i] = st.a[i];
+        } else {
+          lora_load_b(p, pass, s, expert, r0, a);
+        }
+#pragma unroll
+        for (int c = 0; c < kWidth / 8; ++c) {
+          if (8 * c + 8 <= n0 || 8 * c >= n1) continue;  // no token of the run in this block
+          const int n = 8 * c + lane / 4;
+          const bool in_run = n >= n0 && n < n1;
+          const uint32_t* u = ls.u[n];
+          const uint32_t hi0 = in_run ? u[lane % 4] : 0u, hi1 = in_run ? u[4 + lane % 4] : 0u;
+          const uint32_t lo0 = in_run ? u[8 + lane % 4] : 0u, lo1 = in_run ? u[12 + lane % 4] : 0u;
+          mma_bf16_into(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3], a, hi0, hi1);
+          mma_bf16_into(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3], a, lo0, lo1);
+        }
+      }
+      n0 = n1;
+    }
+  }
+}
+
 // One pass of <= kWidth tokens (rows [pass.q0, pass.q_end)) over all K blocks of an item, then
 // its bf16 stores. Each stage's weight scale arrived with the stage.
-template <int kWidth>
-__device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* smem_generic,
+template <int kWidth, bool kLora>
+__device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_generic,
                                              uint32_t smem_window, const StageInfo* info,
                                              int& stage, uint32_t& phase, const StreamParams& p,
                                              const StageInfo pass) {
   constexpr int kAcc = kWidth / 2;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
+  [[maybe_unused]] LoraScratch* lora_scratch =
+      kLora ? reinterpret_cast<LoraScratch*>(smem_generic + (ring.lora_scratch() - smem_window))
+            : nullptr;
+  LoraPassState lora_state;
+  if constexpr (kLora) lora_state = lora_pass_prepare<kWidth>(p, pass, *lora_scratch);
   float acc[kAcc], blk[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
@@ -269,6 +457,7 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* sm
     sm90::mbar_arrive(ring.empty(stage));  // every thread, after its last read of the stage
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
+  if constexpr (kLora) lora_pass_apply<kWidth>(acc, p, pass, *lora_scratch, lora_state);
   const int n_valid = pass.q_end - pass.q0;
   const int row = pass.m0 + 16 * warp + lane / 4;
 #pragma unroll
@@ -284,6 +473,7 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, const uint8_t* sm
     }
 }
 
+template <bool kLora>
 __global__ void __launch_bounds__(kThreads, 2)
     moe_gemm_fp8_stream_kernel(const __grid_constant__ CUtensorMap tma_w,
                                const __grid_constant__ CUtensorMap tma_x,
@@ -320,6 +510,9 @@ __global__ void __launch_bounds__(kThreads, 2)
       producer(ring, info, sched, &tma_w, &tma_x, &tma_sx, &tma_sw, p);
     return;
   }
+  // The LoRA epilogue reads the shrink partials the previous kernel wrote: the consumers wait for
+  // it too (they have nothing to do before the producer's first post-wait stage anyway).
+  if constexpr (kLora) sm90::grid_dependency_wait();
   int stage = 0;
   uint32_t phase = 0;
   for (;;) {
@@ -327,10 +520,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     const StageInfo pass = info[stage];
     if (pass.q0 < 0) break;
     switch (pass_width(pass.q_end - pass.q0)) {
-      case 8: consume_pass<8>(ring, smem, window, info, stage, phase, p, pass); break;
-      case 16: consume_pass<16>(ring, smem, window, info, stage, phase, p, pass); break;
-      case 32: consume_pass<32>(ring, smem, window, info, stage, phase, p, pass); break;
-      default: consume_pass<64>(ring, smem, window, info, stage, phase, p, pass); break;
+      case 8: consume_pass<8, kLora>(ring, smem, window, info, stage, phase, p, pass); break;
+      case 16: consume_pass<16, kLora>(ring, smem, window, info, stage, phase, p, pass); break;
+      case 32: consume_pass<32, kLora>(ring, smem, window, info, stage, phase, p, pass); break;
+      default: consume_pass<64, kLora>(ring, smem, window, info, stage, phase, p, pass); break;
     }
   }
 #else
@@ -377,6 +570,26 @@ CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType dtype, uint
   return map;
 }
 
+// The LoRA epilogue's arguments, named in the error (the kernel trusts them).
+void check_lora_epilogue(const MoeGemmFp8Args& a) {
+  const MoeGemmLoraEpilogue& l = a.lora;
+  MOELORA_CHECK(l.scaling && l.rank && l.partial && l.row_slot_expert, ErrorCode::kInvalidArgument,
+                "stream GEMM LoRA epilogue: scaling, rank, partial and row_slot_expert are required "
+                "with B");
+  MOELORA_CHECK(l.max_rank > 0 && l.max_rank % 8 == 0 && l.max_rank <= 256,
+                ErrorCode::kInvalidArgument, "stream GEMM LoRA epilogue: max_rank = ", l.max_rank,
+                " must be a positive multiple of 8, at most 256");
+  MOELORA_CHECK(l.num_slots > 0 && (l.b_experts == 1 || l.b_experts == a.num_experts),
+                ErrorCode::kInvalidArgument, "stream GEMM LoRA epilogue: ", l.num_slots,
+                " slots and B expert extent ", l.b_experts, " (must be 1 or E = ", a.num_experts,
+                ")");
+  MOELORA_CHECK(l.splits > 0 && l.row_capacity >= a.act_rows, ErrorCode::kInvalidArgument,
+                "stream GEMM LoRA epilogue: splits = ", l.splits, ", row_capacity = ",
+                l.row_capacity, " (must be > 0 and >= act_rows = ", a.act_rows, ")");
+  MOELORA_CHECK(reinterpret_cast<uintptr_t>(l.b) % 4 == 0, ErrorCode::kInvalidArgument,
+                "stream GEMM LoRA epilogue: B must be 4-byte aligned (rank pairs are one load)");
+}
+
 // Persistent grid: two CTAs per SM, fewer when there are fewer work items.
 int stream_grid(const MoeGemmFp8Args& a, int num_sms) {
   const int m_tiles = (a.n + kBlockM - 1) / kBlockM;
@@ -400,7 +613,10 @@ void prepare_device_for_stream_kernel() {
   MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "stream GEMM: device ", device,
                 " is sm_", major, minor, "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(
-      moe_gemm_fp8_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      moe_gemm_fp8_stream_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_fp8_stream_kernel<true>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kSmemBytesLora));
   if (device >= static_cast<int>(prepared.size())) prepared.resize(device + 1, false);
   prepared[device] = true;
 }
@@ -460,12 +676,20 @@ void launch_moe_gemm_fp8_stream(const MoeGemmFp8Args& a, int num_sms, bool pdl,
                  k_blocks,
                  (a.n + 127) / 128,
                  (a.n + kBlockM - 1) / kBlockM,
-                 a.num_experts};
+                 a.num_experts,
+                 a.lora};
+  const bool lora = a.lora.b != nullptr;
+  if (lora) check_lora_epilogue(a);
 
   prepare_device_for_stream_kernel();
-  ::moelora::cuda::launch_kernel(moe_gemm_fp8_stream_kernel, dim3(stream_grid(a, num_sms)),
-                                 dim3(kThreads), kSmemBytes, stream, pdl, tma_w, tma_x, tma_sx, tma_sw,
-                                 p);
+  if (lora)
+    ::moelora::cuda::launch_kernel(moe_gemm_fp8_stream_kernel<true>, dim3(stream_grid(a, num_sms)),
+                                   dim3(kThreads), kSmemBytesLora, stream, pdl, tma_w, tma_x,
+                                   tma_sx, tma_sw, p);
+  else
+    ::moelora::cuda::launch_kernel(moe_gemm_fp8_stream_kernel<false>, dim3(stream_grid(a, num_sms)),
+                                   dim3(kThreads), kSmemBytes, stream, pdl, tma_w, tma_x, tma_sx,
+                                   tma_sw, p);
 }
 
 }  // namespace moelora::ops::cuda

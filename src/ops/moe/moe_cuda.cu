@@ -17,16 +17,18 @@ static_assert(kActWarps == kRowShrinkWarps, "the fused LoRA shrink covers one CT
 // Warp per (row, 128-column group): lane owns columns 4*lane .. 4*lane+3 of the group. With LoRA
 // (lora_row_fused.cuh) the CTA adds the fused seam-1 expand to its gate / up values and writes
 // the seam-2 shrink partials of its row; their weights are loaded before the wait.
-// kLora: the instance with the fused LoRA code (its registers would otherwise cost the plain
-// instance its co-residence with the GEMMs it overlaps).
-template <bool kLora>
+// kShrink / kExpand: the instances with the fused LoRA code (its registers would otherwise cost
+// the plain instance its co-residence with the GEMMs it overlaps; the seam-1 expand alone needs
+// most of them, so the shrink-only instance, used when GEMM1's epilogue adds the seam-1 delta,
+// leaves it out).
+template <bool kShrink, bool kExpand>
 __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const MoeActivationArgs p) {
   // The dependent (GEMM2) may be scheduled at once: before its own wait it only fetches weights.
   // Every CTA waits (also those with no row): the grid's completion then implies the previous
   // kernel's, which the kernels after this one rely on.
   ::moelora::cuda::sm90::launch_dependents();
-  const bool lora = kLora && p.lora.partial != nullptr;
-  const bool lora_expand = kLora && p.lora_expand.partial != nullptr;
+  const bool lora = kShrink && p.lora.partial != nullptr;
+  const bool lora_expand = kExpand && p.lora_expand.partial != nullptr;
   const int row = blockIdx.x;
   const int groups = p.inter_padded / 128;
   const int group = blockIdx.y * kActWarps + threadIdx.x / 32;
@@ -229,10 +231,15 @@ void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
                 "), out_features = 2I (", p.lora_expand.pool.out_features, " vs ", 2 * p.inter,
                 "), R <= 256, and no separate delta");
   const dim3 grid(p.max_rows, (p.inter_padded / 128 + kActWarps - 1) / kActWarps);
-  if (p.lora.partial || p.lora_expand.partial)
-    ::moelora::cuda::launch_kernel(moe_activation_kernel<true>, grid, dim3(32 * kActWarps), 0, stream, p.pdl, p);
+  if (p.lora_expand.partial)
+    ::moelora::cuda::launch_kernel(moe_activation_kernel<true, true>, grid, dim3(32 * kActWarps), 0, stream, p.pdl,
+                                   p);
+  else if (p.lora.partial)
+    ::moelora::cuda::launch_kernel(moe_activation_kernel<true, false>, grid, dim3(32 * kActWarps), 0, stream, p.pdl,
+                                   p);
   else
-    ::moelora::cuda::launch_kernel(moe_activation_kernel<false>, grid, dim3(32 * kActWarps), 0, stream, p.pdl, p);
+    ::moelora::cuda::launch_kernel(moe_activation_kernel<false, false>, grid, dim3(32 * kActWarps), 0, stream,
+                                   p.pdl, p);
 }
 
 void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {

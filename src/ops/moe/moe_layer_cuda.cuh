@@ -106,7 +106,15 @@ enum class LoraPath { kAuto, kCudaCore, kTensorCore };
 // at 16 tokens (qwen3.5 one adapter 136 vs 141 us), slower at 1 token (54 vs 47: the seam-1 A rows
 // are read on the critical path) and at 64-128 tokens and on kimi-ep8 (the activation's LoRA
 // instance needs 183 registers), so the side stream stays the default.
-enum class DecodeLoraPath { kSideStream, kFused };
+// kEpilogue: no routed-expert LoRA kernel at all: the quant kernel writes the seam-1 shrink
+// partials, GEMM1's epilogue adds the seam-1 delta to its accumulators before the store, the
+// activation kernel writes the seam-2 shrink partials and GEMM2's epilogue adds the seam-2 delta
+// (MoeGemmLoraEpilogue); the whole chain stays one run of programmatic dependent launches on the
+// main stream, and every B row is read once, by the CTA that owns its output tile. Measured on the
+// H200 (docs/gpu_moe.md §6.0c): 0.79-0.94 of the side stream's speed with LoRA (each pass's
+// LoRA loads are a chain of dependent round trips in the consumer warps, and the seam-1 A rows
+// are read on the critical path by the quant kernel), so it stays opt-in.
+enum class DecodeLoraPath { kSideStream, kFused, kEpilogue };
 
 // How the stream GEMM's CTAs get their work items (expert, 64-row tile). kClaimed: each CTA's
 // first item by its index, the rest first come first served from an atomic counter in the
@@ -123,6 +131,11 @@ enum class StreamGemmSchedule { kAuto, kClaimed, kRoundRobin };
 // uncapped; benchmarks set it to reproduce that measurement.
 struct SideStreamScheduling {
   int lora_max_ctas = 0;  // 0 = one CTA per work unit, -1 = one CTA per SM, N = at most N CTAs
+  // Decode on FP8 experts: the side stream's seam-1 kernels start after the quant kernel instead
+  // of after the align, so that the persistent GEMM1 (a programmatic dependent of the quant
+  // kernel) takes its SMs first and the shrink runs beside it (its result is needed only after
+  // GEMM1, by the activation).
+  bool seam1_after_quant = false;
 };
 
 class MoeLayerCuda {

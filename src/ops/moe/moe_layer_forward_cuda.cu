@@ -58,8 +58,14 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // DecodeLoraPath::kFused (decode with the stream GEMM): the quant kernel writes the seam-1 shrink
   // partials, the activation kernel expands them into its gate / up values and writes the seam-2
   // shrink partials (lora_row_fused.cuh); the side stream runs the seam-2 expand only.
-  const bool fused_shrink =
-      lora && stream && !lora_mma && decode_lora_ == DecodeLoraPath::kFused;
+  const bool fused_lora = lora && stream && !lora_mma && decode_lora_ == DecodeLoraPath::kFused;
+  // DecodeLoraPath::kEpilogue: the same fused shrinks, the expands in the GEMMs' epilogues; the
+  // routed experts then put no work on the side stream.
+  const bool epilogue_lora =
+      lora && stream && !lora_mma && decode_lora_ == DecodeLoraPath::kEpilogue;
+  const bool fused_shrink = fused_lora || epilogue_lora;
+  // Whether the side stream gets work (and so is forked and joined).
+  const bool side_work = lora && (!epilogue_lora || shared);
 
   // 1. router GEMM + route
   const float* logits = f.router_logits;
@@ -108,7 +114,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait).
   aa.pdl = stream;
   launch_moe_align(aa, m.main);
-  if (lora) m.ev_route.record(m.main);
+  // The side stream's seam-1 work starts after the align, or (SideStreamScheduling::
+  // seam1_after_quant, decode on FP8 experts) after the quant kernel, so that GEMM1's CTAs reach
+  // the SMs before the shrink's.
+  const bool seam1_after_quant = side_scheduling_.seam1_after_quant && stream;
+  if (side_work && !seam1_after_quant) m.ev_route.record(m.main);
 
   // side stream, seam 1 (and the shared expert's gate/up LoRA)
   // Row chunks per segment: a (slot, expert) segment holds about the busiest expert's tokens; a
@@ -189,10 +199,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     launch_lora_expand(e, m.side);
   };
 
-  if (lora) {
+  if (lora)
     MOELORA_CHECK(f.single_slot >= -1 && f.single_slot < c.num_slots, ErrorCode::kOutOfRange,
                   "MoeLayerCuda::forward: single_slot ", f.single_slot, " outside [-1, ",
                   c.num_slots, ")");
+  auto enqueue_seam1_side = [&] {
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_route.get(), 0));
     const int single = f.single_slot;
     // One adapter whose gate_up A is shared by the experts: u = x A^T depends on the token only,
@@ -210,7 +221,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr);
       m.ev_shared_lora1.record(m.side);
     }
-  }
+  };
+  if (side_work && !seam1_after_quant) enqueue_seam1_side();
 
   // Expected busiest expert under near-uniform routing; the GEMM kernels loop over more tokens
   // when an expert gets more, so this only picks the fastest instance / grid.
@@ -238,6 +250,25 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                                                : MoeGemmBf16Tile::kDecode;
     launch_moe_gemm_bf16(b1, m.main);
   }
+
+  // The LoRA delta of a GEMM's epilogue (DecodeLoraPath::kEpilogue): target t's B, the shrink
+  // partials of its fused shrink (ceil(K / 1024) column chunks, rows = sorted pairs).
+  auto lora_epilogue = [&](const PoolTarget& t, float* partial) {
+    const LoraPoolTarget v = m.view(t);
+    MoeGemmLoraEpilogue l;
+    l.b = v.b;
+    l.scaling = v.scaling;
+    l.rank = v.rank;
+    l.b_shared = v.b_shared;
+    l.partial = partial;
+    l.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
+    l.num_slots = v.num_slots;
+    l.b_experts = v.eb;
+    l.max_rank = v.max_rank;
+    l.splits = (round_up(t.in, 128) + kRowShrinkChunk - 1) / kRowShrinkChunk;
+    l.row_capacity = m.P;
+    return l;
+  };
 
   // 3. quant + GEMM1 (FP8 experts). Decode (stream kernel) and prefill (CUTLASS) read each
   // expert's rows contiguously, so the quant kernel permutes x into sorted order; the stream
@@ -271,6 +302,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       qa.lora.prefetch_next = m.view(m.down);  // the activation kernel's shrink reads these
     }
     launch_quantize_fp8_rows(qa, m.main);
+    if (side_work && seam1_after_quant) {
+      m.ev_route.record(m.main);
+      enqueue_seam1_side();
+    }
 
     g1.act = m.x<uint8_t>(m.xq);
     g1.act_scale = m.x<float>(m.sx);
@@ -291,6 +326,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
                          (stream_schedule_ == StreamGemmSchedule::kAuto && !lora);
     if (stream && claimed) g1.work_counters = m.x<int32_t>(m.gemm_work);
+    if (epilogue_lora) g1.lora = lora_epilogue(m.gate_up, m.x<float>(m.part1));
     run_gemm(g1);
   }
 
@@ -315,8 +351,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // stays ordered after that event in an uncaptured stream is not documented. The fused seam-1
   // expand reads only main-stream data (the quant kernel's partials, complete before GEMM1 ran).
   act.pdl = stream && (!lora || fused_shrink);
-  if (fused_shrink) {
-    act.lora = row_shrink(m.down, m.x<float>(m.part2));
+  if (fused_shrink) act.lora = row_shrink(m.down, m.x<float>(m.part2));
+  if (fused_lora) {
     act.lora_expand.pool = m.view(m.gate_up);
     act.lora_expand.partial = m.x<float>(m.part1);
     act.lora_expand.splits = (m.Hp + kRowShrinkChunk - 1) / kRowShrinkChunk;
@@ -324,7 +360,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     act.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
   }
   launch_moe_activation(act, m.main);
-  if (lora) {
+  if (lora && !epilogue_lora) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
     if (fused_shrink)
@@ -357,6 +393,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g2.k = m.Ip;
     // GEMM2 may claim items while GEMM1 still runs (programmatic launch): its own pair
     if (g1.work_counters) g2.work_counters = m.x<int32_t>(m.gemm_work) + 2;
+    g2.lora = epilogue_lora ? lora_epilogue(m.down, m.x<float>(m.part2)) : MoeGemmLoraEpilogue{};
     run_gemm(g2);
   }
 
@@ -390,7 +427,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                m.x<__nv_bfloat16>(m.sd2), nullptr);
     }
   }
-  if (lora) {
+  if (side_work) {
     m.ev_lora2.record(m.side);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora2.get(), 0));
   }
@@ -398,7 +435,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // 7. finalize
   MoeFinalizeArgs fa;
   fa.y = m.x<__nv_bfloat16>(m.y);
-  fa.delta = lora ? m.x<__nv_bfloat16>(m.d2) : nullptr;
+  fa.delta = lora && !epilogue_lora ? m.x<__nv_bfloat16>(m.d2) : nullptr;
   fa.topk_weights = m.x<float>(m.tw);
   fa.pair_pos = m.x<int32_t>(m.pair_pos);
   fa.slot = lora ? f.slot : nullptr;
@@ -414,7 +451,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.out = f.out;
   // Directly after GEMM2 on this stream: not after the shared expert's cuBLAS kernels, and not
   // after the event wait for the seam-2 expand (as for the activation).
-  fa.pdl = stream && !lora && !shared;
+  fa.pdl = stream && !side_work && !shared;
   launch_moe_finalize(fa, m.main);
 }
 
