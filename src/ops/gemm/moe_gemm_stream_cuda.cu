@@ -251,18 +251,6 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
 }
 
-// d += a . b on the tensor cores (mma.m16n8k16, bf16 in, fp32 accumulate), d as the four
-// accumulator registers of one 8-token column block: the wgmma accumulator of a warp lays out its
-// 16 rows x 8 tokens exactly as the mma's C fragment, so the delta lands in place.
-__device__ __forceinline__ void mma_bf16_into(float& d0, float& d1, float& d2, float& d3,
-                                              const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Two B values (ranks r, r + 1 of one weight row) as an mma A-fragment register; ranks at or past
 // the slot's rank read as zero (the pool's rank tail is never multiplied in).
 __device__ __forceinline__ uint32_t lora_b_pair(const __nv_bfloat16* row, int r, int rank, bool row_ok) {
@@ -400,8 +388,13 @@ __device__ __forceinline__ void lora_pass_apply(float (&acc)[kWidth / 2], const 
           const uint32_t* u = ls.u[n];
           const uint32_t hi0 = in_run ? u[lane % 4] : 0u, hi1 = in_run ? u[4 + lane % 4] : 0u;
           const uint32_t lo0 = in_run ? u[8 + lane % 4] : 0u, lo1 = in_run ? u[12 + lane % 4] : 0u;
-          mma_bf16_into(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3], a, hi0, hi1);
-          mma_bf16_into(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3], a, lo0, lo1);
+          // The wgmma accumulator of a warp lays out its 16 rows x 8 tokens of block c exactly as
+          // the mma's C fragment, so the delta lands in place.
+          float d[4] = {acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]};
+          ::moelora::cuda::ptx::mma_bf16_16816(d, a, hi0, hi1);
+          ::moelora::cuda::ptx::mma_bf16_16816(d, a, lo0, lo1);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[4 * c + i] = d[i];
         }
       }
       n0 = n1;

@@ -178,6 +178,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     return m.pool.at<__nv_bfloat16>(t.a) + static_cast<size_t>(slot) * t.ea * t.max_rank * t.in;
   };
 
+  // K chunks of a fused row shrink's partials over target t's input (kRowShrinkChunk columns each).
+  auto row_shrink_splits = [](const PoolTarget& t) {
+    return (round_up(t.in, 128) + kRowShrinkChunk - 1) / kRowShrinkChunk;
+  };
   auto row_shrink = [&](const PoolTarget& t, float* partial) {
     LoraRowShrinkArgs r;
     r.pool = m.view(t);
@@ -193,7 +197,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     e.seg = pair_segments;
     e.partial = partial;
     e.row_capacity = m.P;
-    e.splits = (round_up(t.in, 128) + kRowShrinkChunk - 1) / kRowShrinkChunk;
+    e.splits = row_shrink_splits(t);
     e.delta = delta;
     e.beside_gemm = T >= kLoraExpandBesideGemmTokens;
     launch_lora_expand(e, m.side);
@@ -265,7 +269,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     l.num_slots = v.num_slots;
     l.b_experts = v.eb;
     l.max_rank = v.max_rank;
-    l.splits = (round_up(t.in, 128) + kRowShrinkChunk - 1) / kRowShrinkChunk;
+    l.splits = row_shrink_splits(t);
     l.row_capacity = m.P;
     return l;
   };
@@ -355,7 +359,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (fused_lora) {
     act.lora_expand.pool = m.view(m.gate_up);
     act.lora_expand.partial = m.x<float>(m.part1);
-    act.lora_expand.splits = (m.Hp + kRowShrinkChunk - 1) / kRowShrinkChunk;
+    act.lora_expand.splits = row_shrink_splits(m.gate_up);
     act.lora_expand.row_capacity = m.P;
     act.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
   }
