@@ -46,6 +46,7 @@
 #include "moe_layer_config.h"
 #include "moe_layer_report.h"
 #include "ops/moe/moe_layer_cuda.cuh"
+#include "ops/moe_gemv/moe_gemv_cuda.cuh"
 
 using namespace moelora;
 using namespace moelora::bench;
@@ -140,6 +141,10 @@ int main(int argc, char** argv) {
             if (opt.quick && lc.name != "none" && lc.name != "1x r16") continue;
             if (!opt.lora.empty() && std::find(opt.lora.begin(), opt.lora.end(), lc.name) == opt.lora.end()) continue;
             if (mode == "prefill" && lc.name != "none" && lc.name != "1x r16") continue;
+            // the expert GEMV chain runs no-LoRA forwards of up to 8 tokens only
+            if (opt.gemm_path == ops::cuda::GemmPath::kGemv &&
+                (lc.adapters > 0 || T > ops::cuda::kMoeGemvMaxTokens))
+              continue;
             for (int s = 0; s < 8; ++s) layer.clear_adapter(s);
             // One adapter goes to slot 3 (nothing may assume slot 0); several fill slots 0..n-1.
             auto slot_of = [&](int a) { return lc.adapters == 1 ? 3 : a; };

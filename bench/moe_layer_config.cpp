@@ -173,7 +173,8 @@ int parse_options(int argc, char** argv, Options& opt) {
                        {{"auto", ops::cuda::GemmPath::kAuto},
                         {"stream", ops::cuda::GemmPath::kDecode},
                         {"register", ops::cuda::GemmPath::kDecodeRegister},
-                        {"prefill", ops::cuda::GemmPath::kPrefill}},
+                        {"prefill", ops::cuda::GemmPath::kPrefill},
+                        {"gemv", ops::cuda::GemmPath::kGemv}},
                        opt.gemm_path))
         return 2;
     } else if (a == "--timeline") {
@@ -226,8 +227,11 @@ int parse_options(int argc, char** argv, Options& opt) {
           "atomic\n"
           "                      counter without LoRA, round-robin with it), claimed or "
           "round-robin\n"
-          "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels) "
-          "or prefill\n"
+          "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels), "
+          "prefill,\n"
+          "                      or gemv (the expert GEMV chain: no-LoRA rows of up to 8 tokens; "
+          "other\n"
+          "                      rows are refused)\n"
           "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, "
           "start,\n"
           "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"

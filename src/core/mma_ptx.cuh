@@ -1,6 +1,7 @@
-// PTX wrappers shared by the bf16 tensor-core kernels (paged attention, the tensor-core LoRA
-// shrink / expand): cp.async into shared memory, ldmatrix, and mma.sync m16n8k16 with bf16 inputs
-// (m16n8k8 with tf32 inputs for the Gated DeltaNet chunked rule) and fp32 accumulation. sm_80+
+// PTX wrappers shared by the tensor-core kernels (paged attention, the tensor-core LoRA shrink /
+// expand, the expert GEMVs): cp.async into shared memory, ldmatrix, and mma.sync m16n8k16 with
+// bf16 inputs (m16n8k8 with tf32 inputs for the Gated DeltaNet chunked rule, m16n8k32 with e4m3
+// inputs for the expert GEMVs) and fp32 accumulation. sm_80+
 // instructions; the kernels that use them are built for sm_90a.
 #pragma once
 
@@ -51,6 +52,20 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += a (16x32 e4m3, row-major) * b (32x8 e4m3, column-major), fp32 accumulate (sm_89+).
+// Fragments (g = lane / 4, q = lane % 4): a0 / a2 hold row g, a1 / a3 row g + 8; a0 / a1 hold
+// columns 4q .. 4q + 3, a2 / a3 columns 16 + 4q .. 16 + 4q + 3 (4 codes per register, lowest
+// column in the low byte); b0 / b1 hold rows 4q .. and 16 + 4q .. of column g; d as for
+// mma_bf16_16816 (rows g / g + 8, columns 2q / 2q + 1).
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // fp32 -> TF32 (round to nearest, ties away: cvt.rna), as the bits an m16n8k8 .tf32 mma reads.

@@ -49,7 +49,9 @@ Tensor separated_logits(int T, int E, std::mt19937_64& rng) {
   return t;
 }
 
-void check_route(const ops::RouteParams& params, int T, uint64_t seed, bool with_bias, int valid_tokens = -1) {
+// quant_hidden > 0: the fused row quant of x [T, quant_hidden] too, bit-equal to the reference.
+void check_route(const ops::RouteParams& params, int T, uint64_t seed, bool with_bias, int valid_tokens = -1,
+                 int quant_hidden = 0) {
   std::mt19937_64 rng(test::test_seed(seed));
   const int E = static_cast<int>(params.num_experts), k = static_cast<int>(params.top_k);
   Tensor logits = separated_logits(T, E, rng);
@@ -72,8 +74,27 @@ void check_route(const ops::RouteParams& params, int T, uint64_t seed, bool with
   // change nothing in the routing.
   a.prefetch[0] = {logits_d.get(), logits_d.bytes()};
   a.prefetch[1] = {w_d.get(), w_d.bytes()};
+  cuda::DeviceBuffer x_d, q_d, scale_d;
+  Tensor x;
+  if (quant_hidden > 0) {
+    x = test::random_normal({T, quant_hidden}, rng, 2.0f).to(DType::kBF16).to_f32();
+    x_d = cuda::to_device(x.to(DType::kBF16));
+    q_d = cuda::DeviceBuffer(static_cast<size_t>(T) * quant_hidden);
+    scale_d = cuda::DeviceBuffer(static_cast<size_t>(T) * (quant_hidden / 128) * 4);
+    a.quant.x = x_d.get();
+    a.quant.hidden = quant_hidden;
+    a.quant.q = q_d.as<uint8_t>();
+    a.quant.scale = scale_d.as<float>();
+  }
   ops::cuda::launch_route(params, a, nullptr);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+  if (quant_hidden > 0) {
+    const auto want = ops::quantize_fp8_per_token_ref(x);
+    const auto q = download_vector<uint8_t>(q_d, static_cast<size_t>(T) * quant_hidden);
+    const auto sc = download_vector<float>(scale_d, static_cast<size_t>(T) * (quant_hidden / 128));
+    for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(q[i], want.q.data<uint8_t>()[i]) << "code " << i;
+    for (size_t i = 0; i < sc.size(); ++i) ASSERT_EQ(sc[i], want.scale.data<float>()[i]) << "scale " << i;
+  }
   auto ids = download_vector<int32_t>(ids_d, T * k);
   auto w = download_vector<float>(w_d, T * k);
   const int valid = valid_tokens < 0 ? T : valid_tokens;
@@ -128,6 +149,18 @@ TEST(Sm90_Route, PaddingTokensGetNoExperts) {
   p.top_k = 6;
   p.renormalize = true;
   check_route(p, 16, 105, false, /*valid_tokens=*/11);
+}
+
+// The decode GEMV chain's x quant in extra CTAs of the router launch: codes and scales equal
+// quant.h's per-token groups bitwise (padding rows included), the routing unchanged.
+TEST(Sm90_Route, RowQuantBesideTheRouting) {
+  MOELORA_REQUIRE_SM90();
+  ops::RouteParams p;
+  p.num_experts = 256;
+  p.top_k = 8;
+  p.renormalize = true;
+  check_route(p, 1, 106, false, -1, 2048);
+  check_route(p, 7, 107, false, /*valid_tokens=*/5, 640);
 }
 
 void check_align(int T, int valid, int E, int k, int S, uint64_t seed) {

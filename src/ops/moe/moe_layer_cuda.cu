@@ -6,6 +6,7 @@
 // writes only the bf16 copy a16 (which the down LoRA reads anyway) and GEMM2 reads a16. Weights
 // are stored unpadded ([E, 2I, H], [E, H, I]); H and I need only be multiples of 8.
 #include "ops/moe/moe_layer_cuda.cuh"
+#include "ops/moe_gemv/moe_gemv_cuda.cuh"
 #include "ops/moe/moe_layer_impl_cuda.cuh"
 
 #include <algorithm>
@@ -250,6 +251,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.prefill_ws_bytes = moe_gemm_prefill_workspace_bytes(E, m.num_sms);
     m.prefill_ws = m.ws.reserve(m.prefill_ws_bytes);
     m.gemm_work = m.ws.reserve(4 * sizeof(int32_t));
+    m.gemv_tickets = m.ws.reserve(kMoeGemvMaxTickets * sizeof(int32_t));
   }
   m.h = m.ws.reserve(P * 2 * I * 2);
   m.a16 = m.ws.reserve(P * I * 2);
@@ -275,7 +277,10 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   }
   m.ws.allocate();
   // The stream GEMMs' work counters start at zero; each launch leaves them so for the next.
-  if (!bf16) MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));
+  if (!bf16) {  // counters the kernels leave at zero after every launch
+    MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));
+    MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemv_tickets), 0, kMoeGemvMaxTickets * sizeof(int32_t)));
+  }
   ::moelora::cuda::wait_for_host_copies();
 }
 

@@ -90,7 +90,13 @@ struct MoeForwardArgs {
 // register-fed swap-AB kernel (kept for A/B runs), kPrefill = the CUTLASS grouped GEMM; kAuto
 // takes kDecode up to should_use_decode_gemm's bound. bf16 experts: both decode values take the
 // decode tile of the bf16 grouped GEMM, kPrefill its prefill tile.
-enum class GemmPath { kAuto, kDecode, kDecodeRegister, kPrefill };
+// kGemv (opt-in; FP8 experts, up to kMoeGemvMaxTokens tokens, no LoRA in the forward, H and I
+// multiples of 128, else kUnsupported): the two expert GEMV kernels of ops/moe_gemv (route -> up
+// -> down, no alignment, no quant / activation / finalize kernels). Measured on the H200
+// (docs/gpu_moe.md §6.4): 4 % faster than kDecode at one qwen3.5 token, 1.25-1.75x slower from 2
+// tokens on and on kimi-k2.5-ep8 (its cp.async weight stream tops out near 2.3 TB/s where the
+// stream GEMM's TMA ring reaches 3.9), so kAuto never takes it.
+enum class GemmPath { kAuto, kDecode, kDecodeRegister, kPrefill, kGemv };
 
 // Which LoRA shrink / expand kernels the layer uses: kAuto takes the tensor-core (mma) ones for
 // forwards of at least kLoraMmaMinTokens tokens (lora_mma_cuda.cuh says why) and the decode-tuned

@@ -12,6 +12,7 @@
 #include "ops/moe/moe_layer_cuda.cuh"
 #include "ops/moe/moe_layer_impl_cuda.cuh"
 #include "ops/moe_align/moe_align_cuda.cuh"
+#include "ops/moe_gemv/moe_gemv_cuda.cuh"
 #include "ops/quant/quant_cuda.cuh"
 #include "ops/route/route_cuda.cuh"
 
@@ -26,6 +27,20 @@ using moe_layer_internal::round_up;
 // 64 / 128 tokens 306.6 -> 297.4 / 408.7 -> 398.2 us with it; 1 adapter at 1 / 4 tokens
 // 42.4 -> 45.8 / 66.2 -> 71.3 us, so small batches keep the unbounded one).
 constexpr int kLoraExpandBesideGemmTokens = 32;
+
+namespace {
+
+// Whether a forward of `tokens` tokens can take the expert GEMV chain, and why not (nullptr: it can).
+const char* gemv_unsupported_reason(const MoeLayerConfig& c, int tokens, bool lora) {
+  if (c.bf16_experts) return "the experts are bf16 (the GEMVs read FP8 experts)";
+  if (lora) return "the forward has LoRA";
+  if (tokens > kMoeGemvMaxTokens) return "the forward has more than 8 tokens";
+  if (c.hidden % 128 != 0 || c.inter % 128 != 0) return "H or I is not a multiple of 128";
+  if (c.num_experts > kMoeGemvMaxExperts || c.top_k > kMoeGemvMaxTopK) return "E > 1024 or top_k > 32";
+  return nullptr;
+}
+
+}  // namespace
 
 void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   Impl& m = *impl_;
@@ -67,24 +82,97 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // Whether the side stream gets work (and so is forked and joined).
   const bool side_work = lora && (!epilogue_lora || shared);
 
+  // The shared expert's base work on the main stream: gate_up GEMM, activation (with its seam-1
+  // delta from the side stream when `with_lora`: waits for ev_shared_lora1), down GEMM into sout.
+  // Its down LoRA and the join are the caller's.
+  auto enqueue_shared_expert = [&](bool with_lora) {
+    const int Is = c.shared_inter;
+    gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.sw13), m.x<__nv_bfloat16>(m.sh), CUDA_R_16BF, T,
+                 2 * Is, H);
+    if (with_lora) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_shared_lora1.get(), 0));
+    MoeActivationArgs sact;
+    sact.h = m.x<__nv_bfloat16>(m.sh);
+    sact.delta = with_lora ? m.x<__nv_bfloat16>(m.sd1) : nullptr;
+    sact.delta_row = with_lora ? m.x<int32_t>(m.token_pos) : nullptr;
+    sact.row_token = nullptr;
+    sact.slot = with_lora ? f.slot : nullptr;
+    sact.num_rows = f.num_tokens;
+    sact.max_rows = T;
+    sact.inter = Is;
+    sact.inter_padded = round_up(Is, 128);
+    sact.a16 = m.x<__nv_bfloat16>(m.sa16);
+    sact.aq = nullptr;
+    sact.sa = nullptr;
+    launch_moe_activation(sact, m.main);
+    gemm_bf16_nt(cublas, m.main, m.x<__nv_bfloat16>(m.sa16), m.w<__nv_bfloat16>(m.sw2),
+                 m.x<__nv_bfloat16>(m.sout), CUDA_R_16BF, T, H, Is);
+  };
+
   // 1. router GEMM + route
-  const float* logits = f.router_logits;
-  if (!logits) {
-    gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.router), m.x<float>(m.logits),
-                 CUDA_R_32F, T, E, H);
-    logits = m.x<float>(m.logits);
+  // gemv_quant: the route kernel also quantizes x per token (the expert GEMV chain's GEMM1 input).
+  auto route_tokens = [&](bool gemv_quant) {
+    const float* logits = f.router_logits;
+    if (!logits) {
+      gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.router), m.x<float>(m.logits),
+                   CUDA_R_32F, T, E, H);
+      logits = m.x<float>(m.logits);
+    }
+    RouteDeviceArgs ra;
+    ra.logits = logits;
+    ra.correction_bias = m.has_bias ? m.w<float>(m.bias) : nullptr;
+    ra.num_tokens = f.num_tokens;
+    ra.topk_ids = m.x<int32_t>(m.ids);
+    ra.topk_weights = m.x<float>(m.tw);
+    ra.max_tokens = T;
+    // x feeds the quant kernel (and the LoRA shrink) after the routing; the slot map the alignment.
+    ra.prefetch[0] = {f.x, static_cast<size_t>(T) * H * sizeof(__nv_bfloat16)};
+    if (lora) ra.prefetch[1] = {f.slot, static_cast<size_t>(T) * sizeof(int32_t)};
+    if (gemv_quant) ra.quant = {f.x, H, m.x<uint8_t>(m.xq), m.x<float>(m.sx)};
+    launch_route(c.route, ra, m.main);
+  };
+
+  // GemmPath::kGemv (opt-in, decode with few tokens and no LoRA): the expert GEMV chain
+  // (docs/gpu_moe.md §6.4). The shared expert goes first, so that route -> up -> down stay one
+  // run of programmatic launches.
+  if (gemm_path_ == GemmPath::kGemv) {
+    const char* no_gemv = gemv_unsupported_reason(c, T, lora);
+    MOELORA_CHECK(!no_gemv, ErrorCode::kUnsupported, "MoeLayerCuda::forward: GemmPath::kGemv cannot run this forward: ",
+                  no_gemv ? no_gemv : "", "; use GemmPath::kAuto");
+    if (shared) enqueue_shared_expert(/*with_lora=*/false);
+    route_tokens(/*gemv_quant=*/true);
+    MoeGemvArgs g;
+    g.topk_ids = m.x<int32_t>(m.ids);
+    g.topk_weights = m.x<float>(m.tw);
+    g.num_tokens = f.num_tokens;
+    g.tokens = T;
+    g.top_k = k;
+    g.num_experts = E;
+    g.hidden = H;
+    g.inter = I;
+    g.xq = m.x<uint8_t>(m.xq);
+    g.sx = m.x<float>(m.sx);
+    g.w13 = m.w<uint8_t>(m.w13);
+    g.w13_scale = m.w<float>(m.w13s);
+    g.act = m.x<__nv_bfloat16>(m.a16);
+    g.aq = m.x<uint8_t>(m.aq);
+    g.sa = m.x<float>(m.sa);
+    g.tickets = m.x<int32_t>(m.gemv_tickets);
+    g.x = f.x;
+    g.w2 = m.w<uint8_t>(m.w2);
+    g.w2_scale = m.w<float>(m.w2s);
+    g.shared = shared ? m.x<__nv_bfloat16>(m.sout) : nullptr;
+    g.shared_gate = (shared && m.has_shared_gate) ? m.w<__nv_bfloat16>(m.sgate) : nullptr;
+    g.out = f.out;
+    // The down kernel fills the W2 rows of the first experts into L2 while the up kernel streams;
+    // up to ~24 MB (half the H200's L2) so the fills are not evicted before they are read.
+    g.prefetch_experts = static_cast<int>(std::max<int64_t>(1, (int64_t{24} << 20) / (int64_t{H} * I)));
+    g.num_sms = m.num_sms;
+    g.pdl = true;
+    launch_moe_gemv_up(g, m.main);
+    launch_moe_gemv_down(g, m.main);
+    return;
   }
-  RouteDeviceArgs ra;
-  ra.logits = logits;
-  ra.correction_bias = m.has_bias ? m.w<float>(m.bias) : nullptr;
-  ra.num_tokens = f.num_tokens;
-  ra.topk_ids = m.x<int32_t>(m.ids);
-  ra.topk_weights = m.x<float>(m.tw);
-  ra.max_tokens = T;
-  // x feeds the quant kernel (and the LoRA shrink) after the routing; the slot map the alignment.
-  ra.prefetch[0] = {f.x, static_cast<size_t>(T) * H * sizeof(__nv_bfloat16)};
-  if (lora) ra.prefetch[1] = {f.slot, static_cast<size_t>(T) * sizeof(int32_t)};
-  launch_route(c.route, ra, m.main);
+  route_tokens(/*gemv_quant=*/false);
 
   // 2. align
   MoeAlignDeviceArgs aa;
@@ -403,26 +491,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
 
   // 6. shared expert (bf16), its LoRA deltas from the side stream
   if (shared) {
-    const int Is = c.shared_inter;
-    gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.sw13), m.x<__nv_bfloat16>(m.sh),
-                 CUDA_R_16BF, T, 2 * Is, H);
-    if (lora) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_shared_lora1.get(), 0));
-    MoeActivationArgs sact;
-    sact.h = m.x<__nv_bfloat16>(m.sh);
-    sact.delta = lora ? m.x<__nv_bfloat16>(m.sd1) : nullptr;
-    sact.delta_row = lora ? m.x<int32_t>(m.token_pos) : nullptr;
-    sact.row_token = nullptr;
-    sact.slot = lora ? f.slot : nullptr;
-    sact.num_rows = f.num_tokens;
-    sact.max_rows = T;
-    sact.inter = Is;
-    sact.inter_padded = round_up(Is, 128);
-    sact.a16 = m.x<__nv_bfloat16>(m.sa16);
-    sact.aq = nullptr;
-    sact.sa = nullptr;
-    launch_moe_activation(sact, m.main);
-    gemm_bf16_nt(cublas, m.main, m.x<__nv_bfloat16>(m.sa16), m.w<__nv_bfloat16>(m.sw2),
-                 m.x<__nv_bfloat16>(m.sout), CUDA_R_16BF, T, H, Is);
+    enqueue_shared_expert(lora);
     if (lora) {
       m.ev_shared_act.record(m.main);
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_shared_act.get(), 0));

@@ -5,11 +5,14 @@
 // that division rounds two different values to one probability (a near-tie within one rounding:
 // the reference then takes the lower index, this kernel the larger exp). For noaux_tc with groups the biased scores are staged in shared memory so
 // that one lane per group can sum its group's top-2. Instances per router kind and per E bound.
+#include <cuda_bf16.h>
+
 #include <cfloat>
 
 #include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
 #include "core/sm90_ptx.cuh"
+#include "ops/quant/fp8_device.cuh"
 #include "ops/route/route_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -98,6 +101,24 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelPa
                                              blockIdx.x * blockDim.x + threadIdx.x,
                                              gridDim.x * blockDim.x);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int route_ctas = (p.a.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta;
+  if (static_cast<int>(blockIdx.x) >= route_ctas) {  // the optional row quant: one warp per 128-column group
+    const auto& qr = p.a.quant;
+    const int groups = qr.hidden / 128;
+    const int g = (blockIdx.x - route_ctas) * kWarpsPerCta + warp;
+    if (g >= p.a.max_tokens * groups) return;
+    const int t = g / groups, col = (g % groups) * 128 + 4 * lane;
+    const uint2 raw =
+        *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(qr.x) + static_cast<size_t>(t) * qr.hidden + col);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+    const float values[4] = {lo.x, lo.y, hi.x, hi.y};
+    uint32_t codes;
+    const float scale = quantize_group_128(values, codes);
+    *reinterpret_cast<uint32_t*>(qr.q + static_cast<size_t>(t) * qr.hidden + col) = codes;
+    if (lane == 0) qr.scale[g] = scale;
+    return;
+  }
   const int token = blockIdx.x * kWarpsPerCta + warp;
   if (token >= p.a.max_tokens) return;
   const int E = p.E, k = p.k;
@@ -236,7 +257,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelPa
 
 template <bool kNoauxTc>
 void launch_instance(const KernelParams& p, cudaStream_t stream) {
-  const dim3 grid((p.a.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta), block(32 * kWarpsPerCta);
+  const int route_ctas = (p.a.max_tokens + kWarpsPerCta - 1) / kWarpsPerCta;
+  const int quant_warps = p.a.quant.q ? p.a.max_tokens * (p.a.quant.hidden / 128) : 0;
+  const dim3 grid(route_ctas + (quant_warps + kWarpsPerCta - 1) / kWarpsPerCta), block(32 * kWarpsPerCta);
   if (p.E <= 64) {
     ::moelora::cuda::launch_kernel(route_kernel<2, kNoauxTc>, grid, block, 0, stream, false, p);
   } else if (p.E <= 128) {
@@ -262,6 +285,10 @@ void launch_route(const RouteParams& params, const RouteDeviceArgs& args, cudaSt
                 "GPU router: n_group = ", params.n_group, "; at most 32 are supported");
   MOELORA_CHECK(args.logits && args.topk_ids && args.topk_weights, ErrorCode::kInvalidArgument,
                 "GPU router: logits, topk_ids and topk_weights are required");
+  MOELORA_CHECK(!args.quant.q || (args.quant.x && args.quant.scale && args.quant.hidden > 0 &&
+                                  args.quant.hidden % 128 == 0),
+                ErrorCode::kInvalidArgument, "GPU router: the row quant needs x, scale and hidden (",
+                args.quant.hidden, ") a positive multiple of 128");
   if (args.max_tokens == 0) return;
   KernelParams p;
   p.a = args;

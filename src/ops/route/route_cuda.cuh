@@ -28,9 +28,22 @@ struct RouteDeviceArgs {
     size_t bytes = 0;
   };
   Prefetch prefetch[2];
+  // Optional (the decode expert GEMV chain, ops/moe_gemv): the layer input x [max_tokens, hidden]
+  // bf16 quantized per token per 128 columns as quant.h's per-token groups, into q [max_tokens,
+  // hidden] e4m3 and scale [max_tokens, hidden / 128] (row-major). Extra CTAs of the same launch
+  // do it (one warp per 128-column group), beside the routing, so it adds no kernel and no time
+  // to the chain. hidden must be a multiple of 128. Set q to enable.
+  struct QuantRows {
+    const void* x = nullptr;  // __nv_bfloat16 [max_tokens, hidden]
+    int hidden = 0;
+    uint8_t* q = nullptr;
+    float* scale = nullptr;
+  };
+  QuantRows quant;
 };
 
-// E <= 1024 and k <= 32 (Error otherwise).
+// E <= 1024 and k <= 32 (Error otherwise); the optional row quant needs x, scale and hidden a
+// positive multiple of 128.
 void launch_route(const RouteParams& params, const RouteDeviceArgs& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda
