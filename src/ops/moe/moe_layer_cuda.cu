@@ -6,8 +6,8 @@
 // writes only the bf16 copy a16 (which the down LoRA reads anyway) and GEMM2 reads a16. Weights
 // are stored unpadded ([E, 2I, H], [E, H, I]); H and I need only be multiples of 8.
 #include "ops/moe/moe_layer_cuda.cuh"
-#include "ops/moe_gemv/moe_gemv_cuda.cuh"
 #include "ops/moe/moe_layer_impl_cuda.cuh"
+#include "ops/moe_gemv/moe_gemv_cuda.cuh"
 
 #include <algorithm>
 #include <cmath>

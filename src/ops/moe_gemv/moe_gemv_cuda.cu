@@ -16,8 +16,8 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRows =
-    16;  // weight rows of one mma (its M): intermediate columns (up) or H columns (down)
+// weight rows of one mma (its M): intermediate columns (up) or H columns (down)
+constexpr int kRows = 16;
 constexpr int kMaxPairs = kMoeGemvMaxTokens * kMoeGemvMaxTopK;
 // Each warp streams its bytes through a ring of stages in shared memory (cp.async.cg, 16 bytes
 // per lane): the weight rows coalesced (8 lanes per 128-byte row segment, 4 rows per warp copy,
@@ -284,11 +284,8 @@ __global__ void __launch_bounds__(kThreads, kUpCtasPerSm) moe_gemv_up_kernel(con
       const size_t at = static_cast<size_t>(pair) * I + group * 128 + 4 * lane;
       const uint2 raw =
           __ldcg(reinterpret_cast<const uint2*>(p.act + at));  // other CTAs' stores: from L2
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-      const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
-      const float values[4] = {lo.x, lo.y, hi.x, hi.y};
       uint32_t codes;
-      const float scale = quantize_group_128(values, codes);
+      const float scale = quantize_bf16_group_128(raw, codes);
       *reinterpret_cast<uint32_t*>(p.aq + at) = codes;
       if (lane == 0) p.sa[static_cast<size_t>(pair) * groups + group] = scale;
     }

@@ -3,6 +3,7 @@
 // 128-column group, code = e4m3(x / scale) with IEEE division, round to nearest even, saturating.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -32,6 +33,14 @@ __device__ __forceinline__ float quantize_group_128(const float (&values)[4], ui
 #pragma unroll
   for (int i = 0; i < 4; ++i) codes |= static_cast<uint32_t>(f32_to_e4m3_sat(__fdiv_rn(values[i], scale))) << (8 * i);
   return scale;
+}
+
+// quantize_group_128 of the lane's 4 bf16 values packed in `raw` (columns 4 * lane .. + 3).
+__device__ __forceinline__ float quantize_bf16_group_128(const uint2& raw, uint32_t& codes) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+  const float values[4] = {lo.x, lo.y, hi.x, hi.y};
+  return quantize_group_128(values, codes);
 }
 
 }  // namespace moelora::ops::cuda

@@ -110,11 +110,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) route_kernel(const KernelPa
     const int t = g / groups, col = (g % groups) * 128 + 4 * lane;
     const uint2 raw =
         *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(qr.x) + static_cast<size_t>(t) * qr.hidden + col);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
-    const float values[4] = {lo.x, lo.y, hi.x, hi.y};
     uint32_t codes;
-    const float scale = quantize_group_128(values, codes);
+    const float scale = quantize_bf16_group_128(raw, codes);
     *reinterpret_cast<uint32_t*>(qr.q + static_cast<size_t>(t) * qr.hidden + col) = codes;
     if (lane == 0) qr.scale[g] = scale;
     return;
