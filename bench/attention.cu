@@ -10,7 +10,9 @@
 //                  (tensor cores, FA2; the kernel serving stacks take for decode when the GQA
 //                  group is >= 4), planned as the engine plans it; the engine's GQA attention
 //   fi-decode      FlashInfer's BatchDecodeWithPagedKVCache (CUDA cores; decode only)
-// Every FlashInfer output is compared with moelora's (max |diff| / max |moelora|, must be
+//   moelora-flat   launch_gqa_decode_attention: moelora's flat split-KV decode kernel (the whole
+//                  batch's KV tiles split evenly over one wave of CTAs; decode only)
+// Every other kernel's output is compared with moelora's (max |diff| / max |moelora|, must be
 // <= 2e-2 or the run fails). Times are CUDA-event medians of single launches, with L2 flushed
 // before each, so every launch streams its KV from HBM; FlashInfer's host-side plan (once per
 // step in a server, shared by all layers) is not timed. Decode reports the KV bytes read per
@@ -45,6 +47,7 @@
 #include "core/dtype.h"
 #include "ops/attention/attention_cuda.cuh"
 #include "ops/attention/attention_flashinfer.cuh"
+#include "ops/attention/gqa_decode_cuda.cuh"
 
 #ifdef MOELORA_WITH_FLASHINFER
 #include <flashinfer/attention/decode.cuh>
@@ -228,6 +231,22 @@ Contender make_moelora(const Preset& p, Problem& pr, cuda::DeviceBuffer& workspa
   a.workspace = workspace.get();
   pr.moelora_args = a;
   c.launch = [a](cudaStream_t s) { ops::cuda::launch_paged_attention(a, s); };
+  return c;
+}
+
+// The flat split-KV decode kernel on the same problem as make_moelora (its args), with its own
+// workspace (tickets zeroed once, as the engine does).
+Contender make_moelora_flat(const Preset& p, const Problem& pr, cuda::DeviceBuffer& workspace) {
+  Contender c;
+  c.name = "moelora-flat";
+  c.out = cuda::DeviceBuffer(size_t(pr.tokens) * p.hq * p.head_dim * 2);
+  ops::cuda::PagedAttentionArgs a = pr.moelora_args;
+  a.out = c.out.as<__nv_bfloat16>();
+  workspace = cuda::DeviceBuffer(
+      ops::cuda::gqa_decode_workspace_bytes(pr.batch, p.hq, p.hkv, p.head_dim));
+  ops::cuda::reset_gqa_decode_workspace(workspace.get(), pr.batch, p.hkv, nullptr);
+  a.workspace = workspace.get();
+  c.launch = [a](cudaStream_t s) { ops::cuda::launch_gqa_decode_attention(a, s); };
   return c;
 }
 
@@ -433,7 +452,7 @@ int run(int argc, char** argv) {
   std::printf("# %s, %d SMs, copy bandwidth %.2f TB/s, page size %d, %d reps\n", dev.name.c_str(),
               dev.num_sms, copy_bw / 1e12, opt.page_size, opt.reps);
   cuda::Stream stream;
-  cuda::DeviceBuffer flush(size_t(256) << 20), workspace(16);
+  cuda::DeviceBuffer flush(size_t(256) << 20), workspace(16), flat_workspace(16);
 #ifdef MOELORA_WITH_FLASHINFER
   FiWorkspace fi_ws;
 #endif
@@ -450,6 +469,8 @@ int run(int argc, char** argv) {
                                   static_cast<uint32_t>(rows.size() * 7919 + 1));
         std::vector<Contender> cs;
         cs.push_back(make_moelora(p, pr, workspace));
+        if (decode && ops::cuda::gqa_decode_supports(p.hq, p.hkv, p.head_dim, p.head_dim))
+          cs.push_back(make_moelora_flat(p, pr, flat_workspace));
         if (ops::cuda::FlashInferAttention::supports(p.hq, p.hkv, p.head_dim))
           cs.push_back(make_fi_prefill(p, pr, decode, stream.get()));
 #ifdef MOELORA_WITH_FLASHINFER
@@ -533,7 +554,7 @@ int run(int argc, char** argv) {
     }
   }
   if (!all_match) {
-    std::fprintf(stderr, "bench_attention: a FlashInfer output differs from moelora's by more than 2e-2 (rel. diff column)\n");
+    std::fprintf(stderr, "bench_attention: an output differs from moelora's by more than 2e-2 (rel. diff column)\n");
     return 1;
   }
   return 0;

@@ -10,7 +10,7 @@
 //                   warp a 16-key quarter of the tile, grid over KV splits (flash-decoding).
 // K/V tiles are gathered through the page table with cp.async (16-byte chunks, zero-filled past
 // the last needed key) into a two-stage shared-memory ring. Softmax is online in fp32 in the
-// log2 domain (scale * log2(e) folded into the scores, exp2f), with the probabilities rounded
+// log2 domain (scale * log2(e) folded into the exponents, ex2.approx: ops/attention/online_softmax.cuh), with the probabilities rounded
 // to bf16 for the P.V product. The causal mask is applied only to tiles that reach past the
 // first row's position (the diagonal tiles).
 //
@@ -30,8 +30,9 @@
 #include <type_traits>
 
 #include "core/cuda_utils.h"
-#include "core/mma_ptx.cuh"
 #include "core/error.h"
+#include "core/mma_ptx.cuh"
+#include "ops/attention/online_softmax.cuh"
 
 namespace moelora::ops::cuda {
 
@@ -60,10 +61,6 @@ __host__ __device__ inline int split_chunk(int kv_len, int splits) {
 // PTX wrappers: src/core/mma_ptx.cuh.
 using namespace ::moelora::cuda::ptx;
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 // ---- kernel arguments ----------------------------------------------------------------------
 
@@ -242,70 +239,24 @@ __global__ void __launch_bounds__(kThreads) paged_attention_tc_kernel(const Kern
       }
     }
 
-    // Scale into the log2 domain; mask keys after a row's position on diagonal tiles (this also
-    // masks the zero-filled keys past key_end, since every row's position is < key_end there).
-    const bool diagonal = tile_key0 + kTileKeys - 1 > cta_min_pos;
+    // Mask keys after a row's position on diagonal tiles (this also masks the zero-filled keys
+    // past key_end, since every row's position is < key_end there); the scale is applied by the
+    // softmax step.
+    if (tile_key0 + kTileKeys - 1 > cta_min_pos) {
 #pragma unroll
-    for (int nt = 0; nt < kScoreTiles; ++nt) {
+      for (int nt = 0; nt < kScoreTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e] * p.scale_log2;
-        if (diagonal) {
-          const int key = tile_key0 + warp_key0 + nt * 8 + 2 * tig + (e & 1);
-          if (key > row_pos[e / 2]) v = -INFINITY;
-        }
-        s[nt][e] = v;
-      }
+        for (int e = 0; e < 4; ++e)
+          if (tile_key0 + warp_key0 + nt * 8 + 2 * tig + (e & 1) > row_pos[e / 2])
+            s[nt][e] = -INFINITY;
     }
 
     // Online softmax: each row is spread over the 4 threads of a group (lanes 4*gid .. +3).
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float m = row_max[half];
-#pragma unroll
-      for (int nt = 0; nt < kScoreTiles; ++nt)
-        m = fmaxf(m, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      // m stays -inf while every key seen so far is masked: subtract 0 then (exp2(-inf) = 0).
-      const float base = m == -INFINITY ? 0.f : m;
-      const float correction = exp2f(row_max[half] - base);
-      row_max[half] = m;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kScoreTiles; ++nt) {
-        s[nt][2 * half] = exp2f(s[nt][2 * half] - base);
-        s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] - base);
-        sum += s[nt][2 * half] + s[nt][2 * half + 1];
-      }
-      row_sum[half] = row_sum[half] * correction + sum;
-#pragma unroll
-      for (int i = 0; i < kOutTiles; ++i) {
-        acc[i][2 * half] *= correction;
-        acc[i][2 * half + 1] *= correction;
-      }
-    }
+    online_softmax_step(s, acc, row_max, row_sum, p.scale_log2);
 
-    // O += P V: P's accumulator layout of two adjacent n8 tiles is the A layout of one k16 step.
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKeysPerWarp / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      // V rows (keys) kk*16 + (lane % 16), dims n0 + (lane / 16) * 8: matrices 0/1 are keys
-      // 0-7 / 8-15 of dims n0.., 2/3 the same for dims n0 + 8.. (transposed into B fragments).
-      const __nv_bfloat16* v_base =
-          vs + (warp_key0 + kk * 16 + (lane & 15)) * Cfg::kVStride + (lane >> 4) * 8;
-#pragma unroll
-      for (int np = 0; np < Dv / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, smem_addr(v_base + np * 16));
-        mma_bf16_16816(acc[2 * np], a, b[0], b[1]);
-        mma_bf16_16816(acc[2 * np + 1], a, b[2], b[3]);
-      }
-    }
+    // O += P V over this warp's keys, all Dv dims.
+    accumulate_pv<Cfg::kKeysPerWarp / 16, Dv / 16>(s, acc, vs + warp_key0 * Cfg::kVStride,
+                                                  Cfg::kVStride, lane);
     __syncthreads();  // the stage is refilled by the next iteration's prefetch
   }
 
@@ -488,34 +439,6 @@ __global__ void __launch_bounds__(128) paged_kv_append_kernel(const PagedKvAppen
 
 // ---- host side -----------------------------------------------------------------------------
 
-void check_cache(const PagedKv& c, const char* where) {
-  MOELORA_CHECK(c.k != nullptr && c.v != nullptr, ErrorCode::kInvalidArgument, where,
-                ": the paged KV cache has a null K or V pointer");
-  MOELORA_CHECK(c.page_size >= 16 && (c.page_size & (c.page_size - 1)) == 0,
-                ErrorCode::kInvalidArgument, where,
-                ": page_size must be a power of two >= 16, got ", c.page_size);
-  MOELORA_CHECK(c.num_kv_heads > 0, ErrorCode::kInvalidArgument, where,
-                ": num_kv_heads must be > 0, got ", c.num_kv_heads);
-  MOELORA_CHECK(c.head_dim > 0 && c.head_dim <= 256 && c.head_dim % 8 == 0,
-                ErrorCode::kInvalidArgument, where,
-                ": head_dim must be a multiple of 8 in [8, 256], got ", c.head_dim);
-  MOELORA_CHECK(c.v_head_dim > 0 && c.v_head_dim <= 256 && c.v_head_dim % 8 == 0,
-                ErrorCode::kInvalidArgument, where,
-                ": v_head_dim must be a multiple of 8 in [8, 256], got ", c.v_head_dim);
-  MOELORA_CHECK(
-      reinterpret_cast<uintptr_t>(c.k) % 16 == 0 && reinterpret_cast<uintptr_t>(c.v) % 16 == 0,
-      ErrorCode::kInvalidArgument, where, ": the K/V cache pointers must be 16-byte aligned");
-}
-
-void check_batch(const AttentionBatch& b, const char* where) {
-  MOELORA_CHECK(b.page_table && b.q_start && b.q_len && b.kv_len && b.token_seq && b.token_pos,
-                ErrorCode::kInvalidArgument, where, ": an AttentionBatch device array is null");
-  MOELORA_CHECK(b.max_pages_per_seq > 0, ErrorCode::kInvalidArgument, where,
-                ": max_pages_per_seq must be > 0, got ", b.max_pages_per_seq);
-  MOELORA_CHECK(b.max_seqs <= 65535, ErrorCode::kOutOfRange, where, ": max_seqs ", b.max_seqs,
-                " exceeds the grid limit 65535");
-}
-
 bool use_tensor_cores(const PagedKv& c) {
   return (c.head_dim == 64 && c.v_head_dim == 64) || (c.head_dim == 128 && c.v_head_dim == 128);
 }
@@ -578,6 +501,38 @@ void launch_tc_family(const KernelArgs& args, const AttentionBatch& b, int num_k
 
 }  // namespace
 
+namespace detail {
+
+void check_paged_kv(const PagedKv& c, const char* where) {
+  MOELORA_CHECK(c.k != nullptr && c.v != nullptr, ErrorCode::kInvalidArgument, where,
+                ": the paged KV cache has a null K or V pointer");
+  MOELORA_CHECK(c.page_size >= 16 && (c.page_size & (c.page_size - 1)) == 0,
+                ErrorCode::kInvalidArgument, where,
+                ": page_size must be a power of two >= 16, got ", c.page_size);
+  MOELORA_CHECK(c.num_kv_heads > 0, ErrorCode::kInvalidArgument, where,
+                ": num_kv_heads must be > 0, got ", c.num_kv_heads);
+  MOELORA_CHECK(c.head_dim > 0 && c.head_dim <= 256 && c.head_dim % 8 == 0,
+                ErrorCode::kInvalidArgument, where,
+                ": head_dim must be a multiple of 8 in [8, 256], got ", c.head_dim);
+  MOELORA_CHECK(c.v_head_dim > 0 && c.v_head_dim <= 256 && c.v_head_dim % 8 == 0,
+                ErrorCode::kInvalidArgument, where,
+                ": v_head_dim must be a multiple of 8 in [8, 256], got ", c.v_head_dim);
+  MOELORA_CHECK(
+      reinterpret_cast<uintptr_t>(c.k) % 16 == 0 && reinterpret_cast<uintptr_t>(c.v) % 16 == 0,
+      ErrorCode::kInvalidArgument, where, ": the K/V cache pointers must be 16-byte aligned");
+}
+
+void check_attention_batch(const AttentionBatch& b, const char* where) {
+  MOELORA_CHECK(b.page_table && b.q_start && b.q_len && b.kv_len && b.token_seq && b.token_pos,
+                ErrorCode::kInvalidArgument, where, ": an AttentionBatch device array is null");
+  MOELORA_CHECK(b.max_pages_per_seq > 0, ErrorCode::kInvalidArgument, where,
+                ": max_pages_per_seq must be > 0, got ", b.max_pages_per_seq);
+  MOELORA_CHECK(b.max_seqs <= 65535, ErrorCode::kOutOfRange, where, ": max_seqs ", b.max_seqs,
+                " exceeds the grid limit 65535");
+}
+
+}  // namespace detail
+
 size_t paged_attention_workspace_bytes(int max_tokens, int num_q_heads, int v_head_dim,
                                        int max_seqs) {
   (void)max_tokens;  // split partials exist for decode sequences only (one row each)
@@ -587,8 +542,8 @@ size_t paged_attention_workspace_bytes(int max_tokens, int num_q_heads, int v_he
 }
 
 void launch_paged_kv_append(const PagedKvAppendArgs& args, cudaStream_t stream) {
-  check_cache(args.cache, "launch_paged_kv_append");
-  check_batch(args.batch, "launch_paged_kv_append");
+  detail::check_paged_kv(args.cache, "launch_paged_kv_append");
+  detail::check_attention_batch(args.batch, "launch_paged_kv_append");
   if (args.batch.max_tokens <= 0 || args.batch.max_seqs <= 0) return;
   MOELORA_CHECK(args.k != nullptr && args.v != nullptr, ErrorCode::kInvalidArgument,
                 "launch_paged_kv_append: the new K or V rows are null");
@@ -610,8 +565,8 @@ void launch_paged_kv_append(const PagedKvAppendArgs& args, cudaStream_t stream) 
 }
 
 void launch_paged_attention(const PagedAttentionArgs& args, cudaStream_t stream) {
-  check_cache(args.cache, "launch_paged_attention");
-  check_batch(args.batch, "launch_paged_attention");
+  detail::check_paged_kv(args.cache, "launch_paged_attention");
+  detail::check_attention_batch(args.batch, "launch_paged_attention");
   const AttentionBatch& b = args.batch;
   if (b.max_tokens <= 0 || b.max_seqs <= 0 || b.max_q_len <= 0) return;
   const int Hq = args.num_q_heads, Hkv = args.cache.num_kv_heads, D = args.cache.head_dim;

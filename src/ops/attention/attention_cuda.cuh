@@ -70,4 +70,10 @@ size_t paged_attention_workspace_bytes(int max_tokens, int num_q_heads, int v_he
                                        int max_seqs);
 void launch_paged_attention(const PagedAttentionArgs& args, cudaStream_t stream);
 
+namespace detail {
+// Argument checks shared by the attention launchers: kInvalidArgument naming `where` and the field.
+void check_paged_kv(const PagedKv& cache, const char* where);
+void check_attention_batch(const AttentionBatch& batch, const char* where);
+}  // namespace detail
+
 }  // namespace moelora::ops::cuda
