@@ -26,7 +26,7 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTileKeys = 64;
 constexpr int kPad = 8;             // bf16 elements of padding per shared row
-constexpr int kStages = 3;          // K/V tiles in the ring: two in flight while one is used
+constexpr int kStages = 3;          // K/V tiles in the ring, all in flight while one is awaited
 constexpr int kMaxGroup = 16;       // query heads per KV head: the m16 rows
 constexpr int kMinTilesPerCta = 4;  // fewer CTAs for small batches: short chains of partials
 constexpr int kMaxSeqs = 1024;      // the tile prefix lives in shared memory (4 KB)
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const KernelArgs p
   if (blockIdx.x >= num_ctas) return;
   const int64_t u0 = range_begin(blockIdx.x, total, num_ctas);
   const int64_t u1 = range_begin(blockIdx.x + 1, total, num_ctas);
-  if (u0 >= u1) return;  // nothing to do (or fewer tiles than CTAs)
+  if (u0 >= u1) return;  // an empty batch (no sequence with q_len 1): nothing to do
   const int n = static_cast<int>(u1 - u0);
 
   // ---- K/V tile loads: 16-byte cp.async chunks through the page table, zero past kv_len ----
