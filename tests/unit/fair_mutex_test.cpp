@@ -88,8 +88,16 @@ TEST(FairMutex, BusyRelockingLoopLetsEveryQueuedWaiterIn) {
   std::atomic<bool> stop{false};
   std::atomic<int64_t> waiter_holds{0};
   int64_t busy_holds = 0, releases_with_waiters = 0, overtaken = 0;
+  std::atomic<bool> busy_started{false};
   std::thread busy([&] {
     m.lock();
+    busy_started.store(true);
+    // The waiters start only now, and this first hold lasts until one of them is queued (or 10 s
+    // pass), so at least one release happens with a thread waiting however the threads are
+    // scheduled on a loaded machine (otherwise the waiters could all finish before this lock).
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (m.waiting() == 0 && std::chrono::steady_clock::now() < give_up) {
+    }
     while (!stop.load()) {
       ++busy_holds;
       const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
@@ -110,6 +118,7 @@ TEST(FairMutex, BusyRelockingLoopLetsEveryQueuedWaiterIn) {
   std::vector<std::thread> waiters;
   for (int w = 0; w < 3; ++w) {
     waiters.emplace_back([&] {
+      while (!busy_started.load()) std::this_thread::yield();
       for (int i = 0; i < 30; ++i) {
         std::lock_guard<FairMutex> lock(m);
         waiter_holds.fetch_add(1);
