@@ -50,6 +50,7 @@ struct Options {
   int64_t warm_steps = 3;
   int64_t steps = 4;
   std::string attention = "auto";
+  std::string router_gemm = "route";
   std::string out;
   uint64_t seed = 0;
 };
@@ -205,6 +206,8 @@ int run(const Options& o) {
   }
   const int64_t layers = config.num_hidden_layers;
   if (!o.out.empty()) fs::create_directories(o.out);
+  // Output names of runs off the default paths, so that an A/B pair can share one --out folder.
+  const std::string variant = o.router_gemm == "cublas" ? "_router_cublas" : "";
   moelora::bench::KernelTimeline timeline;
   nlohmann::json results = nlohmann::json::array();
   std::string report = "# Decode step kernels: " + o.preset + ", " + std::to_string(layers) +
@@ -213,7 +216,8 @@ int run(const Options& o) {
   report +=
       "Command: bench_decode_step --preset " + o.preset + " --layers " + std::to_string(o.layers) +
       " --batch-sizes " + o.batch_sizes + " --adapters " + o.adapters + " --context " +
-      std::to_string(o.context) + " --steps " + std::to_string(o.steps) +
+      std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " + o.attention +
+      " --router-gemm " + o.router_gemm +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; 'main idle before' is the gap on the main queue before the "
       "kernel's launches (launch latency, or a wait on the side stream).\n\n";
@@ -233,6 +237,7 @@ int run(const Options& o) {
       options.random_weights = true;
       options.random_seed = o.seed;
       options.attention = o.attention;
+      options.router_in_route = o.router_gemm == "route";
       const int64_t prefill_steps =
           (batch * o.context + options.max_batch_tokens - 1) / options.max_batch_tokens;
       const int64_t max_new_tokens = prefill_steps + o.warm_steps + o.steps + 4;
@@ -307,7 +312,7 @@ int run(const Options& o) {
       results.push_back(j);
       if (!o.out.empty()) {
         const fs::path path =
-            fs::path(o.out) / ("decode_step_" + o.preset + "_B" + std::to_string(batch) + "_" +
+            fs::path(o.out) / ("decode_step_" + o.preset + variant + "_B" + std::to_string(batch) + "_" +
                                std::to_string(adapters) + "adapters_timeline.md");
         std::ofstream f(path);
         f << title << ", the first recorded step\n\n"
@@ -316,7 +321,7 @@ int run(const Options& o) {
     }
   }
   if (!o.out.empty()) {
-    const fs::path base = fs::path(o.out) / ("decode_step_" + o.preset);
+    const fs::path base = fs::path(o.out) / ("decode_step_" + o.preset + variant);
     std::ofstream(base.string() + ".md") << report;
     nlohmann::json doc = {{"benchmark", "bench_decode_step"},
                           {"preset", o.preset},
@@ -324,6 +329,8 @@ int run(const Options& o) {
                           {"context", o.context},
                           {"rank", o.rank},
                           {"steps", o.steps},
+                          {"attention", o.attention},
+                          {"router_gemm", o.router_gemm},
                           {"runs", results}};
     std::ofstream(base.string() + ".json") << doc.dump(2) << "\n";
   }
@@ -354,6 +361,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--steps", o.steps, "Decode steps recorded and averaged")->capture_default_str();
   app.add_option("--attention", o.attention, "GQA attention kernels: auto, flashinfer, moelora")
+      ->capture_default_str();
+  app.add_option("--router-gemm", o.router_gemm,
+                 "MoE router logits at decode: route (inside the route launch) or cublas (a GEMM "
+                 "before it; the earlier path, for A/B runs)")
+      ->check(CLI::IsMember({"route", "cublas"}))
       ->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of the weights, adapters and prompts")
       ->capture_default_str();

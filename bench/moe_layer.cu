@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
       ops::cuda::MoeLayerCuda layer(c, ops::cuda::MoeLayerHostWeights{}, main_stream.get(), side_stream.get());
       layer.randomize_weights(42);
       layer.set_gemm_path(opt.gemm_path);
+      layer.set_router_gemm_path(opt.router_gemm);
       layer.set_side_stream_scheduling(opt.side);
       layer.set_decode_lora_path(opt.decode_lora);
       layer.set_stream_gemm_schedule(opt.stream_schedule);

@@ -177,6 +177,11 @@ int parse_options(int argc, char** argv, Options& opt) {
                         {"gemv", ops::cuda::GemmPath::kGemv}},
                        opt.gemm_path))
         return 2;
+    } else if (a == "--router-gemm") {
+      if (!pick_choice(a, next(),
+                       {{"route", ops::cuda::RouterGemmPath::kAuto}, {"cublas", ops::cuda::RouterGemmPath::kCublas}},
+                       opt.router_gemm))
+        return 2;
     } else if (a == "--timeline") {
       opt.timeline = parse_list(next());
     } else if (a == "--decode-lora") {
@@ -232,6 +237,9 @@ int parse_options(int argc, char** argv, Options& opt) {
           "                      or gemv (the expert GEMV chain: no-LoRA rows of up to 8 tokens; "
           "other\n"
           "                      rows are refused)\n"
+          "  --router-gemm R     router logits of full-layer rows: route (default; inside the route "
+          "launch\n"
+          "                      up to 64 tokens) or cublas (a GEMM before it)\n"
           "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, "
           "start,\n"
           "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"

@@ -47,6 +47,7 @@ struct Options {
   bool compare_schedule = false;
   ops::cuda::StreamGemmSchedule stream_schedule = ops::cuda::StreamGemmSchedule::kAuto;
   ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
+  ops::cuda::RouterGemmPath router_gemm = ops::cuda::RouterGemmPath::kAuto;
   std::vector<int> timeline;  // decode batch sizes whose kernel timeline is recorded (--timeline)
   ops::cuda::SideStreamScheduling side;  // the layer's default unless --lora-side-ctas
   ops::cuda::DecodeLoraPath decode_lora = ops::cuda::DecodeLoraPath::kSideStream;

@@ -66,6 +66,9 @@ struct GpuModelOptions {
   bool show_progress = true;  // progress bar on stderr while uploading
   int device = 0;
   AttentionKernel attention = AttentionKernel::kAuto;
+  // MoE layers: decode forwards compute the router logits inside the route launch
+  // (ops::cuda::RouterGemmPath::kAuto); false runs a cuBLAS GEMM before it (A/B runs).
+  bool router_in_route = true;
 };
 
 // Per-step device metadata (all owned by the model; sizes from GpuModelLimits). The host mirror

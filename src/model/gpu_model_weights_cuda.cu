@@ -167,6 +167,7 @@ void GpuModelImpl::randomize(uint64_t seed, bool fp8_experts) {
       MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_.get()));
       layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, ops::cuda::MoeLayerHostWeights{},
                                                             main_.get(), side_.get());
+      if (!options_.router_in_route) layer.moe->set_router_gemm_path(ops::cuda::RouterGemmPath::kCublas);
       layer.moe->randomize_weights(next_seed());
     }
     if (bar) bar->advance();
@@ -382,6 +383,7 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
   ops::cuda::MoeLayerConfig mc = moe_config(layer, src.shared_expert_gate.defined());
   mc.bf16_experts = !fp8;
   layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, hw, main_.get(), side_.get());
+  if (!options_.router_in_route) layer.moe->set_router_gemm_path(ops::cuda::RouterGemmPath::kCublas);
 }
 
 void GpuModelImpl::finish_construction() {

@@ -522,6 +522,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
       g.gpu_memory_fraction = options.gpu_memory_fraction;
       g.cuda_graphs = options.cuda_graphs;
       g.attention = options.attention;
+      g.router_in_route = options.router_in_route;
       g.show_progress = options.show_progress;
       executor = runtime::make_gpu_executor(g);
     } else {

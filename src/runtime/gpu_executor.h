@@ -57,6 +57,7 @@ struct GpuExecutorOptions {
   bool cuda_graphs = true;  // false: every step runs eagerly (debugging)
   // GQA attention kernels: "auto", "flashinfer" or "moelora" (model::AttentionKernel).
   std::string attention = "auto";
+  bool router_in_route = true;  // model::GpuModelOptions::router_in_route
   bool show_progress = false;
   int device = 0;
 };

@@ -508,6 +508,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.show_progress = o.show_progress;
   mo.device = o.device;
   mo.attention = model::parse_attention_kernel(o.attention);
+  mo.router_in_route = o.router_in_route;
   std::unique_ptr<model::GpuModel> model =
       o.random_weights ? model::GpuModel::random(config, o.random_seed, fp8_experts, m, mo)
                        : model::GpuModel::load(*weights, m, mo);

@@ -258,7 +258,9 @@ TEST_F(Sm90_MoeLayer, MixedAdaptersMatchReferencePerToken) {
   }
 }
 
-// The GPU router GEMM and noaux_tc routing (DeepSeek-style, no shared gate), 1 adapter.
+// The GPU router GEMM and noaux_tc routing (DeepSeek-style, no shared gate), 1 adapter: the
+// logits formed inside the route launch (RouterGemmPath::kAuto at 9 tokens) and by cuBLAS before
+// it both route every token as the reference does.
 TEST_F(Sm90_MoeLayer, RouterGemmNoauxTcOneAdapter) {
   std::mt19937_64 rng(test::test_seed(502));
   auto lf = make_layer(384, 256, 16, 4, 256, false, RouterKind::kSigmoidNoauxTc, 9, 2, 16, rng);
@@ -269,19 +271,23 @@ TEST_F(Sm90_MoeLayer, RouterGemmNoauxTcOneAdapter) {
   const int T = 9;
   Tensor x = bf16_round(test::random_normal({T, 384}, rng));
   std::vector<int32_t> slots = {1, -1, 1, 1, -1, 1, 1, 1, -1};
-  Tensor got = run(layer, x, slots, Tensor());
-  // routing from the GPU router must equal the reference's (no near-ties at this router scale)
   ops::MoeTrace trace;
   ops::moe_forward_ref(x, slots, lf.ref, refs, lf.params, &trace);
-  auto ids = download_vector<int32_t>(
-      [&] {
-        cuda::DeviceBuffer b(static_cast<size_t>(T) * 4 * 4);
-        MOELORA_CUDA_CHECK(cudaMemcpy(b.get(), layer.topk_ids(), b.bytes(), cudaMemcpyDeviceToDevice));
-        return b;
-      }(),
-      T * 4);
-  for (int i = 0; i < T * 4; ++i) EXPECT_EQ(ids[i], trace.route.ids.data<int32_t>()[i]) << "pair " << i;
-  check_rows(got, x, slots, lf, refs, Tensor());
+  for (const auto path : {ops::cuda::RouterGemmPath::kAuto, ops::cuda::RouterGemmPath::kCublas}) {
+    SCOPED_TRACE(path == ops::cuda::RouterGemmPath::kAuto ? "logits in the route launch" : "cuBLAS logits");
+    layer.set_router_gemm_path(path);
+    Tensor got = run(layer, x, slots, Tensor());
+    // routing from the GPU router must equal the reference's (no near-ties at this router scale)
+    auto ids = download_vector<int32_t>(
+        [&] {
+          cuda::DeviceBuffer b(static_cast<size_t>(T) * 4 * 4);
+          MOELORA_CUDA_CHECK(cudaMemcpy(b.get(), layer.topk_ids(), b.bytes(), cudaMemcpyDeviceToDevice));
+          return b;
+        }(),
+        T * 4);
+    for (int i = 0; i < T * 4; ++i) EXPECT_EQ(ids[i], trace.route.ids.data<int32_t>()[i]) << "pair " << i;
+    check_rows(got, x, slots, lf, refs, Tensor());
+  }
 }
 
 // Every token through all 32 experts (k = E = 32, the GPU router's limit; the serving tests route

@@ -227,6 +227,12 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   const size_t T = c.max_tokens, P = m.P, R = std::max(c.max_rank, 8), S = c.num_slots;
   m.max_segments = static_cast<int>(std::min<size_t>(P, S * E));
   m.logits = m.ws.reserve(T * E * 4);
+  // The router GEMM in the route launch (decode sizes): its fp32 partials and token-tile tickets.
+  if (router_route_supports(c.route, H, std::min<int>(c.max_tokens, kRouterRouteMaxTokens))) {
+    m.router_route_tokens = std::min<int>(c.max_tokens, kRouterRouteMaxTokens);
+    m.router_partials = m.ws.reserve(router_route_partial_floats(E, H, m.router_route_tokens) * sizeof(float));
+    m.router_tickets = m.ws.reserve(router_route_tickets(m.router_route_tokens) * sizeof(int32_t));
+  }
   m.ids = m.ws.reserve(P * 4);
   m.tw = m.ws.reserve(P * 4);
   m.offsets = m.ws.reserve((E + 1) * 4);
@@ -276,6 +282,9 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     }
   }
   m.ws.allocate();
+  if (m.router_route_tokens > 0)
+    MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.router_tickets), 0,
+                                  router_route_tickets(m.router_route_tokens) * sizeof(int32_t)));
   // The stream GEMMs' work counters start at zero; each launch leaves them so for the next.
   if (!bf16) {  // counters the kernels leave at zero after every launch
     MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));

@@ -130,6 +130,14 @@ enum class DecodeLoraPath { kSideStream, kFused, kEpilogue };
 // wait for SMs, and the GEMM CTAs that finish early under round-robin give them SMs sooner.
 enum class StreamGemmSchedule { kAuto, kClaimed, kRoundRobin };
 
+// Where the router logits x Wg^T come from. kAuto: forwards of up to kRouterRouteMaxTokens tokens
+// compute them in the route launch (ops/route/route_cuda.cuh: CTAs of 16 experts x 16 tokens on
+// mma.sync, summed and routed by the CTA that completes a token tile; the weight rows are loaded
+// before the launch's programmatic wait, so they stream while the previous kernel finishes), larger
+// forwards run a cuBLAS GEMM and then the route launch. kCublas: always the GEMM (the earlier path,
+// kept for A/B runs).
+enum class RouterGemmPath { kAuto, kCublas };
+
 // How the decode LoRA kernels on the side stream share the GPU with the expert GEMMs on the main
 // stream: the grid cap of the segment kernels (LoraSegmentsView::max_ctas). The stream GEMM is a
 // persistent grid of two CTAs per SM; capping the side grids to leave it room was measured slower
@@ -171,6 +179,7 @@ class MoeLayerCuda {
   void set_side_stream_scheduling(const SideStreamScheduling& s) { side_scheduling_ = s; }
   void set_decode_lora_path(DecodeLoraPath path) { decode_lora_ = path; }
   void set_stream_gemm_schedule(StreamGemmSchedule s) { stream_schedule_ = s; }
+  void set_router_gemm_path(RouterGemmPath path) { router_path_ = path; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
   // incl. scales or bf16 experts, router, shared expert): the byte roofline's numerator.
@@ -214,6 +223,7 @@ class MoeLayerCuda {
   SideStreamScheduling side_scheduling_;
   DecodeLoraPath decode_lora_ = DecodeLoraPath::kSideStream;
   StreamGemmSchedule stream_schedule_ = StreamGemmSchedule::kAuto;
+  RouterGemmPath router_path_ = RouterGemmPath::kAuto;
 };
 
 }  // namespace moelora::ops::cuda

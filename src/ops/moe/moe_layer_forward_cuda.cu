@@ -111,14 +111,23 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // 1. router GEMM + route
   // gemv_quant: the route kernel also quantizes x per token (the expert GEMV chain's GEMM1 input).
   auto route_tokens = [&](bool gemv_quant) {
-    const float* logits = f.router_logits;
-    if (!logits) {
+    RouteDeviceArgs ra;
+    ra.logits = f.router_logits;
+    // Decode sizes: the route launch computes the logits itself (its weight loads overlap the
+    // previous kernel's tail through the programmatic launch); larger forwards run the GEMM.
+    const bool router_in_route = !ra.logits && router_path_ == RouterGemmPath::kAuto && T <= m.router_route_tokens;
+    if (router_in_route) {
+      ra.router.x = f.x;
+      ra.router.weight = m.w<__nv_bfloat16>(m.router);
+      ra.router.hidden = H;
+      ra.router.partials = m.x<float>(m.router_partials);
+      ra.router.tickets = m.x<int32_t>(m.router_tickets);
+      ra.pdl = true;
+    } else if (!ra.logits) {
       gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.router), m.x<float>(m.logits),
                    CUDA_R_32F, T, E, H);
-      logits = m.x<float>(m.logits);
+      ra.logits = m.x<float>(m.logits);
     }
-    RouteDeviceArgs ra;
-    ra.logits = logits;
     ra.correction_bias = m.has_bias ? m.w<float>(m.bias) : nullptr;
     ra.num_tokens = f.num_tokens;
     ra.topk_ids = m.x<int32_t>(m.ids);

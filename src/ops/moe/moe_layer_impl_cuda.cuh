@@ -75,7 +75,10 @@ struct MoeLayerCuda::Impl {
          a16 = 0, aq = 0, sa = 0, y = 0, d2 = 0, part1 = 0, part2 = 0, sh = 0, sd1 = 0, sa16 = 0,
          sout = 0, sd2 = 0, spart1 = 0, spart2 = 0, prefill_ws = 0,
          gemm_work = 0,     // [4] int: the stream GEMMs' work counters, GEMM1's pair then GEMM2's
-         gemv_tickets = 0;  // [kMoeGemvMaxTickets] int: the expert GEMV up kernel's per-expert tickets
+         gemv_tickets = 0,  // [kMoeGemvMaxTickets] int: the expert GEMV up kernel's per-expert tickets
+         router_partials = 0,  // fp32 partial logits of the router GEMM in the route launch
+         router_tickets = 0;   // [router_route_tickets] int, zero between launches
+  int router_route_tokens = 0;  // forwards of up to this many tokens compute the logits in the route launch
   size_t prefill_ws_bytes = 0;
   int max_segments = 0;
 

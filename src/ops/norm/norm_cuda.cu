@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/cuda_utils.h"
+#include "core/sm90_ptx.cuh"
 #include "ops/norm/norm_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -129,8 +130,12 @@ __device__ __forceinline__ int64_t valid_rows(const RmsNormArgs& a) {
 }
 
 // One warp per row, kNormThreads / 32 rows per CTA.
+// Both kernels let a programmatically launched successor be scheduled at once (the MoE layer's
+// route launch loads the router weight rows before its griddepcontrol.wait); a successor launched
+// normally still starts after this grid ends.
 template <bool kVec>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_warp_kernel(const RmsNormArgs a) {
+  ::moelora::cuda::sm90::launch_dependents();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kNormThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= a.rows || row >= valid_rows(a)) return;  // whole warps leave together
@@ -143,6 +148,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_warp_kernel(const RmsNo
 // One CTA per row.
 template <bool kVec>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_block_kernel(const RmsNormArgs a) {
+  ::moelora::cuda::sm90::launch_dependents();
   __shared__ float scratch[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   if (row >= valid_rows(a)) return;  // uniform over the CTA
