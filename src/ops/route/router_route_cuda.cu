@@ -5,24 +5,28 @@
 // tile's 16 Wg rows by the tile's 16 x rows over columns [chunk * 2048 + 128 w, + 128), four
 // steps of 32 columns with two mma.sync m16n8k16 per 8 tokens each:
 //
-//   lane (g = lane / 4, q = lane % 4) loads 8 consecutive bf16 of Wg rows g and g + 8 and of x
+//   lane (g = lane / 4, q = lane % 4) reads 8 consecutive bf16 of Wg rows g and g + 8 and of x
 //   rows g (tokens 0-7) and g + 8 (tokens 8-15) at column 32 s + 8 q of step s; the first mma
 //   takes elements 0-3 of each, the second 4-7 (a permutation of k that A and B share, so the
 //   products are those of the natural order).
 //
 // The CTA stages its Wg slice [16][2048] with cp.async before griddepcontrol.wait (no kernel writes
 // the weights: the copies stream while the previous kernel finishes) and its x slice [16][2048]
-// right after it, every copy of a thread in flight at once, so each CTA waits for one round trip
-// of x (register-fed loads were measured 2x slower end to end: the compiler interleaves them with
-// the mma and sinks the weight loads past the wait). The fragments then come from shared memory
-// (rows padded by 64 bytes: a quarter warp's 16-byte reads of rows g, g + 1 fall in distinct
-// banks). The 16 warps' 16 x 16
-// accumulators are summed in warp order in shared memory and written as the chunk's fp32 partial
-// [chunk][token][expert]. The CTA whose ticket add completes its token tile (expert tiles x
-// chunks CTAs) sums the chunks' partials in chunk order (so the logits have the same bits on every
-// launch, whichever CTA finishes last), keeps the tile's logits in shared memory (and writes them
-// out if asked), resets the ticket and routes the 16 tokens, one warp each, as route_cuda.cu does.
-// Qwen3 / Qwen3.5 (H = 2048) need one chunk: the completing CTA reads each logit once.
+// right after it, every copy of a thread in flight at once, so it waits for one round trip of x.
+// (Fragments loaded straight into registers were slower, 9.3 against 7.9 us per layer in the
+// engine: ptxas interleaved the x loads with the mma and sank the weight loads below the wait.)
+// The fragments come from shared memory, rows padded by 64 bytes so that a quarter warp's 16-byte
+// reads of rows g and g + 1 fall in distinct banks. The 16 warps' 16 x 16 accumulators are summed
+// in warp order in shared memory and written as the chunk's fp32 partial [chunk][token][expert].
+// The CTA whose ticket add completes its token tile (expert tiles x chunks CTAs) sums the chunks'
+// partials in chunk order (so the logits have the same bits on every launch, whichever CTA
+// finishes last), keeps the tile's logits in shared memory (and writes them out if asked), resets
+// the ticket and routes the 16 tokens, one warp each, as route_cuda.cu does. Qwen3 / Qwen3.5
+// (H = 2048) need one chunk: the completing CTA reads each logit once.
+//
+// Measured (H200, bench/results/h200/router_route_design_steps.log): 7.25 us added per decode
+// layer at 16 tokens, E = 128, against 9.0 for the cuBLAS GEMM + route pair; most of it is the
+// serial tail (the ticket's fences, the gather, the routing chain of one warp per token).
 #include <cuda_bf16.h>
 
 #include <algorithm>
