@@ -1,5 +1,6 @@
 // PTX wrappers for Hopper-only features (sm_90 / sm_90a): mbarriers, the tensor memory accelerator
-// (cp.async.bulk.tensor), warpgroup MMA (wgmma) on FP8 operands in shared memory, and programmatic
+// (cp.async.bulk.tensor, cp.async.bulk), warpgroup MMA (wgmma) on FP8 operands in shared memory and
+// on f16 with A in registers, and programmatic
 // dependent launch (griddepcontrol). Used by the weight-streaming expert GEMM
 // (ops/gemm/moe_gemm_stream_cuda.cu); every kernel that includes this is built for sm_90a.
 #pragma once
@@ -60,6 +61,16 @@ __device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const void* tenso
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
       "%4}], [%2], %5;\n" ::"r"(dst),
       "l"(tensor_map), "r"(bar), "r"(x), "r"(y), "l"(policy)
+      : "memory");
+}
+// 1-D bulk copy global -> shared of `bytes` (a multiple of 16; both addresses 16-byte aligned),
+// completion counted on `bar`, with an L2 cache policy.
+__device__ __forceinline__ void bulk_load_hint(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                               uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+      "%4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
 }
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
@@ -144,6 +155,47 @@ struct WgmmaE4m3<64> {
   }
 };
 #undef MOELORA_WGMMA_E4M3_ASM
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N]^T, f16 x f16 -> f32, A from registers (the fragment of
+// mma.m16n8k16 for the warp's 16 rows: a[0] = (row l / 4, k 2 (l % 4) .. + 1), a[1] = row + 8,
+// a[2] = k + 8, a[3] = row + 8 and k + 8), B K-major in shared memory. Accumulator layout as for
+// WgmmaE4m3. The A registers are read asynchronously: ptxas keeps them live until the wait.
+template <int kN>
+struct WgmmaF16Rs;
+
+#define MOELORA_WGMMA_F16_RS_ASM(N, REGS, ...)                                                       \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %" #REGS ", 0;\n"                                          \
+      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 " __VA_ARGS__ ", p, 1, 1, 0;\n}\n"
+
+template <>
+struct WgmmaF16Rs<8> {
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+    MOELORA_WGMMA_F16_RS_ASM(8, 9, "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8")
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
+  }
+};
+template <>
+struct WgmmaF16Rs<16> {
+  __device__ __forceinline__ static void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+    MOELORA_WGMMA_F16_RS_ASM(16, 13, "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12")
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
+  }
+};
+template <>
+struct WgmmaF16Rs<32> {
+  __device__ __forceinline__ static void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+    MOELORA_WGMMA_F16_RS_ASM(32, 21,
+                             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                             "{%16, %17, %18, %19}, %20")
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
+  }
+};
+#undef MOELORA_WGMMA_F16_RS_ASM
 
 // ---- L2 prefetch ----
 // Issues L2 fills of bytes [0, bytes) of `ptr`, one 128-byte line per request, spread over

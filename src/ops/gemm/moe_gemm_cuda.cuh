@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -114,6 +115,37 @@ void launch_moe_gemm_fp8_prefill(const MoeGemmFp8Args& args, const MoeGemmPrefil
 
 // Argument checks shared by both paths; throws moelora::Error naming the bad field.
 void check_moe_gemm_fp8_args(const MoeGemmFp8Args& args);
+
+// ---- NVFP4 experts, decode (moe_gemm_nvfp4_stream_cuda.cu) ----
+//
+//   out[q, n] = act_scale[q] * row_scale[e, n] * sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n, k/16])
+//
+// W4A16 on f16 tensor cores: the activation rows come from rows_to_f16_pow2 (f16 values times a
+// power-of-two row scale, exact for bf16 inputs), the weights from pack_nvfp4_for_stream
+// (ops/gemm/moe_gemm_nvfp4.h). Each code is expanded in registers to the f16 e2m1 * 2^-14 and
+// multiplied by its group scale (exact: at most 5 significant bits, never below 2^-24), then fed to
+// wgmma as the A operand; the row scales times 2^14 are applied once, in the epilogue.
+struct MoeGemmNvfp4Args {
+  const __half* act = nullptr;         // f16 [act_rows, K], one row per sorted position
+  const float* act_scale = nullptr;    // [act_rows] power-of-two row scales
+  const uint8_t* weight = nullptr;     // image [E, N/64, K/128, 4608] (pack_nvfp4_for_stream), 16-byte aligned
+  const float* row_scale = nullptr;    // [E, N]
+  const int32_t* expert_offsets = nullptr;  // [E + 1]
+  const int32_t* active_experts = nullptr;  // [E], first *num_active valid
+  const int32_t* num_active = nullptr;      // [1]
+  __nv_bfloat16* out = nullptr;             // [P, N], rows in sorted order
+  int num_experts = 0;                      // E (at most 512)
+  int n = 0;                                // N, a multiple of 64
+  int k = 0;                                // K, a multiple of 128
+  int max_active_experts = 0;               // grid sizing (host value, fixed per graph)
+  int act_rows = 0;                         // rows of act (the TMA view's extent)
+  int* work_counters = nullptr;             // optional, as MoeGemmFp8Args::work_counters
+};
+
+// Persistent weight-streaming kernel as launch_moe_gemm_fp8_stream (swap-AB, passes of up to 32
+// tokens, two CTAs per SM, weights of the first ring fill fetched before griddepcontrol.wait when
+// `pdl`). Throws moelora::Error naming the bad field; never allocates or synchronizes.
+void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& args, int num_sms, bool pdl, cudaStream_t stream);
 
 // ---- bf16 experts (moe_gemm_bf16_cuda.cu) ----
 //

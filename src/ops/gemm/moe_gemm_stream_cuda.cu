@@ -44,7 +44,6 @@
 // cannot leak into stored values). Results are deterministic: one CTA owns each output element
 // and accumulates its K blocks in order.
 #include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -55,6 +54,7 @@
 #include "core/cuda_utils.h"
 #include "core/mma_ptx.cuh"
 #include "core/sm90_ptx.cuh"
+#include "core/tma_map.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -62,6 +62,7 @@ namespace moelora::ops::cuda {
 namespace {
 
 namespace sm90 = ::moelora::cuda::sm90;
+using ::moelora::cuda::make_tensor_map_2d;
 
 constexpr int kBlockM = 64;     // weight rows per work item (the wgmma M of one warpgroup)
 constexpr int kBlockK = 128;    // K per stage: one scale block
@@ -522,45 +523,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 #else
   __trap();  // wgmma and TMA need sm_90a; the launcher refuses other devices
 #endif
-}
-
-// ---- host: tensor maps ----
-
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &status) == cudaSuccess &&
-        status == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  });
-  MOELORA_CHECK(fn != nullptr, ErrorCode::kCuda,
-                "stream GEMM: the driver has no cuTensorMapEncodeTiled (needs a CUDA 12+ driver)");
-  return fn;
-}
-
-// Row-major 2-D tensor [outer, inner] of `dtype` elements, `row_bytes` apart, tiled in boxes of
-// [box_outer, box_inner]; out-of-range elements read as zeros.
-CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType dtype, uint64_t inner,
-                               uint64_t outer, uint64_t row_bytes, uint32_t box_inner,
-                               uint32_t box_outer, CUtensorMapSwizzle swizzle, const char* what) {
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {row_bytes};
-  const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r =
-      tensor_map_encoder()(&map, dtype, 2, const_cast<void*>(base), dims, strides, box,
-                           element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOELORA_CHECK(r == CUDA_SUCCESS, ErrorCode::kCuda,
-                "stream GEMM: cuTensorMapEncodeTiled failed for ", what, " (error ",
-                static_cast<int>(r), ", ", outer, " x ", inner, " elements, row stride ", row_bytes,
-                " bytes)");
-  return map;
 }
 
 // The LoRA epilogue's arguments, named in the error (the kernel trusts them).

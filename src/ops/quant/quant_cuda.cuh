@@ -1,8 +1,10 @@
 // Dynamic FP8 activation quantization on the GPU (per row per 128 columns), optionally fused
-// with the permute into expert-sorted order. Bit-identical to quantize_fp8_per_token_ref.
+// with the permute into expert-sorted order. Bit-identical to quantize_fp8_per_token_ref. And the
+// f16 rows with power-of-two row scales that the NVFP4 expert GEMM multiplies.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -36,5 +38,24 @@ struct QuantFp8DeviceArgs {
 // that schedule must be complete by then. It writes only q and scale, which the GEMM reads after
 // its wait.
 void launch_quantize_fp8_rows(const QuantFp8DeviceArgs& args, cudaStream_t stream);
+
+// f16 activation rows for the NVFP4 expert GEMM (rows_to_f16_pow2_ref in ops/gemm/moe_gemm_nvfp4.h,
+// bit-identical): out[q] = x[gather[q]] / s[q] with s[q] the power of two that brings the row's
+// largest magnitude into [2^13, 2^14). One CTA per output row; rows past *num_rows are not
+// written.
+struct RowsToF16Args {
+  const __nv_bfloat16* x = nullptr;   // [rows_in, cols]
+  const int32_t* gather = nullptr;    // [max_rows] input row of each output row; nullptr = identity
+  const int32_t* num_rows = nullptr;  // [1] valid output rows (device value); nullptr = max_rows
+  int max_rows = 0;                   // grid capacity
+  int cols = 0;                       // a multiple of 8
+  __half* out = nullptr;              // [max_rows, cols]
+  float* scale = nullptr;             // [max_rows]
+  // Programmatic stream serialization: the kernel waits for its predecessor before reading
+  // anything and lets its dependent (the GEMM, which reads the routing schedule before its own
+  // wait) start only after that.
+  bool pdl = false;
+};
+void launch_rows_to_f16_pow2(const RowsToF16Args& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda

@@ -1,0 +1,76 @@
+// Grouped NVFP4 expert GEMM (GEMM1 / GEMM2 of DESIGN.md §3 with NVFP4 experts), CPU reference, and
+// the device image of the weights that the weight-streaming NVFP4 kernel reads
+// (ops/gemm/moe_gemm_cuda.cuh, launch_moe_gemm_nvfp4_stream).
+//
+//   out[q, n] = sum_k act[row(q), k] * e2m1(W[e, n, k]) * e4m3(scale[e, n, k/16]) * row_scale[e, n]
+//
+// W4A16: the activations are the layer's bf16 values (no activation quantization); row_scale is the
+// checkpoint's per-tensor weight_scale_2, per row so that a fused gate_up weight keeps the two
+// tensors' values. e(q) is the expert whose range [offsets[e], offsets[e+1]) holds q, row(q) =
+// gather[q] (or q).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace moelora::ops {
+
+struct MoeGemmNvfp4Ref {
+  Tensor act;        // F32 or BF16 [rows, K]
+  Tensor packed;     // U8 [E, N, K/2], low nibble = even k (the checkpoint's layout)
+  Tensor scale;      // F8_E4M3 [E, N, K/16]
+  Tensor row_scale;  // F32 [E, N]
+  std::vector<int32_t> expert_offsets;  // [E + 1], non-decreasing, last = number of sorted positions
+  std::vector<int32_t> gather;          // [P] act row of each sorted position; empty = identity
+};
+
+// Returns F32 [P, N], P = expert_offsets.back(). Accumulates in double (the oracle).
+Tensor moe_gemm_nvfp4_ref(const MoeGemmNvfp4Ref& args);
+
+// ---- device image of NVFP4 experts for the stream kernel ----
+//
+// One block of kNvfp4StreamBlockBytes per (expert, 64-row tile, 128-column K block), blocks in
+// that order ([E][N/64][K/128]), so a pipeline stage is one contiguous bulk copy:
+// - 4,096 bytes of codes, as 1,024 32-bit words: word (g * 128 + t) * 4 + j' holds what consumer
+//   thread t (warp w = t / 32 of the warpgroup: rows 16 w .. 16 w + 15; lane l: r = l / 4,
+//   c = l % 4) needs for k16 step j = 4 g + j' of the block, the eight codes of its wgmma A
+//   fragment: bits 12-15 / 8-11 / 4-7 / 0-3 of the low half are (row 16 w + r, k 2c), (row + 8,
+//   k 2c), (row, k 2c + 8), (row + 8, k 2c + 8) of the step (k relative to 16 j), the high half the
+//   same at k + 1. A nibble keeps e2m1's bit order (sign in bit 3), so one shift and two masks
+//   place a code's sign and magnitude where an f16 wants them.
+// - 512 bytes of e4m3 group scales: 16 bytes per row pair (16 w + r, 16 w + r + 8), p = 8 w + r:
+//   byte 2 j is the scale of row 16 w + r for step j's 16 columns, byte 2 j + 1 that of row + 8.
+constexpr int kNvfp4StreamRows = 64;     // weight rows per tile (the wgmma M of one warpgroup)
+constexpr int kNvfp4StreamK = 128;       // K columns per block (a pipeline stage)
+constexpr int kNvfp4StreamCodeBytes = kNvfp4StreamRows * kNvfp4StreamK / 2;
+constexpr int kNvfp4StreamScaleBytes = kNvfp4StreamRows * kNvfp4StreamK / 16;
+constexpr int kNvfp4StreamBlockBytes = kNvfp4StreamCodeBytes + kNvfp4StreamScaleBytes;
+
+// packed U8 [E, N, K/2] + scale F8_E4M3 [E, N, K/16] -> U8 [E, N/64, K/128, 4608]. N % 64 == 0,
+// K % 128 == 0; scales must not be negative (the kernel multiplies magnitudes; ModelOpt's recipe
+// never writes a negative scale) nor NaN. Errors name the tensor, the expected and actual shape or
+// the first bad scale.
+Tensor pack_nvfp4_for_stream(const Tensor& packed, const Tensor& scale);
+// The inverse (tests): the image back to {packed [E, N, K/2], scale [E, N, K/16]}.
+struct Nvfp4Experts {
+  Tensor packed;
+  Tensor scale;
+};
+Nvfp4Experts unpack_nvfp4_from_stream(const Tensor& image, int64_t n, int64_t k);
+
+// The activation rows the NVFP4 stream kernel multiplies: x[row(q)] / s[q] as f16 (exact), with
+// s[q] = 2^e the power of two that brings the row's largest magnitude into [2^13, 2^14) (1 for a
+// zero row): f16 holds every bf16 value of the row above max|x| * 2^-30 exactly, and no value
+// overflows. out F16 [P, K], row_scale F32 [P]. x: F32 or BF16 [rows, K] (F32 values are taken
+// as they are, rounded to f16 only where not representable), gather as above.
+struct F16Rows {
+  Tensor rows;   // F16 [P, K]
+  Tensor scale;  // F32 [P]
+};
+F16Rows rows_to_f16_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p);
+// The power-of-two row scale for a row whose largest magnitude is `amax` (see above).
+float f16_row_scale_for(float amax);
+
+}  // namespace moelora::ops

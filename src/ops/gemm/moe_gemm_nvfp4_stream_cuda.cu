@@ -1,0 +1,378 @@
+// Weight-streaming grouped NVFP4 expert GEMM for decode (few tokens per expert): the packed codes
+// and group scales of every touched expert are read from HBM once per pass of up to 32 tokens,
+// 0.5625 bytes per weight instead of FP8's 1.
+//
+//   out[q, n] = act_scale[q] * row_scale[e, n] * sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n, k/16])
+//
+// Hopper has no FP4 tensor cores, so the weights are expanded in registers: swap-AB as the FP8
+// stream kernel (moe_gemm_stream_cuda.cu), 64 weight rows on the wgmma M side, but A comes from
+// registers (wgmma m64nNk16 f16, N = 8 / 16 / 32 tokens) and the activations are f16 rows in shared
+// memory. Per k16 step a consumer thread turns one 32-bit word of codes into its four A registers
+// (sign and magnitude moved into f16 positions: e2m1 * 2^-14, exact) and multiplies each pair by
+// its row's group scale (e4m3 -> f16 by cvt; the product has at most 5 significant bits and is never
+// below 2^-24, so it is exact in f16). The accumulator therefore holds the exact sum over K and the
+// per-row scale_2 (times 2^14) and the activation row's power-of-two scale are applied once at the
+// store. The code words come in the order the threads read them (pack_nvfp4_for_stream), so a stage
+// is two 16-byte shared loads of codes and one of scales per thread, bank-conflict free.
+//
+// Pipeline (one CTA = a producer warp + one consumer warpgroup, two CTAs per SM):
+// - The producer walks the CTA's work items (expert, 64-row tile; round-robin or claimed from
+//   work counters, as the FP8 kernel) and per 128-wide K block fills one stage of an 8-deep ring:
+//   one bulk copy of the block's 4,608-byte image (codes + scales, L2 evict-first) and TMA boxes of
+//   the pass's activation rows (two 64-column swizzle atoms per stage, 8-row boxes). Completion is
+//   counted in bytes on the stage's mbarrier; the producer records the stage's pass beside it.
+// - The consumer expands the stage's codes, issues eight wgmma k16 steps into the pass's
+//   accumulator and frees the stage once they completed.
+// - Programmatic dependent launch: the weights of the first ring fill are copied before
+//   griddepcontrol.wait, the activations after it; the kernel lets its dependents launch at once.
+//
+// Rows of a pass past the expert's tokens are computed but not stored (each output column depends
+// on its own activation row only). Deterministic: one CTA owns each output element and adds its K
+// steps in order.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "core/cuda_launch.cuh"
+#include "core/cuda_utils.h"
+#include "core/mma_ptx.cuh"
+#include "core/sm90_ptx.cuh"
+#include "core/tma_map.h"
+#include "ops/gemm/moe_gemm_cuda.cuh"
+#include "ops/gemm/moe_gemm_nvfp4.h"
+
+namespace moelora::ops::cuda {
+
+namespace {
+
+namespace sm90 = ::moelora::cuda::sm90;
+using ::moelora::cuda::make_tensor_map_2d;
+
+constexpr int kBlockM = kNvfp4StreamRows;  // 64 weight rows per work item
+constexpr int kBlockK = kNvfp4StreamK;     // 128 columns per stage
+constexpr int kSteps = kBlockK / 16;       // wgmma k16 steps per stage
+constexpr int kMaxTokens = 32;             // tokens per pass (the widest wgmma N instantiated)
+constexpr int kTokenBox = 8;               // activation rows per TMA box
+constexpr int kAtomColumns = 64;           // f16 columns of one 128-byte swizzle row
+constexpr int kStages = 8;
+constexpr int kConsumerThreads = 128;
+constexpr int kThreads = kConsumerThreads + 32;
+constexpr int kAtomBytes = kMaxTokens * 128;        // one 64-column atom of a pass's rows
+constexpr int kActTileBytes = 2 * kAtomBytes;       // 128 columns
+constexpr int kWeightBlockBytes = kNvfp4StreamBlockBytes;
+constexpr int kClaimAheadStages = 4;
+constexpr int kMaxExperts = 512;
+// 2^14: the expanded codes are e2m1 * 2^-14 (moe_gemm_nvfp4.h)
+constexpr float kCodeScale = 16384.0f;
+
+struct StageInfo {
+  int q0, q_end, m0, expert;
+};
+constexpr int kRingBytes = kStages * (kActTileBytes + kWeightBlockBytes) + 2 * kStages * 8 +
+                           kStages * static_cast<int>(sizeof(StageInfo));
+constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
+constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
+static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs per SM");
+static_assert(kWeightBlockBytes % 16 == 0 && kActTileBytes % 1024 == 0);
+
+struct StreamParams {
+  const uint8_t* weight;          // image [E, N/64, K/128, 4608]
+  const float* row_scale;         // [E, N]
+  const float* act_scale;         // [act_rows]
+  const int32_t* expert_offsets;  // [E + 1]
+  const int32_t* active_experts;  // [E]
+  const int32_t* num_active;      // [1]
+  __nv_bfloat16* out;             // [P, N]
+  int* work;
+  int n, k_blocks, m_tiles, num_experts;
+};
+
+struct Schedule {
+  const int* active;
+  const int* offsets;
+  int num_active;
+};
+
+// Activation tiles first (1024-byte aligned for the swizzle), then the weight blocks, barriers,
+// stage records, the schedule.
+struct Ring {
+  uint32_t base;
+  __device__ uint32_t act(int s) const { return base + s * kActTileBytes; }
+  __device__ uint32_t weight(int s) const { return base + kStages * kActTileBytes + s * kWeightBlockBytes; }
+  __device__ uint32_t full(int s) const { return base + kStages * (kActTileBytes + kWeightBlockBytes) + s * 8; }
+  __device__ uint32_t empty(int s) const { return full(kStages) + s * 8; }
+  __device__ uint32_t info(int s) const { return full(2 * kStages) + s * sizeof(StageInfo); }
+  __device__ uint32_t schedule() const { return base + kRingBytes; }
+};
+
+__device__ __forceinline__ int pass_width(int n_valid) {
+  return n_valid <= 8 ? 8 : n_valid <= 16 ? 16 : 32;
+}
+
+__device__ __forceinline__ int claim_item(const StreamParams& p, int current) {
+  return (p.work ? atomicAdd(p.work, 1) : current) + static_cast<int>(gridDim.x);
+}
+
+__device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, const Schedule& sched,
+                                         const CUtensorMap* tma_x, const StreamParams& p) {
+  sm90::prefetch_tensor_map(tma_x);
+  const uint64_t evict_first = sm90::l2_evict_first_policy();
+  auto issue_activations = [&](int s, int q0, int width, int kb) {
+    for (int atom = 0; atom < 2; ++atom)
+      for (int j = 0; j < width / kTokenBox; ++j)
+        sm90::tma_load_2d(ring.act(s) + atom * kAtomBytes + j * kTokenBox * 128, tma_x, ring.full(s),
+                          kb * kBlockK + atom * kAtomColumns, q0 + j * kTokenBox);
+  };
+  int pending_q0[kStages], pending_width[kStages], pending_kb[kStages];
+  int pending = 0;
+  bool waited = false;
+  int stage = 0;
+  uint32_t phase = 0;
+  const int total_items = sched.num_active * p.m_tiles;
+  const int claim_at = p.k_blocks > kClaimAheadStages ? p.k_blocks - kClaimAheadStages : 0;
+  int item = static_cast<int>(blockIdx.x);
+  while (item < total_items) {
+    const int expert = sched.active[item / p.m_tiles];
+    const int tile = item % p.m_tiles;
+    const int q_end = sched.offsets[expert + 1];
+    const uint8_t* blocks =
+        p.weight + (static_cast<size_t>(expert) * p.m_tiles + tile) * p.k_blocks * kWeightBlockBytes;
+    int next = -1;
+    for (int q0 = sched.offsets[expert]; q0 < q_end; q0 += kMaxTokens) {
+      const int rows = q_end - q0 < kMaxTokens ? q_end - q0 : kMaxTokens;
+      const int width = pass_width(rows);
+      const bool last_pass = q0 + kMaxTokens >= q_end;
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        if (last_pass && kb == claim_at) next = claim_item(p, item);
+        sm90::mbar_wait(ring.empty(stage), phase ^ 1);
+        info[stage] = StageInfo{q0, q0 + rows, tile * kBlockM, expert};
+        sm90::mbar_arrive_expect_tx(ring.full(stage), kWeightBlockBytes + 2 * width * 128);
+        sm90::bulk_load_hint(ring.weight(stage), blocks + static_cast<size_t>(kb) * kWeightBlockBytes,
+                             kWeightBlockBytes, ring.full(stage), evict_first);
+        if (waited) {
+          issue_activations(stage, q0, width, kb);
+        } else {
+          pending_q0[pending] = q0, pending_width[pending] = width, pending_kb[pending] = kb;
+          if (++pending == kStages) {
+            sm90::grid_dependency_wait();
+            waited = true;
+            for (int s = 0; s < kStages; ++s) issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
+          }
+        }
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    }
+    item = next >= 0 ? next : claim_item(p, item);
+  }
+  if (!waited) {
+    sm90::grid_dependency_wait();
+    for (int s = 0; s < pending; ++s) issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
+  }
+  sm90::mbar_wait(ring.empty(stage), phase ^ 1);
+  info[stage] = StageInfo{-1, -1, 0, 0};
+  sm90::mbar_arrive(ring.full(stage));
+  if (p.work) {
+    __threadfence();
+    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(p.work, 0);
+      atomicExch(p.work + 1, 0);
+    }
+  }
+}
+
+// Eight e2m1 codes of one word (moe_gemm_nvfp4.h) -> the four f16x2 A registers, each value
+// e2m1 * 2^-14: the sign to bit 15 / 31, the 3 magnitude bits (exponent 2, mantissa 1) to bits
+// 9-11 / 25-27, where an f16 with exponent bias 15 reads them as 2^(e - 15) (1 + m / 2)
+// (= e2m1 * 2^-14; e = 0 is the subnormal 0.5 * 2^-14, again exact).
+__device__ __forceinline__ void expand_codes(uint32_t q, uint32_t (&h)[4]) {
+  h[0] = (q & 0x80008000u) | ((q >> 3) & 0x0E000E00u);
+  h[1] = ((q << 4) & 0x80008000u) | ((q << 1) & 0x0E000E00u);
+  h[2] = ((q << 8) & 0x80008000u) | ((q << 5) & 0x0E000E00u);
+  h[3] = ((q << 12) & 0x80008000u) | ((q << 9) & 0x0E000E00u);
+}
+
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, __half2 b) {
+  __half2 x = *reinterpret_cast<__half2*>(&a);
+  x = __hmul2(x, b);
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+
+// The A registers of the stage's eight k16 steps: codes (two 16-byte loads) times group scales
+// (one 16-byte load; bytes 2 j / 2 j + 1 are rows r / r + 8 of step j).
+__device__ __forceinline__ void load_stage_fragments(const uint8_t* block, int thread, uint32_t (&a)[kSteps][4]) {
+  const uint4 c0 = reinterpret_cast<const uint4*>(block)[thread];
+  const uint4 c1 = reinterpret_cast<const uint4*>(block)[kConsumerThreads + thread];
+  const int pair = (thread / 32) * 8 + (thread % 32) / 4;
+  const uint4 sv = reinterpret_cast<const uint4*>(block + kNvfp4StreamCodeBytes)[pair];
+  const uint32_t codes[kSteps] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+  const uint32_t scale_words[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    const __nv_fp8x2_storage_t pair_bits =
+        static_cast<__nv_fp8x2_storage_t>(scale_words[j / 2] >> (16 * (j % 2)));
+    const __half2 s = __half2(__nv_cvt_fp8x2_to_halfraw2(pair_bits, __NV_E4M3));  // (row r, row r + 8)
+    const __half2 s_lo = __low2half2(s), s_hi = __high2half2(s);
+    uint32_t h[4];
+    expand_codes(codes[j], h);
+    a[j][0] = hmul2_bits(h[0], s_lo);
+    a[j][1] = hmul2_bits(h[1], s_hi);
+    a[j][2] = hmul2_bits(h[2], s_lo);
+    a[j][3] = hmul2_bits(h[3], s_hi);
+  }
+}
+
+template <int kWidth>
+__device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_generic, uint32_t smem_window,
+                                             int& stage, uint32_t& phase, const StreamParams& p,
+                                             const StageInfo pass) {
+  constexpr int kAcc = kWidth / 2;
+  const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    sm90::mbar_wait(ring.full(stage), phase);
+    uint32_t a[kSteps][4];
+    load_stage_fragments(smem_generic + (ring.weight(stage) - smem_window), thread, a);
+    const uint64_t desc_x = sm90::wgmma_desc_k_major_sw128(ring.act(stage));
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j)  // 32 bytes of K per step inside a 128-byte atom row
+      sm90::WgmmaF16Rs<kWidth>::mma(acc, a[j], desc_x + ((j / 4) * kAtomBytes >> 4) + 2 * (j % 4), kb > 0 || j > 0);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
+    sm90::mbar_arrive(ring.empty(stage));
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+  const int n_valid = pass.q_end - pass.q0;
+  const int row = pass.m0 + 16 * warp + lane / 4;
+  const float* rs = p.row_scale + static_cast<size_t>(pass.expert) * p.n;
+  const float rs0 = rs[row] * kCodeScale, rs1 = rs[row + 8] * kCodeScale;
+#pragma unroll
+  for (int c = 0; c < kWidth / 8; ++c)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 8 * c + 2 * (lane % 4) + j;
+      if (col >= n_valid) continue;
+      const float sx = p.act_scale[pass.q0 + col];
+      __nv_bfloat16* out_row = p.out + static_cast<size_t>(pass.q0 + col) * p.n;
+      out_row[row] = __float2bfloat16(acc[4 * c + j] * (rs0 * sx));
+      out_row[row + 8] = __float2bfloat16(acc[4 * c + 2 + j] * (rs1 * sx));
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    moe_gemm_nvfp4_stream_kernel(const __grid_constant__ CUtensorMap tma_x, const StreamParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem[];
+  const uint32_t window = ::moelora::cuda::ptx::smem_addr(smem);
+  const Ring ring{(window + 1023u) & ~1023u};
+  sm90::launch_dependents();
+  int* sched_smem = reinterpret_cast<int*>(smem + (ring.schedule() - window));
+  int* s_active = sched_smem;
+  int* s_offsets = sched_smem + kMaxExperts;
+  {
+    const int n_active = *p.num_active;
+    for (int i = threadIdx.x; i < n_active; i += kThreads) s_active[i] = p.active_experts[i];
+    for (int i = threadIdx.x; i <= p.num_experts; i += kThreads) s_offsets[i] = p.expert_offsets[i];
+    if (threadIdx.x == 0) sched_smem[2 * kMaxExperts + 1] = n_active;
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(ring.full(s), 1);
+      sm90::mbar_init(ring.empty(s), kConsumerThreads);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  const Schedule sched{s_active, s_offsets, sched_smem[2 * kMaxExperts + 1]};
+  StageInfo* info = reinterpret_cast<StageInfo*>(smem + (ring.info(0) - window));
+  if (threadIdx.x >= kConsumerThreads) {
+    if (threadIdx.x == kConsumerThreads) producer(ring, info, sched, &tma_x, p);
+    return;
+  }
+  // The epilogue reads the activation scales the previous kernel wrote.
+  sm90::grid_dependency_wait();
+  int stage = 0;
+  uint32_t phase = 0;
+  for (;;) {
+    sm90::mbar_wait(ring.full(stage), phase);
+    const StageInfo pass = info[stage];
+    if (pass.q0 < 0) break;
+    switch (pass_width(pass.q_end - pass.q0)) {
+      case 8: consume_pass<8>(ring, smem, window, stage, phase, p, pass); break;
+      case 16: consume_pass<16>(ring, smem, window, stage, phase, p, pass); break;
+      default: consume_pass<32>(ring, smem, window, stage, phase, p, pass); break;
+    }
+  }
+#else
+  __trap();  // wgmma and TMA need sm_90a; the launcher refuses other devices
+#endif
+}
+
+int stream_grid(const MoeGemmNvfp4Args& a, int num_sms) {
+  const int64_t items = static_cast<int64_t>(a.max_active_experts) * (a.n / kBlockM);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, 2LL * num_sms)));
+}
+
+void prepare_device() {
+  int device = 0;
+  MOELORA_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<bool> prepared;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device < static_cast<int>(prepared.size()) && prepared[device]) return;
+  int major = 0, minor = 0;
+  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "NVFP4 stream GEMM: device ", device, " is sm_",
+                major, minor, "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
+  MOELORA_CUDA_CHECK(
+      cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  if (device >= static_cast<int>(prepared.size())) prepared.resize(device + 1, false);
+  prepared[device] = true;
+}
+
+}  // namespace
+
+void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool pdl, cudaStream_t stream) {
+  MOELORA_CHECK(a.act && a.act_scale && a.weight && a.row_scale && a.expert_offsets && a.active_experts &&
+                    a.num_active && a.out,
+                ErrorCode::kInvalidArgument,
+                "NVFP4 stream GEMM: act, act_scale, weight, row_scale, expert_offsets, active_experts, num_active "
+                "and out are required");
+  MOELORA_CHECK(a.num_experts > 0 && a.num_experts <= kMaxExperts, ErrorCode::kUnsupported,
+                "NVFP4 stream GEMM: E = ", a.num_experts, " experts; the kernel's schedule holds 1 to ", kMaxExperts);
+  MOELORA_CHECK(a.n > 0 && a.n % kBlockM == 0 && a.k > 0 && a.k % kBlockK == 0, ErrorCode::kUnsupported,
+                "NVFP4 stream GEMM: N = ", a.n, " must be a positive multiple of ", kBlockM, " and K = ", a.k,
+                " of ", kBlockK);
+  MOELORA_CHECK(a.max_active_experts >= 1 && a.max_active_experts <= a.num_experts, ErrorCode::kInvalidArgument,
+                "NVFP4 stream GEMM: max_active_experts = ", a.max_active_experts, " outside [1, E = ", a.num_experts,
+                "]");
+  MOELORA_CHECK(a.act_rows > 0, ErrorCode::kInvalidArgument, "NVFP4 stream GEMM: act_rows = ", a.act_rows,
+                " must be positive");
+  MOELORA_CHECK(reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 && reinterpret_cast<uintptr_t>(a.act) % 16 == 0,
+                ErrorCode::kInvalidArgument, "NVFP4 stream GEMM: weight and act must be 16-byte aligned");
+  MOELORA_CHECK(static_cast<int64_t>(a.num_experts) * a.n < (1LL << 31), ErrorCode::kInvalidArgument,
+                "NVFP4 stream GEMM: E * N = ", static_cast<int64_t>(a.num_experts) * a.n, " rows exceed 2^31");
+  const CUtensorMap tma_x =
+      make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows, static_cast<uint64_t>(a.k) * 2,
+                         kAtomColumns, kTokenBox, CU_TENSOR_MAP_SWIZZLE_128B, "the f16 activation rows");
+  const StreamParams p{a.weight,         a.row_scale, a.act_scale, a.expert_offsets, a.active_experts,
+                       a.num_active,     a.out,       a.work_counters,
+                       a.n,              a.k / kBlockK, a.n / kBlockM, a.num_experts};
+  prepare_device();
+  ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel, dim3(stream_grid(a, num_sms)), dim3(kThreads),
+                                 kSmemBytes, stream, pdl, tma_x, p);
+}
+
+}  // namespace moelora::ops::cuda
