@@ -27,23 +27,24 @@ ops::Nvfp4Experts random_experts(int64_t E, int64_t N, int64_t K, std::mt19937_6
 
 TEST(MoeGemmNvfp4Layout, CodesAndScalesLandWhereTheConsumerThreadsReadThem) {
   // One nonzero code / scale at a time: (row, k) -> thread 32 (row / 16) + 4 (row % 8) + (k % 8) / 2,
-  // step k / 16, nibble a0..a3 at bits 12-15 .. 0-3 of the half (k odd: the high half).
+  // step k / 16, register a_i (i = 2 (k % 16 >= 8) + (row % 16 >= 8)), half k % 2. Code 0x9 (-0.5:
+  // sign and magnitude 1) sets the sign bit 15 - i and the magnitude bit 9 - 3 i of that half.
   const int64_t E = 2, N = 128, K = 256;
   struct Case {
     int64_t e, n, k;
-    int64_t word;  // 32-bit word index inside the block
-    int shift;
+    int64_t word;   // 32-bit word index inside the block
+    uint32_t bits;  // the word's value
   };
   auto block_of = [&](int64_t e, int64_t n, int64_t k) { return (e * (N / 64) + n / 64) * (K / 128) + k / 128; };
   const Case cases[] = {
-      {0, 0, 0, 0, 12},                             // thread 0, step 0, a0 low
-      {0, 0, 1, 0, 28},                             // a0 high
-      {0, 8, 0, 0, 8},                              // row + 8: a1
-      {0, 0, 8, 0, 4},                              // k + 8: a2
-      {0, 8, 9, 0, 16},                             // row + 8, k + 9: a3 high
-      {0, 3, 6, (3 * 4 + 3) * 4, 12},               // thread 15, step 0
-      {0, 16, 16, (32) * 4 + 1, 12},                // warp 1, step 1
-      {1, 64 + 63, 128 + 127, (128 + 127) * 4 + 3, 16},  // last row, last column: thread 127, step 7, a3 high
+      {0, 0, 0, 0, 0x8200u},                                   // thread 0, step 0, a0 low
+      {0, 0, 1, 0, 0x82000000u},                               // a0 high
+      {0, 8, 0, 0, 0x4040u},                                   // row + 8: a1
+      {0, 0, 8, 0, 0x2008u},                                   // k + 8: a2
+      {0, 8, 9, 0, 0x10010000u},                               // row + 8, k + 9: a3 high
+      {0, 3, 6, (3 * 4 + 3) * 4, 0x8200u},                     // thread 15, step 0
+      {0, 16, 16, (32) * 4 + 1, 0x8200u},                      // warp 1, step 1
+      {1, 64 + 63, 128 + 127, (128 + 127) * 4 + 3, 0x10010000u},  // last row, last column: thread 127, step 7
   };
   for (const Case& c : cases) {
     ops::Nvfp4Experts w{Tensor::zeros(DType::kU8, {E, N, K / 2}), Tensor::zeros(DType::kF8E4M3, {E, N, K / 16})};
@@ -53,10 +54,10 @@ TEST(MoeGemmNvfp4Layout, CodesAndScalesLandWhereTheConsumerThreadsReadThem) {
     const uint8_t* block = image.data<uint8_t>() + block_of(c.e, c.n, c.k) * ops::kNvfp4StreamBlockBytes;
     uint32_t word = 0;
     std::memcpy(&word, block + 4 * c.word, 4);
-    EXPECT_EQ(word, 0x9u << c.shift) << "code (" << c.e << ", " << c.n << ", " << c.k << ")";
-    int nonzero = 0;
-    for (int64_t i = 0; i < image.numel(); ++i) nonzero += image.data<uint8_t>()[i] != 0;
-    EXPECT_EQ(nonzero, 2) << "one code byte and one scale byte";
+    EXPECT_EQ(word, c.bits) << "code (" << c.e << ", " << c.n << ", " << c.k << ")";
+    int bits_set = 0;
+    for (int64_t i = 0; i < image.numel(); ++i) bits_set += __builtin_popcount(image.data<uint8_t>()[i]);
+    EXPECT_EQ(bits_set, 2 + 3) << "the code's two bits and the scale 0x38, nothing else";
     const int64_t row = c.n % 64, step = (c.k % 128) / 16;
     const int64_t scale_byte = ((row / 16) * 8 + row % 8) * 16 + 2 * step + (row % 16) / 8;
     EXPECT_EQ(block[ops::kNvfp4StreamCodeBytes + scale_byte], 0x38) << "scale of (" << c.n << ", " << c.k << ")";

@@ -36,10 +36,12 @@ Tensor moe_gemm_nvfp4_ref(const MoeGemmNvfp4Ref& args);
 // - 4,096 bytes of codes, as 1,024 32-bit words: word (g * 128 + t) * 4 + j' holds what consumer
 //   thread t (warp w = t / 32 of the warpgroup: rows 16 w .. 16 w + 15; lane l: r = l / 4,
 //   c = l % 4) needs for k16 step j = 4 g + j' of the block, the eight codes of its wgmma A
-//   fragment: bits 12-15 / 8-11 / 4-7 / 0-3 of the low half are (row 16 w + r, k 2c), (row + 8,
-//   k 2c), (row, k 2c + 8), (row + 8, k 2c + 8) of the step (k relative to 16 j), the high half the
-//   same at k + 1. A nibble keeps e2m1's bit order (sign in bit 3), so one shift and two masks
-//   place a code's sign and magnitude where an f16 wants them.
+//   fragment: register a_i (i = 0 .. 3: (row 16 w + r, k 2c), (row + 8, k 2c), (row, k 2c + 8),
+//   (row + 8, k 2c + 8) of the step, k relative to 16 j) takes its low half's code from the low
+//   16 bits of the word and its high half's (k + 1) from the high 16: the code's sign at bit
+//   15 - i, its 3 magnitude bits (exponent, mantissa) at 9 - 3 i .. 11 - 3 i. So a_0 is the word
+//   masked as it is, and a_i needs the word shifted left by i (sign) and by 3 i (magnitude) to put
+//   them where an f16 has its sign and its exponent / mantissa boundary (bits 15 and 9-11).
 // - 512 bytes of e4m3 group scales: 16 bytes per row pair (16 w + r, 16 w + r + 8), p = 8 w + r:
 //   byte 2 j is the scale of row 16 w + r for step j's 16 columns, byte 2 j + 1 that of row + 8.
 constexpr int kNvfp4StreamRows = 64;     // weight rows per tile (the wgmma M of one warpgroup)

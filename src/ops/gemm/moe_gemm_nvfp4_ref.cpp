@@ -12,11 +12,15 @@ namespace {
 
 constexpr int64_t kGroup = 16;
 
-// Where code (row, k) of a (tile, block) lives in the image's code bytes: its 32-bit word and the
-// bit offset of its nibble (moe_gemm_nvfp4.h).
+// Where code (row, k) of a (tile, block) lives in the image's code bytes: its 32-bit word, the A
+// register it expands into (a0 .. a3) and the half of that register (k odd: the high half). The
+// bits of the code inside the word: the sign at 15 - reg, the 3 magnitude bits at 9 - 3 reg ..
+// 11 - 3 reg, plus 16 for the high half (moe_gemm_nvfp4.h).
 struct CodeSlot {
   int64_t word;
-  int shift;
+  int reg, half;
+  int sign_bit() const { return 16 * half + 15 - reg; }
+  int magnitude_bit() const { return 16 * half + 9 - 3 * reg; }
 };
 CodeSlot code_slot(int64_t row, int64_t k) {
   const int64_t warp = row / 16, r = row % 8, upper = (row % 16) / 8;  // upper: row + 8 of the pair
@@ -24,8 +28,13 @@ CodeSlot code_slot(int64_t row, int64_t k) {
   const int64_t c = (kk % 8) / 2, high_half = kk % 2, second = kk / 8;  // second: columns 8..15
   const int64_t thread = warp * 32 + r * 4 + c;
   const int64_t word = ((step / 4) * 128 + thread) * 4 + step % 4;
-  const int nibble = 3 - static_cast<int>(2 * second + upper);  // a0 at bits 12-15 .. a3 at 0-3
-  return {word, static_cast<int>(16 * high_half) + 4 * nibble};
+  return {word, static_cast<int>(2 * second + upper), static_cast<int>(high_half)};
+}
+uint32_t place_code(uint32_t code, const CodeSlot& slot) {
+  return ((code >> 3) << slot.sign_bit()) | ((code & 7u) << slot.magnitude_bit());
+}
+uint32_t take_code(uint32_t word, const CodeSlot& slot) {
+  return (((word >> slot.sign_bit()) & 1u) << 3) | ((word >> slot.magnitude_bit()) & 7u);
 }
 
 // Byte of the scale of (row, step) inside a block's 512 scale bytes.
@@ -74,7 +83,7 @@ Tensor pack_nvfp4_for_stream(const Tensor& packed, const Tensor& scale) {
           for (int64_t k = 0; k < kNvfp4StreamK; ++k) {
             const uint32_t code = (src[k / 2] >> (4 * (k % 2))) & 0xfu;
             const CodeSlot slot = code_slot(row, k);
-            words[slot.word] |= code << slot.shift;
+            words[slot.word] |= place_code(code, slot);
           }
           const uint8_t* srow = scales + (e * N + n) * (K / kGroup) + b * (kNvfp4StreamK / kGroup);
           for (int64_t step = 0; step < kNvfp4StreamK / kGroup; ++step)
@@ -104,7 +113,7 @@ Nvfp4Experts unpack_nvfp4_from_stream(const Tensor& image, int64_t n, int64_t k)
           uint8_t* dst = w.packed.data<uint8_t>() + (e * n + nn) * (k / 2) + b * (kNvfp4StreamK / 2);
           for (int64_t kk = 0; kk < kNvfp4StreamK; ++kk) {
             const CodeSlot slot = code_slot(row, kk);
-            dst[kk / 2] |= static_cast<uint8_t>(((words[slot.word] >> slot.shift) & 0xfu) << (4 * (kk % 2)));
+            dst[kk / 2] |= static_cast<uint8_t>(take_code(words[slot.word], slot) << (4 * (kk % 2)));
           }
           uint8_t* srow = w.scale.data<uint8_t>() + (e * n + nn) * (k / kGroup) + b * (kNvfp4StreamK / kGroup);
           for (int64_t step = 0; step < kNvfp4StreamK / kGroup; ++step)

@@ -8,7 +8,7 @@
 // stream kernel (moe_gemm_stream_cuda.cu), 64 weight rows on the wgmma M side, but A comes from
 // registers (wgmma m64nNk16 f16, N = 8 / 16 / 32 tokens) and the activations are f16 rows in shared
 // memory. Per k16 step a consumer thread turns one 32-bit word of codes into its four A registers
-// (sign and magnitude moved into f16 positions: e2m1 * 2^-14, exact) and multiplies each pair by
+// (signs and magnitudes shifted into f16 positions: e2m1 * 2^-14, exact) and multiplies each pair by
 // its row's group scale (e4m3 -> f16 by cvt; the product has at most 5 significant bits and is never
 // below 2^-24, so it is exact in f16). The accumulator therefore holds the exact sum over K and the
 // per-row scale_2 (times 2^14) and the activation row's power-of-two scale are applied once at the
@@ -59,7 +59,13 @@ constexpr int kSteps = kBlockK / 16;       // wgmma k16 steps per stage
 constexpr int kMaxTokens = 32;             // tokens per pass (the widest wgmma N instantiated)
 constexpr int kTokenBox = 8;               // activation rows per TMA box
 constexpr int kAtomColumns = 64;           // f16 columns of one 128-byte swizzle row
-constexpr int kStages = 8;
+// Three CTAs per SM (three consumer warps per scheduler: the expansion is issue-bound, so more
+// warps hide its latencies) with a 5-deep ring each: 15 stages, 69 KB of codes in flight per SM.
+#ifndef MOELORA_NVFP4_CTAS_PER_SM
+#define MOELORA_NVFP4_CTAS_PER_SM 3
+#endif
+constexpr int kCtasPerSm = MOELORA_NVFP4_CTAS_PER_SM;
+constexpr int kStages = kCtasPerSm == 2 ? 8 : 5;
 constexpr int kConsumerThreads = 128;
 constexpr int kThreads = kConsumerThreads + 32;
 constexpr int kAtomBytes = kMaxTokens * 128;        // one 64-column atom of a pass's rows
@@ -77,7 +83,7 @@ constexpr int kRingBytes = kStages * (kActTileBytes + kWeightBlockBytes) + 2 * k
                            kStages * static_cast<int>(sizeof(StageInfo));
 constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
 constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
-static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs per SM");
+static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs per SM");
 static_assert(kWeightBlockBytes % 16 == 0 && kActTileBytes % 1024 == 0);
 
 struct StreamParams {
@@ -186,14 +192,18 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
 }
 
 // Eight e2m1 codes of one word (moe_gemm_nvfp4.h) -> the four f16x2 A registers, each value
-// e2m1 * 2^-14: the sign to bit 15 / 31, the 3 magnitude bits (exponent 2, mantissa 1) to bits
-// 9-11 / 25-27, where an f16 with exponent bias 15 reads them as 2^(e - 15) (1 + m / 2)
-// (= e2m1 * 2^-14; e = 0 is the subnormal 0.5 * 2^-14, again exact).
+// e2m1 * 2^-14: a_i's sign bits sit at 15 - i / 31 - i and its magnitude bits (exponent 2,
+// mantissa 1) at 9 - 3 i .. / 25 - 3 i .., so shifting the word left by i and 3 i puts them at
+// 15 / 31 and 9-11 / 25-27, where an f16 (exponent bias 15) reads 2^(e - 15) (1 + m / 2) = e2m1 *
+// 2^-14 (e = 0 is the subnormal 0.5 * 2^-14, again exact). Five left shifts (IMAD, the FMA pipe)
+// and seven logic ops for the four registers; a_0 is one mask.
 __device__ __forceinline__ void expand_codes(uint32_t q, uint32_t (&h)[4]) {
-  h[0] = (q & 0x80008000u) | ((q >> 3) & 0x0E000E00u);
-  h[1] = ((q << 4) & 0x80008000u) | ((q << 1) & 0x0E000E00u);
-  h[2] = ((q << 8) & 0x80008000u) | ((q << 5) & 0x0E000E00u);
-  h[3] = ((q << 12) & 0x80008000u) | ((q << 9) & 0x0E000E00u);
+  constexpr uint32_t kSign = 0x80008000u, kMagnitude = 0x0E000E00u;
+  const uint32_t q3 = q << 3;
+  h[0] = q & (kSign | kMagnitude);
+  h[1] = ((q << 1) & kSign) | (q3 & kMagnitude);
+  h[2] = ((q << 2) & kSign) | ((q << 6) & kMagnitude);
+  h[3] = (q3 & kSign) | ((q << 9) & kMagnitude);
 }
 
 __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, __half2 b) {
@@ -202,17 +212,18 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, __half2 b) {
   return *reinterpret_cast<uint32_t*>(&x);
 }
 
-// The A registers of the stage's eight k16 steps: codes (two 16-byte loads) times group scales
-// (one 16-byte load; bytes 2 j / 2 j + 1 are rows r / r + 8 of step j).
-__device__ __forceinline__ void load_stage_fragments(const uint8_t* block, int thread, uint32_t (&a)[kSteps][4]) {
-  const uint4 c0 = reinterpret_cast<const uint4*>(block)[thread];
-  const uint4 c1 = reinterpret_cast<const uint4*>(block)[kConsumerThreads + thread];
+// The A registers of four k16 steps (half h of a stage: steps 4 h .. 4 h + 3): codes (one 16-byte
+// load) times group scales (8 bytes of the row pair's 16; bytes 2 j / 2 j + 1 are rows r / r + 8
+// of step j).
+__device__ __forceinline__ void load_half_fragments(const uint8_t* block, int thread, int half,
+                                                    uint32_t (&a)[kSteps / 2][4]) {
+  const uint4 c = reinterpret_cast<const uint4*>(block)[half * kConsumerThreads + thread];
   const int pair = (thread / 32) * 8 + (thread % 32) / 4;
-  const uint4 sv = reinterpret_cast<const uint4*>(block + kNvfp4StreamCodeBytes)[pair];
-  const uint32_t codes[kSteps] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-  const uint32_t scale_words[4] = {sv.x, sv.y, sv.z, sv.w};
+  const uint2 sv = reinterpret_cast<const uint2*>(block + kNvfp4StreamCodeBytes)[2 * pair + half];
+  const uint32_t codes[kSteps / 2] = {c.x, c.y, c.z, c.w};
+  const uint32_t scale_words[2] = {sv.x, sv.y};
 #pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
+  for (int j = 0; j < kSteps / 2; ++j) {
     const __nv_fp8x2_storage_t pair_bits =
         static_cast<__nv_fp8x2_storage_t>(scale_words[j / 2] >> (16 * (j % 2)));
     const __half2 s = __half2(__nv_cvt_fp8x2_to_halfraw2(pair_bits, __NV_E4M3));  // (row r, row r + 8)
@@ -226,6 +237,22 @@ __device__ __forceinline__ void load_stage_fragments(const uint8_t* block, int t
   }
 }
 
+// Half h of a stage (four k16 steps) as one wgmma group: its codes are expanded while the group
+// before it still runs; after the commit at most this group is in flight, so the previous one
+// is done and its A registers (the other set) may be rewritten.
+template <int kWidth>
+__device__ __forceinline__ void consume_half(const uint8_t* block, uint32_t act_smem, int half, bool first,
+                                             float (&acc)[kWidth / 2], uint32_t (&a)[kSteps / 2][4]) {
+  load_half_fragments(block, threadIdx.x, half, a);
+  const uint64_t desc_x = sm90::wgmma_desc_k_major_sw128(act_smem + half * kAtomBytes);
+  sm90::wgmma_fence();  // orders the A registers just written before the wgmma reads them
+#pragma unroll
+  for (int j = 0; j < kSteps / 2; ++j)  // 32 bytes of K per step inside the half's 128-byte atom rows
+    sm90::WgmmaF16Rs<kWidth>::mma(acc, a[j], desc_x + 2 * j, !first || j > 0);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<1>();
+}
+
 template <int kWidth>
 __device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_generic, uint32_t smem_window,
                                              int& stage, uint32_t& phase, const StreamParams& p,
@@ -235,24 +262,26 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_gen
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
+  // Two sets of A registers, one per half stage: half 1 is expanded while half 0's group runs, and
+  // half 0 of the next stage while half 1's does. A stage is freed once its second group is done
+  // (its activations are read by the wgmma from shared memory until then).
+  uint32_t a_first[kSteps / 2][4], a_second[kSteps / 2][4];
+  int previous = -1;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     sm90::mbar_wait(ring.full(stage), phase);
-    uint32_t a[kSteps][4];
-    load_stage_fragments(smem_generic + (ring.weight(stage) - smem_window), thread, a);
-    const uint64_t desc_x = sm90::wgmma_desc_k_major_sw128(ring.act(stage));
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j)  // 32 bytes of K per step inside a 128-byte atom row
-      sm90::WgmmaF16Rs<kWidth>::mma(acc, a[j], desc_x + ((j / 4) * kAtomBytes >> 4) + 2 * (j % 4), kb > 0 || j > 0);
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
-    sm90::mbar_arrive(ring.empty(stage));
+    const uint8_t* block = smem_generic + (ring.weight(stage) - smem_window);
+    consume_half<kWidth>(block, ring.act(stage), 0, kb == 0, acc, a_first);
+    if (previous >= 0) sm90::mbar_arrive(ring.empty(previous));
+    consume_half<kWidth>(block, ring.act(stage), 1, false, acc, a_second);
+    previous = stage;
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
+  sm90::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
+  sm90::mbar_arrive(ring.empty(previous));
   const int n_valid = pass.q_end - pass.q0;
   const int row = pass.m0 + 16 * warp + lane / 4;
   const float* rs = p.row_scale + static_cast<size_t>(pass.expert) * p.n;
@@ -270,7 +299,7 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_gen
     }
 }
 
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     moe_gemm_nvfp4_stream_kernel(const __grid_constant__ CUtensorMap tma_x, const StreamParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
@@ -321,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 int stream_grid(const MoeGemmNvfp4Args& a, int num_sms) {
   const int64_t items = static_cast<int64_t>(a.max_active_experts) * (a.n / kBlockM);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, 2LL * num_sms)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, static_cast<int64_t>(kCtasPerSm) * num_sms)));
 }
 
 void prepare_device() {
