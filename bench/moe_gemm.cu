@@ -220,6 +220,7 @@ int run(const Options& o) {
         a4.n = N;
         a4.k = K;
         a4.max_active_experts = max_active;
+        a4.max_tokens_per_expert = max_per;
         a4.act_rows = P_max;
         a4.work_counters = counters.as<int>() + 2;
 

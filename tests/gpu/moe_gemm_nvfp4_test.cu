@@ -3,7 +3,7 @@
 // inputs: ModelOpt-quantized experts with a different scale_2 per gate / up half, all-zero and
 // tiny groups (zero and subnormal e4m3 scales), idle experts, experts with 1..70 tokens (every
 // pass width, several passes), rows past the sorted positions holding NaN, programmatic launch,
-// claimed work items bit-equal to round-robin, graph replays bit-equal to eager launches, refusals.
+// both instances (64- and 128-row items) and claimed work items bit-equal to round-robin, graph replays bit-equal to eager launches, refusals.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -135,10 +135,13 @@ void check_problem(const Problem& pb, uint64_t seed_fallback) {
                 std::vector<uint16_t>(want_rows.rows.data<uint16_t>(), want_rows.rows.data<uint16_t>() + P * pb.K));
       EXPECT_EQ(test::download_vector<float>(d.act_scale, P),
                 std::vector<float>(want_rows.scale.data<float>(), want_rows.scale.data<float>() + P));
+      // launches 0-2: 64-row items (one warpgroup per CTA), 3-5: 128-row items (two); each pair of
+      // instances and schedules must give the same bits (the same wgmma steps per 64 rows)
       std::vector<uint16_t> round_robin;
-      for (int launch = 0; launch < 3; ++launch) {
-        const bool claimed = launch > 0;
+      for (int launch = 0; launch < 6; ++launch) {
+        const bool claimed = launch % 3 > 0;
         ops::cuda::MoeGemmNvfp4Args args = d.args;
+        args.max_tokens_per_expert = launch < 3 ? 8 : 32;
         if (claimed) args.work_counters = counters.as<int32_t>();
         MOELORA_CUDA_CHECK(cudaMemsetAsync(d.out.get(), 0xff, d.out.bytes(), stream.get()));
         ops::cuda::launch_moe_gemm_nvfp4_stream(args, sms, pdl, stream.get());
@@ -149,8 +152,8 @@ void check_problem(const Problem& pb, uint64_t seed_fallback) {
         const Tensor got = cuda::to_host(d.out, DType::kBF16, {P, pb.N}).to_f32();
         EXPECT_TRUE(test::close_bf16(got, expected, 0.99999)) << what;
         const auto bits = test::download_vector<uint16_t>(d.out, static_cast<size_t>(P) * pb.N);
-        if (!claimed) round_robin = bits;
-        else EXPECT_EQ(bits, round_robin) << what << ": claimed items must give the round-robin bits";
+        if (launch == 0) round_robin = bits;
+        else EXPECT_EQ(bits, round_robin) << what << ": every instance and schedule must give the same bits";
         if (claimed)
           EXPECT_EQ(test::download_vector<int32_t>(counters, 2), (std::vector<int32_t>{0, 0}))
               << what << ": the work counters must be left zeroed";
@@ -244,7 +247,7 @@ TEST(Sm90_RowsToF16Pow2, GatheredRowsAndDeviceRowCount) {
 
 TEST(Sm90_MoeGemmNvfp4Stream, RefusesBadArguments) {
   MOELORA_REQUIRE_SM90();
-  const Problem pb{2, 64, 128, {1, 1}};
+  const Problem pb{2, 128, 128, {1, 1}};
   std::mt19937_64 rng(test::test_seed(86));
   const Case c = make_case(pb, rng);
   DeviceCase d = upload_case(c, pb, 0, nullptr);
@@ -258,8 +261,8 @@ TEST(Sm90_MoeGemmNvfp4Stream, RefusesBadArguments) {
     }
   };
   ops::cuda::MoeGemmNvfp4Args a = d.args;
-  a.n = 96;
-  expect_refusal(a, "N = 96");
+  a.n = 64;
+  expect_refusal(a, "N = 64");
   a = d.args;
   a.k = 192;
   expect_refusal(a, "K = 192");

@@ -53,24 +53,14 @@ namespace {
 namespace sm90 = ::moelora::cuda::sm90;
 using ::moelora::cuda::make_tensor_map_2d;
 
-constexpr int kBlockM = kNvfp4StreamRows;  // 64 weight rows per work item
 constexpr int kBlockK = kNvfp4StreamK;     // 128 columns per stage
 constexpr int kSteps = kBlockK / 16;       // wgmma k16 steps per stage
 constexpr int kMaxTokens = 32;             // tokens per pass (the widest wgmma N instantiated)
 constexpr int kTokenBox = 8;               // activation rows per TMA box
 constexpr int kAtomColumns = 64;           // f16 columns of one 128-byte swizzle row
-// Three CTAs per SM (three consumer warps per scheduler: the expansion is issue-bound, so more
-// warps hide its latencies) with a 5-deep ring each: 15 stages, 69 KB of codes in flight per SM.
-#ifndef MOELORA_NVFP4_CTAS_PER_SM
-#define MOELORA_NVFP4_CTAS_PER_SM 3
-#endif
-constexpr int kCtasPerSm = MOELORA_NVFP4_CTAS_PER_SM;
-constexpr int kStages = kCtasPerSm == 2 ? 8 : 5;
-constexpr int kConsumerThreads = 128;
-constexpr int kThreads = kConsumerThreads + 32;
 constexpr int kAtomBytes = kMaxTokens * 128;        // one 64-column atom of a pass's rows
 constexpr int kActTileBytes = 2 * kAtomBytes;       // 128 columns
-constexpr int kWeightBlockBytes = kNvfp4StreamBlockBytes;
+constexpr int kWeightBlockBytes = kNvfp4StreamBlockBytes;    // one 64-row block
 constexpr int kClaimAheadStages = 4;
 constexpr int kMaxExperts = 512;
 // 2^14: the expanded codes are e2m1 * 2^-14 (moe_gemm_nvfp4.h)
@@ -79,11 +69,30 @@ constexpr float kCodeScale = 16384.0f;
 struct StageInfo {
   int q0, q_end, m0, expert;
 };
-constexpr int kRingBytes = kStages * (kActTileBytes + kWeightBlockBytes) + 2 * kStages * 8 +
-                           kStages * static_cast<int>(sizeof(StageInfo));
 constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
-constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
-static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs per SM");
+
+// The two instances. kWg consumer warpgroups per CTA, each expanding and multiplying 64 rows of
+// the item's weight tile against the stage's one activation tile:
+// - kWg = 1, three CTAs per SM with 5-deep rings (69 KB of codes in flight per SM): 64-row items,
+//   twice as many as kWg = 2 has, so few tokens still spread over every SM;
+// - kWg = 2, two CTAs per SM with 6-deep rings (110 KB in flight): half the activation bytes read
+//   from L2 per weight byte, which decides at 17-32 tokens per expert (f16 rows of 32 tokens weigh
+//   8 KB a stage against 4.6 KB of codes per 64 rows).
+// Either way several consumer warps per scheduler, which the issue-bound expansion needs to hide
+// its latencies.
+template <int kWg>
+struct Tiling {
+  static constexpr int kBlockM = kNvfp4StreamRows * kWg;  // weight rows per work item
+  static constexpr int kCtasPerSm = kWg == 2 ? 2 : 3;
+  static constexpr int kStages = kWg == 2 ? 6 : 5;
+  static constexpr int kConsumerThreads = 128 * kWg;
+  static constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp
+  static constexpr int kWeightStageBytes = kWeightBlockBytes * kWg;
+  static constexpr int kRingBytes = kStages * (kActTileBytes + kWeightStageBytes) + 2 * kStages * 8 +
+                                    kStages * static_cast<int>(sizeof(StageInfo));
+  static constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
+  static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs per SM");
+};
 static_assert(kWeightBlockBytes % 16 == 0 && kActTileBytes % 1024 == 0);
 
 struct StreamParams {
@@ -95,7 +104,7 @@ struct StreamParams {
   const int32_t* num_active;      // [1]
   __nv_bfloat16* out;             // [P, N]
   int* work;
-  int n, k_blocks, m_tiles, num_experts;
+  int n, k_blocks, m_tiles, num_experts;  // m_tiles: items per expert (N / kBlockM)
 };
 
 struct Schedule {
@@ -106,14 +115,17 @@ struct Schedule {
 
 // Activation tiles first (1024-byte aligned for the swizzle), then the weight blocks, barriers,
 // stage records, the schedule.
+template <int kWg>
 struct Ring {
+  using T = Tiling<kWg>;
+  static constexpr int kStages = T::kStages, kWeightStageBytes = T::kWeightStageBytes;
   uint32_t base;
   __device__ uint32_t act(int s) const { return base + s * kActTileBytes; }
-  __device__ uint32_t weight(int s) const { return base + kStages * kActTileBytes + s * kWeightBlockBytes; }
-  __device__ uint32_t full(int s) const { return base + kStages * (kActTileBytes + kWeightBlockBytes) + s * 8; }
+  __device__ uint32_t weight(int s) const { return base + kStages * kActTileBytes + s * kWeightStageBytes; }
+  __device__ uint32_t full(int s) const { return base + kStages * (kActTileBytes + kWeightStageBytes) + s * 8; }
   __device__ uint32_t empty(int s) const { return full(kStages) + s * 8; }
   __device__ uint32_t info(int s) const { return full(2 * kStages) + s * sizeof(StageInfo); }
-  __device__ uint32_t schedule() const { return base + kRingBytes; }
+  __device__ uint32_t schedule() const { return base + T::kRingBytes; }
 };
 
 __device__ __forceinline__ int pass_width(int n_valid) {
@@ -124,8 +136,10 @@ __device__ __forceinline__ int claim_item(const StreamParams& p, int current) {
   return (p.work ? atomicAdd(p.work, 1) : current) + static_cast<int>(gridDim.x);
 }
 
-__device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, const Schedule& sched,
+template <int kWg>
+__device__ __forceinline__ void producer(const Ring<kWg>& ring, StageInfo* info, const Schedule& sched,
                                          const CUtensorMap* tma_x, const StreamParams& p) {
+  constexpr int kStages = Tiling<kWg>::kStages, kWeightStageBytes = Tiling<kWg>::kWeightStageBytes;
   sm90::prefetch_tensor_map(tma_x);
   const uint64_t evict_first = sm90::l2_evict_first_policy();
   auto issue_activations = [&](int s, int q0, int width, int kb) {
@@ -146,8 +160,9 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
     const int expert = sched.active[item / p.m_tiles];
     const int tile = item % p.m_tiles;
     const int q_end = sched.offsets[expert + 1];
-    const uint8_t* blocks =
-        p.weight + (static_cast<size_t>(expert) * p.m_tiles + tile) * p.k_blocks * kWeightBlockBytes;
+    // the item's 64-row blocks: tiles kWg * tile + w of the image, K blocks contiguous
+    const uint8_t* blocks = p.weight + (static_cast<size_t>(expert) * p.m_tiles + tile) * kWg *
+                                           p.k_blocks * kWeightBlockBytes;
     int next = -1;
     for (int q0 = sched.offsets[expert]; q0 < q_end; q0 += kMaxTokens) {
       const int rows = q_end - q0 < kMaxTokens ? q_end - q0 : kMaxTokens;
@@ -156,10 +171,12 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         if (last_pass && kb == claim_at) next = claim_item(p, item);
         sm90::mbar_wait(ring.empty(stage), phase ^ 1);
-        info[stage] = StageInfo{q0, q0 + rows, tile * kBlockM, expert};
-        sm90::mbar_arrive_expect_tx(ring.full(stage), kWeightBlockBytes + 2 * width * 128);
-        sm90::bulk_load_hint(ring.weight(stage), blocks + static_cast<size_t>(kb) * kWeightBlockBytes,
-                             kWeightBlockBytes, ring.full(stage), evict_first);
+        info[stage] = StageInfo{q0, q0 + rows, tile * Tiling<kWg>::kBlockM, expert};
+        sm90::mbar_arrive_expect_tx(ring.full(stage), kWeightStageBytes + 2 * width * 128);
+        for (int w = 0; w < kWg; ++w)
+          sm90::bulk_load_hint(ring.weight(stage) + w * kWeightBlockBytes,
+                               blocks + (static_cast<size_t>(w) * p.k_blocks + kb) * kWeightBlockBytes,
+                               kWeightBlockBytes, ring.full(stage), evict_first);
         if (waited) {
           issue_activations(stage, q0, width, kb);
         } else {
@@ -217,7 +234,7 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, __half2 b) {
 // of step j).
 __device__ __forceinline__ void load_half_fragments(const uint8_t* block, int thread, int half,
                                                     uint32_t (&a)[kSteps / 2][4]) {
-  const uint4 c = reinterpret_cast<const uint4*>(block)[half * kConsumerThreads + thread];
+  const uint4 c = reinterpret_cast<const uint4*>(block)[half * 128 + thread];
   const int pair = (thread / 32) * 8 + (thread % 32) / 4;
   const uint2 sv = reinterpret_cast<const uint2*>(block + kNvfp4StreamCodeBytes)[2 * pair + half];
   const uint32_t codes[kSteps / 2] = {c.x, c.y, c.z, c.w};
@@ -243,7 +260,7 @@ __device__ __forceinline__ void load_half_fragments(const uint8_t* block, int th
 template <int kWidth>
 __device__ __forceinline__ void consume_half(const uint8_t* block, uint32_t act_smem, int half, bool first,
                                              float (&acc)[kWidth / 2], uint32_t (&a)[kSteps / 2][4]) {
-  load_half_fragments(block, threadIdx.x, half, a);
+  load_half_fragments(block, threadIdx.x % 128, half, a);
   const uint64_t desc_x = sm90::wgmma_desc_k_major_sw128(act_smem + half * kAtomBytes);
   sm90::wgmma_fence();  // orders the A registers just written before the wgmma reads them
 #pragma unroll
@@ -253,12 +270,13 @@ __device__ __forceinline__ void consume_half(const uint8_t* block, uint32_t act_
   sm90::wgmma_wait<1>();
 }
 
-template <int kWidth>
-__device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_generic, uint32_t smem_window,
+template <int kWidth, int kWg>
+__device__ __forceinline__ void consume_pass(const Ring<kWg>& ring, uint8_t* smem_generic, uint32_t smem_window,
                                              int& stage, uint32_t& phase, const StreamParams& p,
                                              const StageInfo pass) {
   constexpr int kAcc = kWidth / 2;
-  const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
+  // warpgroup wg multiplies rows 64 wg .. 64 wg + 63 of the item (its own weight block)
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
@@ -271,19 +289,19 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_gen
   int previous = -1;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     sm90::mbar_wait(ring.full(stage), phase);
-    const uint8_t* block = smem_generic + (ring.weight(stage) - smem_window);
+    const uint8_t* block = smem_generic + (ring.weight(stage) + wg * kWeightBlockBytes - smem_window);
     consume_half<kWidth>(block, ring.act(stage), 0, kb == 0, acc, a_first);
     if (previous >= 0) sm90::mbar_arrive(ring.empty(previous));
     consume_half<kWidth>(block, ring.act(stage), 1, false, acc, a_second);
     previous = stage;
-    if (++stage == kStages) stage = 0, phase ^= 1;
+    if (++stage == Tiling<kWg>::kStages) stage = 0, phase ^= 1;
   }
   sm90::wgmma_wait<0>();
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
   sm90::mbar_arrive(ring.empty(previous));
   const int n_valid = pass.q_end - pass.q0;
-  const int row = pass.m0 + 16 * warp + lane / 4;
+  const int row = pass.m0 + kNvfp4StreamRows * wg + 16 * warp + lane / 4;
   const float* rs = p.row_scale + static_cast<size_t>(pass.expert) * p.n;
   const float rs0 = rs[row] * kCodeScale, rs1 = rs[row + 8] * kCodeScale;
 #pragma unroll
@@ -299,34 +317,36 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, uint8_t* smem_gen
     }
 }
 
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+template <int kWg>
+__global__ void __launch_bounds__(Tiling<kWg>::kThreads, Tiling<kWg>::kCtasPerSm)
     moe_gemm_nvfp4_stream_kernel(const __grid_constant__ CUtensorMap tma_x, const StreamParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
   const uint32_t window = ::moelora::cuda::ptx::smem_addr(smem);
-  const Ring ring{(window + 1023u) & ~1023u};
+  using T = Tiling<kWg>;
+  const Ring<kWg> ring{(window + 1023u) & ~1023u};
   sm90::launch_dependents();
   int* sched_smem = reinterpret_cast<int*>(smem + (ring.schedule() - window));
   int* s_active = sched_smem;
   int* s_offsets = sched_smem + kMaxExperts;
   {
     const int n_active = *p.num_active;
-    for (int i = threadIdx.x; i < n_active; i += kThreads) s_active[i] = p.active_experts[i];
-    for (int i = threadIdx.x; i <= p.num_experts; i += kThreads) s_offsets[i] = p.expert_offsets[i];
+    for (int i = threadIdx.x; i < n_active; i += T::kThreads) s_active[i] = p.active_experts[i];
+    for (int i = threadIdx.x; i <= p.num_experts; i += T::kThreads) s_offsets[i] = p.expert_offsets[i];
     if (threadIdx.x == 0) sched_smem[2 * kMaxExperts + 1] = n_active;
   }
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < T::kStages; ++s) {
       sm90::mbar_init(ring.full(s), 1);
-      sm90::mbar_init(ring.empty(s), kConsumerThreads);
+      sm90::mbar_init(ring.empty(s), T::kConsumerThreads);
     }
     sm90::fence_barrier_init();
   }
   __syncthreads();
   const Schedule sched{s_active, s_offsets, sched_smem[2 * kMaxExperts + 1]};
   StageInfo* info = reinterpret_cast<StageInfo*>(smem + (ring.info(0) - window));
-  if (threadIdx.x >= kConsumerThreads) {
-    if (threadIdx.x == kConsumerThreads) producer(ring, info, sched, &tma_x, p);
+  if (threadIdx.x >= T::kConsumerThreads) {
+    if (threadIdx.x == T::kConsumerThreads) producer(ring, info, sched, &tma_x, p);
     return;
   }
   // The epilogue reads the activation scales the previous kernel wrote.
@@ -338,9 +358,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const StageInfo pass = info[stage];
     if (pass.q0 < 0) break;
     switch (pass_width(pass.q_end - pass.q0)) {
-      case 8: consume_pass<8>(ring, smem, window, stage, phase, p, pass); break;
-      case 16: consume_pass<16>(ring, smem, window, stage, phase, p, pass); break;
-      default: consume_pass<32>(ring, smem, window, stage, phase, p, pass); break;
+      case 8: consume_pass<8, kWg>(ring, smem, window, stage, phase, p, pass); break;
+      case 16: consume_pass<16, kWg>(ring, smem, window, stage, phase, p, pass); break;
+      default: consume_pass<32, kWg>(ring, smem, window, stage, phase, p, pass); break;
     }
   }
 #else
@@ -348,9 +368,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #endif
 }
 
+template <int kWg>
 int stream_grid(const MoeGemmNvfp4Args& a, int num_sms) {
-  const int64_t items = static_cast<int64_t>(a.max_active_experts) * (a.n / kBlockM);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, static_cast<int64_t>(kCtasPerSm) * num_sms)));
+  const int64_t items = static_cast<int64_t>(a.max_active_experts) * (a.n / Tiling<kWg>::kBlockM);
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(items, static_cast<int64_t>(Tiling<kWg>::kCtasPerSm) * num_sms)));
 }
 
 void prepare_device() {
@@ -365,8 +387,10 @@ void prepare_device() {
   MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "NVFP4 stream GEMM: device ", device, " is sm_",
                 major, minor, "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
-  MOELORA_CUDA_CHECK(
-      cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<1>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Tiling<1>::kSmemBytes));
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<2>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Tiling<2>::kSmemBytes));
   if (device >= static_cast<int>(prepared.size())) prepared.resize(device + 1, false);
   prepared[device] = true;
 }
@@ -381,9 +405,9 @@ void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool p
                 "and out are required");
   MOELORA_CHECK(a.num_experts > 0 && a.num_experts <= kMaxExperts, ErrorCode::kUnsupported,
                 "NVFP4 stream GEMM: E = ", a.num_experts, " experts; the kernel's schedule holds 1 to ", kMaxExperts);
-  MOELORA_CHECK(a.n > 0 && a.n % kBlockM == 0 && a.k > 0 && a.k % kBlockK == 0, ErrorCode::kUnsupported,
-                "NVFP4 stream GEMM: N = ", a.n, " must be a positive multiple of ", kBlockM, " and K = ", a.k,
-                " of ", kBlockK);
+  MOELORA_CHECK(a.n > 0 && a.n % Tiling<2>::kBlockM == 0 && a.k > 0 && a.k % kBlockK == 0, ErrorCode::kUnsupported,
+                "NVFP4 stream GEMM: N = ", a.n, " must be a positive multiple of ", Tiling<2>::kBlockM, " and K = ",
+                a.k, " of ", kBlockK);
   MOELORA_CHECK(a.max_active_experts >= 1 && a.max_active_experts <= a.num_experts, ErrorCode::kInvalidArgument,
                 "NVFP4 stream GEMM: max_active_experts = ", a.max_active_experts, " outside [1, E = ", a.num_experts,
                 "]");
@@ -396,12 +420,20 @@ void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool p
   const CUtensorMap tma_x =
       make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows, static_cast<uint64_t>(a.k) * 2,
                          kAtomColumns, kTokenBox, CU_TENSOR_MAP_SWIZZLE_128B, "the f16 activation rows");
-  const StreamParams p{a.weight,         a.row_scale, a.act_scale, a.expert_offsets, a.active_experts,
-                       a.num_active,     a.out,       a.work_counters,
-                       a.n,              a.k / kBlockK, a.n / kBlockM, a.num_experts};
   prepare_device();
-  ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel, dim3(stream_grid(a, num_sms)), dim3(kThreads),
-                                 kSmemBytes, stream, pdl, tma_x, p);
+  // Two warpgroups per CTA once a pass may be wider than 16 tokens (the activation bytes per weight
+  // byte then decide), one below (more, smaller items for few tokens).
+  const bool two = a.max_tokens_per_expert > 16;
+  const StreamParams p{a.weight,     a.row_scale, a.act_scale,     a.expert_offsets,
+                       a.active_experts, a.num_active, a.out,     a.work_counters,
+                       a.n,          a.k / kBlockK, a.n / (two ? Tiling<2>::kBlockM : Tiling<1>::kBlockM),
+                       a.num_experts};
+  if (two)
+    ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel<2>, dim3(stream_grid<2>(a, num_sms)),
+                                   dim3(Tiling<2>::kThreads), Tiling<2>::kSmemBytes, stream, pdl, tma_x, p);
+  else
+    ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel<1>, dim3(stream_grid<1>(a, num_sms)),
+                                   dim3(Tiling<1>::kThreads), Tiling<1>::kSmemBytes, stream, pdl, tma_x, p);
 }
 
 }  // namespace moelora::ops::cuda
