@@ -5,7 +5,7 @@
 //   out[q, n] = act_scale[q] * row_scale[e, n] * sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n, k/16])
 //
 // Hopper has no FP4 tensor cores, so the weights are expanded in registers: swap-AB as the FP8
-// stream kernel (moe_gemm_stream_cuda.cu), 64 weight rows on the wgmma M side, but A comes from
+// stream kernel (moe_gemm_stream_cuda.cu), 64 weight rows per warpgroup on the wgmma M side, but A comes from
 // registers (wgmma m64nNk16 f16, N = 8 / 16 / 32 tokens) and the activations are f16 rows in shared
 // memory. Per k16 step a consumer thread turns one 32-bit word of codes into its four A registers
 // (signs and magnitudes shifted into f16 positions: e2m1 * 2^-14, exact) and multiplies each pair by
@@ -15,16 +15,18 @@
 // store. The code words come in the order the threads read them (pack_nvfp4_for_stream), so a stage
 // is two 16-byte shared loads of codes and one of scales per thread, bank-conflict free.
 //
-// Pipeline (one CTA = a producer warp + one consumer warpgroup, two CTAs per SM):
-// - The producer walks the CTA's work items (expert, 64-row tile; round-robin or claimed from
-//   work counters, as the FP8 kernel) and per 128-wide K block fills one stage of an 8-deep ring:
-//   one bulk copy of the block's 4,608-byte image (codes + scales, L2 evict-first) and TMA boxes of
-//   the pass's activation rows (two 64-column swizzle atoms per stage, 8-row boxes). Completion is
-//   counted in bytes on the stage's mbarrier; the producer records the stage's pass beside it.
-// - The consumer expands the stage's codes, issues eight wgmma k16 steps into the pass's
-//   accumulator and frees the stage once they completed.
+// Pipeline (one CTA = a producer warp + one or two consumer warpgroups; Tiling below):
+// - The producer walks the CTA's work items (expert, 64- or 128-row tile; round-robin or claimed
+//   from work counters, as the FP8 kernel) and per 128-wide K block fills one stage of its ring:
+//   one bulk copy per 64-row block of its 4,608-byte image (codes + scales, L2 evict-first) and
+//   TMA boxes of the pass's activation rows (two 64-column swizzle atoms per stage, 8-row boxes),
+//   shared by the warpgroups. Completion is counted in bytes on the stage's mbarrier; the producer
+//   records the stage's pass beside it.
+// - Each consumer warpgroup expands half a stage (four k16 steps) of its 64-row block while the
+//   previous half's wgmma group runs, and frees a stage once its last group has completed.
 // - Programmatic dependent launch: the weights of the first ring fill are copied before
 //   griddepcontrol.wait, the activations after it; the kernel lets its dependents launch at once.
+// docs/gpu_moe.md §7 has what each design step measured.
 //
 // Rows of a pass past the expert's tokens are computed but not stored (each output column depends
 // on its own activation row only). Deterministic: one CTA owns each output element and adds its K
