@@ -76,7 +76,9 @@ int main(int argc, char** argv) {
     for (const auto& pname : opt.presets) {
       auto it = std::find_if(kPresets.begin(), kPresets.end(), [&](const Preset& p) { return p.name == pname; });
       if (it == kPresets.end()) throw std::runtime_error("unknown preset " + pname);
-      const Preset& p = *it;
+      // NVFP4 experts: rows and result files named <preset>-nvfp4 (the peer measured FP8 only)
+      Preset p = *it;
+      if (opt.nvfp4) p.name += "-nvfp4";
       std::vector<std::pair<std::string, int>> modes;
       for (int b : opt.decode) modes.push_back({"decode", b});
       for (int t : opt.prefill) modes.push_back({"prefill", t});
@@ -99,6 +101,7 @@ int main(int argc, char** argv) {
       c.max_tokens = max_tokens;
       c.num_slots = 8;
       c.max_rank = 64;
+      c.nvfp4_experts = opt.nvfp4;
       ops::cuda::MoeLayerCuda layer(c, ops::cuda::MoeLayerHostWeights{}, main_stream.get(), side_stream.get());
       layer.randomize_weights(42);
       layer.set_gemm_path(opt.gemm_path);
@@ -108,7 +111,8 @@ int main(int argc, char** argv) {
       layer.set_stream_gemm_schedule(opt.stream_schedule);
       const int max_decode = *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
-      if (opt.baseline) baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
+      if (opt.baseline && !opt.nvfp4)  // the baseline dequantizes FP8 experts
+        baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
       std::fprintf(stderr, "[%s] weights %.2f GB, workspace %.2f GB\n", p.name.c_str(),
                    (layer.expert_bytes() * double(p.E) + layer.router_bytes() + layer.shared_bytes()) / 1e9,
                    layer.workspace_bytes() / 1e9);
@@ -277,7 +281,7 @@ int main(int argc, char** argv) {
                   [&] { layer.set_stream_gemm_schedule(ops::cuda::StreamGemmSchedule::kRoundRobin); },
                   [&] { layer.set_stream_gemm_schedule(opt.stream_schedule); });
             double baseline_us = 0, check_cosine = 0;
-            if (opt.baseline && baseline && mode == "decode" && lc.adapters <= 1) {
+            if (baseline && mode == "decode" && lc.adapters <= 1) {
               std::vector<float> bms;
               cuda::DeviceBuffer logit_scratch(static_cast<size_t>(T) * p.E * 4);
               for (int rep = 0; rep < std::min(reps, 20); ++rep) {

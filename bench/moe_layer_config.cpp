@@ -182,6 +182,13 @@ int parse_options(int argc, char** argv, Options& opt) {
                        {{"route", ops::cuda::RouterGemmPath::kAuto}, {"cublas", ops::cuda::RouterGemmPath::kCublas}},
                        opt.router_gemm))
         return 2;
+    } else if (a == "--experts") {
+      const std::string v = next();
+      if (v != "fp8" && v != "nvfp4") {
+        std::fprintf(stderr, "bench_moe_layer: --experts takes fp8 or nvfp4, got %s\n", v.c_str());
+        return 2;
+      }
+      opt.nvfp4 = v == "nvfp4";
     } else if (a == "--timeline") {
       opt.timeline = parse_list(next());
     } else if (a == "--decode-lora") {
@@ -240,6 +247,11 @@ int parse_options(int argc, char** argv, Options& opt) {
           "  --router-gemm R     router logits of full-layer rows: route (default; inside the route "
           "launch\n"
           "                      up to 64 tokens) or cublas (a GEMM before it)\n"
+          "  --experts F         routed experts: fp8 (default; 128 x 128 block scales) or nvfp4 (e2m1 "
+          "codes,\n"
+          "                      e4m3 scale per 16, the NVFP4 stream GEMM; rows and files named "
+          "<preset>-nvfp4,\n"
+          "                      no unfused baseline)\n"
           "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, "
           "start,\n"
           "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"

@@ -48,6 +48,7 @@ struct Options {
   ops::cuda::StreamGemmSchedule stream_schedule = ops::cuda::StreamGemmSchedule::kAuto;
   ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
   ops::cuda::RouterGemmPath router_gemm = ops::cuda::RouterGemmPath::kAuto;
+  bool nvfp4 = false;  // NVFP4 routed experts (--experts nvfp4); FP8 otherwise
   std::vector<int> timeline;  // decode batch sizes whose kernel timeline is recorded (--timeline)
   ops::cuda::SideStreamScheduling side;  // the layer's default unless --lora-side-ctas
   ops::cuda::DecodeLoraPath decode_lora = ops::cuda::DecodeLoraPath::kSideStream;

@@ -1,6 +1,10 @@
 // MoeLayerCuda: weights, adapter pool and workspace of one MoE layer (its forward, the two-stream
 // pipeline of docs/gpu_moe.md §1, is in moe_layer_forward_cuda.cu).
 //
+// NVFP4 experts (MoeLayerConfig::nvfp4_experts) run the bf16 experts' pipeline below with the NVFP4
+// stream GEMM (ops/gemm/moe_gemm_nvfp4.h): x rows gathered into f16 (rows_to_f16_pow2) for GEMM1,
+// the activation's bf16 copy converted likewise for GEMM2; weights stored as the kernel's image.
+//
 // bf16 experts (MoeLayerConfig::bf16_experts) run the same pipeline without any FP8: no quant
 // kernel, GEMM1 = bf16 grouped GEMM over x rows gathered through sorted_token, the activation
 // writes only the bf16 copy a16 (which the down LoRA reads anyway) and GEMM2 reads a16. Weights
@@ -15,6 +19,7 @@
 
 #include "ops/gemm/moe_gemm.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
+#include "ops/gemm/moe_gemm_nvfp4.h"
 #include "ops/lora/lora_cuda.cuh"
 #include "ops/lora/lora_mma_cuda.cuh"
 #include "ops/moe/moe_cuda.cuh"
@@ -60,6 +65,15 @@ __device__ __forceinline__ float uniform_pm1(uint64_t seed, size_t i) {  // unif
              (2.0f / 16777216.0f) -
          1.0f;
 }
+// The NVFP4 stream image: random code bytes, group-scale bytes in [0x30, 0x3f] (0.5 .. 1.875).
+__global__ void fill_nvfp4_image_kernel(uint8_t* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix64(seed ^ (i * 0x2545f4914f6cdd1dull));
+    p[i] = i % kNvfp4StreamBlockBytes < kNvfp4StreamCodeBytes ? static_cast<uint8_t>(h)
+                                                             : static_cast<uint8_t>(0x30 | (h & 0xf));
+  }
+}
+
 // e4m3 codes with magnitude codes in [0, 0x5f] (|v| <= 30) and random sign; never NaN.
 __global__ void fill_e4m3_kernel(uint8_t* p, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
@@ -96,6 +110,11 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
                 ErrorCode::kInvalidArgument, "MoeLayerCuda: H = ", c.hidden, ", I = ", c.inter,
                 ", E = ", c.num_experts, ", k = ", c.top_k, ", max_tokens = ", c.max_tokens,
                 " must all be positive");
+  MOELORA_CHECK(!(c.bf16_experts && c.nvfp4_experts), ErrorCode::kInvalidArgument,
+                "MoeLayerCuda: bf16_experts and nvfp4_experts are exclusive");
+  MOELORA_CHECK(!c.nvfp4_experts || (c.hidden % 128 == 0 && c.inter % 128 == 0), ErrorCode::kUnsupported,
+                "MoeLayerCuda: NVFP4 experts need H % 128 == 0 and I % 128 == 0 (got H = ", c.hidden, ", I = ",
+                c.inter, "): the stream kernel's 128-row tiles and 128-column stages");
   MOELORA_CHECK(c.bf16_experts || c.inter % 128 == 0, ErrorCode::kUnsupported,
                 "MoeLayerCuda: FP8 experts need I % 128 == 0 (got I = ", c.inter,
                 "): gate and up scale blocks must not straddle");
@@ -109,8 +128,8 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
                 " must be a positive multiple of 8 when slots exist");
   check_route_params(c.route);
   const int E = c.num_experts, H = c.hidden, I = c.inter, k = c.top_k;
-  const bool bf16 = c.bf16_experts;
-  m.Hp = bf16 ? H : round_up(H, 128);  // FP8: whole scale blocks; bf16 needs no padding
+  const bool bf16 = c.bf16_experts, nvfp4 = c.nvfp4_experts;
+  m.Hp = bf16 ? H : round_up(H, 128);  // FP8: whole scale blocks; bf16 needs no padding (NVFP4: none)
   m.Ip = I;
   m.P = c.max_tokens * k;
   m.scale_ld = round_up(m.P, 4);
@@ -130,6 +149,18 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
                   "MoeLayerCuda: bf16 experts need F32, F64, BF16 or F16 w13 / w2, got ",
                   dtype_name(hw.w13.dtype()), " / ", dtype_name(hw.w2.dtype()));
     check_shape(hw.router, {E, H}, "MoeLayerCuda: router");
+  } else if (upload && nvfp4) {
+    check_dtype(hw.w13, DType::kU8, "MoeLayerCuda: w13 (NVFP4 codes)");
+    check_shape(hw.w13, {E, 2 * I, H / 2}, "MoeLayerCuda: w13 (NVFP4 codes)");
+    check_shape(hw.w13_scale, {E, 2 * I, H / 16}, "MoeLayerCuda: w13_scale (NVFP4)");
+    check_shape(hw.w13_scale_2, {E, 2 * I}, "MoeLayerCuda: w13_scale_2 (NVFP4)");
+    check_dtype(hw.w13_scale_2, DType::kF32, "MoeLayerCuda: w13_scale_2 (NVFP4)");
+    check_dtype(hw.w2, DType::kU8, "MoeLayerCuda: w2 (NVFP4 codes)");
+    check_shape(hw.w2, {E, H, I / 2}, "MoeLayerCuda: w2 (NVFP4 codes)");
+    check_shape(hw.w2_scale, {E, H, I / 16}, "MoeLayerCuda: w2_scale (NVFP4)");
+    check_shape(hw.w2_scale_2, {E, H}, "MoeLayerCuda: w2_scale_2 (NVFP4)");
+    check_dtype(hw.w2_scale_2, DType::kF32, "MoeLayerCuda: w2_scale_2 (NVFP4)");
+    check_shape(hw.router, {E, H}, "MoeLayerCuda: router");
   } else if (upload) {
     check_shape(hw.w13, {E, 2 * I, H}, "MoeLayerCuda: w13");
     check_dtype(hw.w13, DType::kF8E4M3, "MoeLayerCuda: w13");
@@ -145,6 +176,11 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   if (bf16) {
     m.w13 = m.weights.reserve(static_cast<size_t>(E) * 2 * I * H * 2);
     m.w2 = m.weights.reserve(static_cast<size_t>(E) * H * I * 2);
+  } else if (nvfp4) {  // the stream kernel's images ([E, N/64, K/128] blocks) and per-row scale_2
+    m.w13 = m.weights.reserve(static_cast<size_t>(E) * (2 * I / 64) * (H / 128) * kNvfp4StreamBlockBytes);
+    m.w13s = m.weights.reserve(static_cast<size_t>(E) * 2 * I * 4);
+    m.w2 = m.weights.reserve(static_cast<size_t>(E) * (H / 64) * (I / 128) * kNvfp4StreamBlockBytes);
+    m.w2s = m.weights.reserve(static_cast<size_t>(E) * H * 4);
   } else {
     m.w13 = m.weights.reserve(static_cast<size_t>(E) * 2 * I * m.Hp);
     m.w13s = m.weights.reserve(static_cast<size_t>(E) * (2 * I / 128) * (m.Hp / 128) * 4);
@@ -171,6 +207,15 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   if (upload && bf16) {
     upload_bf16(hw.w13, m.w<void>(m.w13));
     upload_bf16(hw.w2, m.w<void>(m.w2));
+  } else if (upload && nvfp4) {
+    const Tensor w13 = pack_nvfp4_for_stream(hw.w13, hw.w13_scale);
+    const Tensor w2 = pack_nvfp4_for_stream(hw.w2, hw.w2_scale);
+    MOELORA_CUDA_CHECK(cudaMemcpy(m.w<uint8_t>(m.w13), w13.raw_data(), w13.nbytes(), cudaMemcpyHostToDevice));
+    MOELORA_CUDA_CHECK(cudaMemcpy(m.w<uint8_t>(m.w2), w2.raw_data(), w2.nbytes(), cudaMemcpyHostToDevice));
+    MOELORA_CUDA_CHECK(cudaMemcpy(m.w<float>(m.w13s), hw.w13_scale_2.raw_data(), hw.w13_scale_2.nbytes(),
+                                  cudaMemcpyHostToDevice));
+    MOELORA_CUDA_CHECK(cudaMemcpy(m.w<float>(m.w2s), hw.w2_scale_2.raw_data(), hw.w2_scale_2.nbytes(),
+                                  cudaMemcpyHostToDevice));
   } else if (upload) {
     // W13 rows padded from H to Hp columns (zeros), scales likewise.
     std::vector<uint8_t> rows(static_cast<size_t>(E) * 2 * I * m.Hp, 0);
@@ -248,7 +293,13 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   m.token_pos = m.ws.reserve(T * 4);
   m.token_segments = m.ws.reserve(std::max<size_t>(S, 1) * 16);
   m.num_token_segments = m.ws.reserve(4);
-  if (!bf16) {  // FP8 activations and the CUTLASS workspace; bf16 experts quantize nothing
+  if (nvfp4) {  // f16 rows of x (sorted order) and of the activation, their power-of-two scales
+    m.xh = m.ws.reserve(P * H * 2);
+    m.sxh = m.ws.reserve(P * 4);
+    m.ah = m.ws.reserve(P * I * 2);
+    m.sah = m.ws.reserve(P * 4);
+    m.gemm_work = m.ws.reserve(4 * sizeof(int32_t));
+  } else if (!bf16) {  // FP8 activations and the CUTLASS workspace; bf16 experts quantize nothing
     m.xq = m.ws.reserve(P * m.Hp);  // prefill permutes into P rows; decode uses the first T
     // scales: row-major [P, K/128] (prefill, register decode) or k-major [K/128, scale_ld] (stream)
     m.sx = m.ws.reserve(static_cast<size_t>(m.scale_ld) * (m.Hp / 128) * 4);
@@ -286,7 +337,8 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.router_tickets), 0,
                                   router_route_tickets(m.router_route_tokens) * sizeof(int32_t)));
   // The stream GEMMs' work counters start at zero; each launch leaves them so for the next.
-  if (!bf16) {  // counters the kernels leave at zero after every launch
+  if (nvfp4) MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));
+  if (!bf16 && !nvfp4) {  // counters the kernels leave at zero after every launch
     MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));
     MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemv_tickets), 0, kMoeGemvMaxTickets * sizeof(int32_t)));
   }
@@ -361,6 +413,17 @@ void MoeLayerCuda::randomize_weights(uint64_t seed) {
     fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.w2), E * H * I,
                                                     1.7f / std::sqrt(static_cast<float>(I)), 1, 1,
                                                     1, seed + 2);
+  } else if (c.nvfp4_experts) {
+    // random codes; group scales in [0.5, 1.875] (e4m3 0x30..0x3f); a code's mean magnitude ~2.4,
+    // so a row scale of 1 / (2.5 sqrt(fan-in)) keeps outputs O(1)
+    fill_nvfp4_image_kernel<<<kFillBlocks, kFillThreads>>>(
+        m.w<uint8_t>(m.w13), E * (2 * I / 64) * (H / 128) * kNvfp4StreamBlockBytes, seed + 1);
+    fill_nvfp4_image_kernel<<<kFillBlocks, kFillThreads>>>(
+        m.w<uint8_t>(m.w2), E * (H / 64) * (I / 128) * kNvfp4StreamBlockBytes, seed + 2);
+    const float r13 = 1.0f / (2.5f * std::sqrt(static_cast<float>(H))),
+                r2 = 1.0f / (2.5f * std::sqrt(static_cast<float>(I)));
+    fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(m.w<float>(m.w13s), E * 2 * I, 0.5f * r13, 1.5f * r13, seed + 3);
+    fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(m.w<float>(m.w2s), E * H, 0.5f * r2, 1.5f * r2, seed + 4);
   } else {
     fill_e4m3_kernel<<<kFillBlocks, kFillThreads>>>(m.w<uint8_t>(m.w13), E * 2 * I * m.Hp,
                                                     seed + 1);
@@ -436,6 +499,7 @@ void MoeLayerCuda::randomize_adapter(int slot, int rank, bool shared_outer, uint
 uint64_t MoeLayerCuda::expert_bytes() const {
   const uint64_t H = config_.hidden, I = config_.inter;
   if (config_.bf16_experts) return 3 * H * I * 2;
+  if (config_.nvfp4_experts) return 3 * H * I / 2 + 3 * H * I / 16 + (2 * I + H) * 4;
   const uint64_t scales = (2 * I / 128) * ((H + 127) / 128) * 4 + ((H + 127) / 128) * (I / 128) * 4;
   return 3 * H * I + scales;
 }
@@ -454,6 +518,11 @@ MoeLayerCuda::DeviceView MoeLayerCuda::device_view() const {
   if (config_.bf16_experts) {
     v.w13_bf16 = m.w<__nv_bfloat16>(m.w13);
     v.w2_bf16 = m.w<__nv_bfloat16>(m.w2);
+  } else if (config_.nvfp4_experts) {
+    v.w13_nvfp4 = m.w<uint8_t>(m.w13);
+    v.w13_scale_2 = m.w<float>(m.w13s);
+    v.w2_nvfp4 = m.w<uint8_t>(m.w2);
+    v.w2_scale_2 = m.w<float>(m.w2s);
   } else {
     v.w13 = m.w<uint8_t>(m.w13);
     v.w13_scale = m.w<float>(m.w13s);

@@ -1,5 +1,5 @@
-// One MoE layer with multi-LoRA on the GPU: FP8 block-scaled routed experts (or bf16 ones, for
-// non-quantized checkpoints and the tiny parity models), an optional bf16 shared expert (with
+// One MoE layer with multi-LoRA on the GPU: FP8 block-scaled routed experts (or NVFP4 ones, or bf16
+// ones for non-quantized checkpoints and the tiny parity models), an optional bf16 shared expert (with
 // Qwen's sigmoid gate), LoRA at both seams and on the shared expert, on a main and a side stream
 // (docs/gpu_moe.md §1). Owns its device weights, its slice of the adapter pool and a Workspace
 // sized at construction from (max tokens, slots, max rank): forward() allocates nothing and never
@@ -40,12 +40,20 @@ struct MoeLayerConfig {
   // reads the bf16 x rows through the align's sorted order, GEMM2 the activation's bf16 copy;
   // nothing is quantized. H and I need only be multiples of 8.
   bool bf16_experts = false;
+  // Routed experts in NVFP4 (e2m1 codes, e4m3 scale per 16 inputs, fp32 scale_2 per row): kept
+  // packed on the device as the stream kernel's image (ops/gemm/moe_gemm_nvfp4.h); GEMM1 and
+  // GEMM2 are launch_moe_gemm_nvfp4_stream on f16 rows (x gathered through sorted_token, then the
+  // activation's bf16 copy, each converted by rows_to_f16_pow2). H and I multiples of 128.
+  bool nvfp4_experts = false;
 };
 
 // Host weights of one layer, as loaded (fp32 where not quantized). FP8 tensors use the canonical
 // layouts of DESIGN.md §2. Leave w13 undefined to only allocate (then call randomize_weights).
 // With config.bf16_experts, w13 / w2 are float tensors of any dtype (uploaded as bf16) and the
-// scales are not used.
+// scales are not used. With config.nvfp4_experts: w13 U8 [E, 2I, H/2] (low nibble = even column),
+// w13_scale F8_E4M3 [E, 2I, H/16], w13_scale_2 F32 [E, 2I] (the checkpoint's weight_scale_2 of
+// each row's tensor: gate and up may differ), and w2 / w2_scale / w2_scale_2 likewise over
+// [E, H, I].
 struct MoeLayerHostWeights {
   Tensor router;           // [E, H] any float dtype (uploaded as bf16)
   Tensor correction_bias;  // [E] f32 or undefined
@@ -53,6 +61,8 @@ struct MoeLayerHostWeights {
   Tensor w13_scale;        // F32 [E, 2I/128, ceil(H/128)] (bf16 experts: unused)
   Tensor w2;               // F8_E4M3 [E, H, I] (bf16 experts: any float dtype)
   Tensor w2_scale;         // F32 [E, ceil(H/128), I/128] (bf16 experts: unused)
+  Tensor w13_scale_2;      // NVFP4 experts only: F32 [E, 2I]
+  Tensor w2_scale_2;       // NVFP4 experts only: F32 [E, H]
   Tensor shared_w13;       // [2Is, H] any float dtype, or undefined
   Tensor shared_w2;        // [H, Is]
   Tensor shared_gate;      // [1, H] or undefined
@@ -182,14 +192,16 @@ class MoeLayerCuda {
   void set_router_gemm_path(RouterGemmPath path) { router_path_ = path; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
-  // incl. scales or bf16 experts, router, shared expert): the byte roofline's numerator.
+  // incl. scales, NVFP4 codes incl. group and row scales, or bf16 experts; router, shared expert):
+  // the byte roofline's numerator.
   uint64_t expert_bytes() const;
   uint64_t router_bytes() const;
   uint64_t shared_bytes() const;
   size_t workspace_bytes() const;
 
   // Read-only views of the device weights and pool (benchmark baselines and tests).
-  // FP8 experts fill w13 .. w2_scale (w13_bf16 / w2_bf16 are nullptr); bf16 experts the reverse.
+  // FP8 experts fill w13 .. w2_scale, bf16 experts w13_bf16 / w2_bf16, NVFP4 experts the *_nvfp4
+  // images and their row scales; the other fields are nullptr.
   struct DeviceView {
     const uint8_t* w13;               // e4m3 [E, 2I, Hp]
     const float* w13_scale;           // [E, 2I/128, Hp/128]
@@ -197,6 +209,10 @@ class MoeLayerCuda {
     const float* w2_scale;            // [E, ceil(H/128), I/128]
     const __nv_bfloat16* w13_bf16;    // [E, 2I, H]
     const __nv_bfloat16* w2_bf16;     // [E, H, I]
+    const uint8_t* w13_nvfp4;         // NVFP4 experts: images (pack_nvfp4_for_stream) and row scales
+    const float* w13_scale_2;         // [E, 2I]
+    const uint8_t* w2_nvfp4;
+    const float* w2_scale_2;          // [E, H]
     const float* correction_bias;     // [E] or nullptr
     const __nv_bfloat16* router;      // [E, H]
     const __nv_bfloat16* shared_w13;  // [2Is, H] or nullptr

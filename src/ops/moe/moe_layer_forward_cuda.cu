@@ -33,6 +33,7 @@ namespace {
 // Whether a forward of `tokens` tokens can take the expert GEMV chain, and why not (nullptr: it can).
 const char* gemv_unsupported_reason(const MoeLayerConfig& c, int tokens, bool lora) {
   if (c.bf16_experts) return "the experts are bf16 (the GEMVs read FP8 experts)";
+  if (c.nvfp4_experts) return "the experts are NVFP4 (the GEMVs read FP8 experts)";
   if (lora) return "the forward has LoRA";
   if (tokens > kMoeGemvMaxTokens) return "the forward has more than 8 tokens";
   if (c.hidden % 128 != 0 || c.inter % 128 != 0) return "H or I is not a multiple of 128";
@@ -62,7 +63,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   const bool decode = gemm_path_ == GemmPath::kDecode || gemm_path_ == GemmPath::kDecodeRegister ||
                       (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
   const bool register_decode = decode && gemm_path_ == GemmPath::kDecodeRegister;
-  const bool stream = decode && !register_decode && !c.bf16_experts;
+  const bool stream = decode && !register_decode && !c.bf16_experts && !c.nvfp4_experts;
+  // NVFP4 experts: every forward takes the NVFP4 stream GEMM (passes of up to 32 tokens; prefill
+  // re-streams the weights per pass), chained by programmatic launch as the FP8 stream path.
+  const bool nvfp4 = c.nvfp4_experts;
+  const bool chain_pdl = stream || nvfp4;
   // Prefill-sized forwards take the tensor-core shrink / expand (64-row tiles of a segment through
   // mma.sync): from kLoraMmaMinTokens tokens on, a segment holds enough rows that the CUDA-core
   // kernels' per-row FMA work dominates (lora_mma_cuda.cuh). Decode sizes keep the CUDA-core
@@ -371,6 +376,41 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     return l;
   };
 
+  // 3-5, NVFP4 experts: x rows gathered into sorted f16 rows, GEMM1, (activation below), its bf16
+  // copy into f16 rows, GEMM2. The conversions wait for their predecessor before letting the GEMM
+  // start (the GEMM reads the align's schedule before its own wait, as after the quant kernel).
+  MoeGemmNvfp4Args n1;
+  if (nvfp4) {
+    RowsToF16Args cx;
+    cx.x = f.x;
+    cx.gather = m.x<int32_t>(m.sorted_token);
+    cx.num_rows = num_pairs;
+    cx.max_rows = P;
+    cx.cols = H;
+    cx.out = m.x<__half>(m.xh);
+    cx.scale = m.x<float>(m.sxh);
+    cx.pdl = true;
+    launch_rows_to_f16_pow2(cx, m.main);
+    n1.act = m.x<__half>(m.xh);
+    n1.act_scale = m.x<float>(m.sxh);
+    n1.act_rows = m.P;
+    n1.weight = m.w<uint8_t>(m.w13);
+    n1.row_scale = m.w<float>(m.w13s);
+    n1.expert_offsets = offsets;
+    n1.active_experts = m.x<int32_t>(m.active);
+    n1.num_active = m.x<int32_t>(m.num_active);
+    n1.out = m.x<__nv_bfloat16>(m.h);
+    n1.num_experts = E;
+    n1.n = 2 * I;
+    n1.k = H;
+    n1.max_active_experts = max_active;
+    n1.max_tokens_per_expert = max_tokens_per_expert;
+    const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
+                         (stream_schedule_ == StreamGemmSchedule::kAuto && !lora);
+    if (claimed) n1.work_counters = m.x<int32_t>(m.gemm_work);
+    launch_moe_gemm_nvfp4_stream(n1, m.num_sms, /*pdl=*/true, m.main);
+  }
+
   // 3. quant + GEMM1 (FP8 experts). Decode (stream kernel) and prefill (CUTLASS) read each
   // expert's rows contiguously, so the quant kernel permutes x into sorted order; the stream
   // kernel takes its scales k-major. The register decode kernel gathers per-token FP8 rows.
@@ -386,7 +426,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       launch_moe_gemm_fp8_prefill(g, pws, m.main);
     }
   };
-  if (!c.bf16_experts) {
+  if (!c.bf16_experts && !nvfp4) {
     QuantFp8DeviceArgs qa;
     qa.x = f.x;
     qa.gather = register_decode ? nullptr : m.x<int32_t>(m.sorted_token);
@@ -443,15 +483,15 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   act.inter = I;
   act.inter_padded = round_up(I, 128);  // = Ip for FP8 experts (I % 128 == 0)
   act.a16 = m.x<__nv_bfloat16>(m.a16);
-  act.aq = c.bf16_experts ? nullptr : m.x<uint8_t>(m.aq);
-  act.sa = c.bf16_experts ? nullptr : m.x<float>(m.sa);
+  act.aq = c.bf16_experts || nvfp4 ? nullptr : m.x<uint8_t>(m.aq);
+  act.sa = c.bf16_experts || nvfp4 ? nullptr : m.x<float>(m.sa);
   act.scale_ld = scale_ld;
   // The activation is a programmatic dependent of the stream kernel: it is scheduled while GEMM1
   // drains and GEMM2 after it prefetches its weights. Not after a cross-stream event wait (a
   // side-stream seam-1 delta): whether a launch with programmatic serialization right after one
   // stays ordered after that event in an uncaptured stream is not documented. The fused seam-1
   // expand reads only main-stream data (the quant kernel's partials, complete before GEMM1 ran).
-  act.pdl = stream && (!lora || fused_shrink);
+  act.pdl = chain_pdl && (!lora || fused_shrink);
   if (fused_shrink) act.lora = row_shrink(m.down, m.x<float>(m.part2));
   if (fused_lora) {
     act.lora_expand.pool = m.view(m.gate_up);
@@ -472,7 +512,27 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   }
 
   // 5. GEMM2
-  if (c.bf16_experts) {
+  if (nvfp4) {
+    RowsToF16Args ca;
+    ca.x = m.x<__nv_bfloat16>(m.a16);
+    ca.num_rows = num_pairs;
+    ca.max_rows = P;
+    ca.cols = I;
+    ca.out = m.x<__half>(m.ah);
+    ca.scale = m.x<float>(m.sah);
+    ca.pdl = true;
+    launch_rows_to_f16_pow2(ca, m.main);
+    MoeGemmNvfp4Args n2 = n1;
+    n2.act = m.x<__half>(m.ah);
+    n2.act_scale = m.x<float>(m.sah);
+    n2.weight = m.w<uint8_t>(m.w2);
+    n2.row_scale = m.w<float>(m.w2s);
+    n2.out = m.x<__nv_bfloat16>(m.y);
+    n2.n = H;
+    n2.k = I;
+    if (n1.work_counters) n2.work_counters = m.x<int32_t>(m.gemm_work) + 2;
+    launch_moe_gemm_nvfp4_stream(n2, m.num_sms, /*pdl=*/true, m.main);
+  } else if (c.bf16_experts) {
     MoeGemmBf16Args b2 = b1;
     b2.act = m.x<__nv_bfloat16>(m.a16);
     b2.gather = nullptr;
@@ -533,7 +593,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.out = f.out;
   // Directly after GEMM2 on this stream: not after the shared expert's cuBLAS kernels, and not
   // after the event wait for the seam-2 expand (as for the activation).
-  fa.pdl = stream && !side_work && !shared;
+  fa.pdl = chain_pdl && !side_work && !shared;
   launch_moe_finalize(fa, m.main);
 }
 

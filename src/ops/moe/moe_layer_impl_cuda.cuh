@@ -74,6 +74,7 @@ struct MoeLayerCuda::Impl {
          token_pos = 0, token_segments = 0, num_token_segments = 0, xq = 0, sx = 0, h = 0, d1 = 0,
          a16 = 0, aq = 0, sa = 0, y = 0, d2 = 0, part1 = 0, part2 = 0, sh = 0, sd1 = 0, sa16 = 0,
          sout = 0, sd2 = 0, spart1 = 0, spart2 = 0, prefill_ws = 0,
+         xh = 0, sxh = 0, ah = 0, sah = 0,  // NVFP4 experts: f16 rows of x / a and their row scales
          gemm_work = 0,     // [4] int: the stream GEMMs' work counters, GEMM1's pair then GEMM2's
          gemv_tickets = 0,  // [kMoeGemvMaxTickets] int: the expert GEMV up kernel's per-expert tickets
          router_partials = 0,  // fp32 partial logits of the router GEMM in the route launch

@@ -1,0 +1,139 @@
+// Sm90 MoeLayerCuda with NVFP4 routed experts (MoeLayerConfig::nvfp4_experts: codes and e4m3 group
+// scales packed on the device, the NVFP4 stream GEMM for GEMM1 and GEMM2 on f16 rows) against the
+// CPU reference moe_forward_ref on the exactly dequantized weights:
+//   - Qwen-style softmax routing with a gated shared expert and DeepSeek-style noaux_tc routing
+//     with groups and routed scaling, H 256, I 128, E 16, k 4, T in {1, 5, 64, 300} (64 and 300
+//     take the 128-row GEMM instance), gate and up rows with different scale_2 values;
+//   - tokens of slot -1 mixed with adapters of ranks 5-16 (per-expert and shared-outer) and an
+//     empty slot, the single-adapter path, the no-LoRA pipeline, every GEMM path bit-equal;
+//   - CUDA-graph capture and replays with other inputs, bit-equal to eager forwards;
+//   - the configuration and weight checks.
+// Tolerance as moe_layer_bf16_test.cu (moe_layer_case.cuh): the activation rows are exact in f16,
+// the weights exact, so the layer rounds where the bf16-expert layer does.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/moe_layer_case.cuh"
+
+namespace moelora {
+namespace {
+
+using namespace moe_layer_case;
+using test::upload_vector;
+
+class Sm90_MoeLayerNvfp4 : public MoeLayerCaseTest {};
+
+LayerSpec nvfp4_spec(bool gate) {
+  LayerSpec s = tiny_qwen_spec(gate);
+  s.hidden = 256;
+  s.inter = 128;
+  s.shared_inter = 128;
+  s.nvfp4 = true;
+  return s;
+}
+
+TEST_F(Sm90_MoeLayerNvfp4, QwenStyleGatedSharedExpert) {
+  run_tiny_suite(nvfp4_spec(true), 801);
+}
+
+TEST_F(Sm90_MoeLayerNvfp4, DeepSeekNoauxTcGroups) {
+  LayerSpec s = nvfp4_spec(false);
+  s.router = RouterKind::kSigmoidNoauxTc;
+  s.n_group = 4;
+  s.topk_group = 2;
+  s.routed_scaling = 2.5f;
+  run_tiny_suite(s, 802);
+}
+
+// A decode bucket captured once and replayed with other tokens, slots and adapters: each replay
+// equals an eager forward of the same inputs bit for bit.
+TEST_F(Sm90_MoeLayerNvfp4, GraphReplaysMatchEager) {
+  std::mt19937_64 rng(test::test_seed(803));
+  LayerSpec s = nvfp4_spec(true);
+  s.max_tokens = 32;
+  LayerFixture lf = make_host_layer(s, rng);
+  const int H = s.hidden, bucket = 32;
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  HostAdapter a0 = make_adapter(lf.config, 16, false, rng), a1 = make_adapter(lf.config, 8, true, rng);
+  layer.set_adapter(0, a0.gpu());
+  layer.set_adapter(2, a1.gpu());
+  cuda::DeviceBuffer x_d(static_cast<size_t>(bucket) * H * 2), s_d(bucket * 4), out_d(static_cast<size_t>(bucket) * H * 2);
+  ops::cuda::MoeForwardArgs f;
+  f.x = x_d.as<__nv_bfloat16>();
+  f.slot = s_d.as<int32_t>();
+  f.tokens = bucket;
+  f.out = out_d.as<__nv_bfloat16>();
+  x_d.zero();
+  s_d.zero();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_->get(), cudaStreamCaptureModeGlobal));
+  layer.forward(f);
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_->get(), &graph));
+  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    const Tensor x = draw_x(bucket, lf, rng);
+    std::vector<int32_t> slots(bucket);
+    for (int t = 0; t < bucket; ++t) slots[t] = (t + replay) % 4 - 1;  // -1, 0, 1 (empty), 2
+    x_d.upload(x.to(DType::kBF16).raw_data(), static_cast<size_t>(bucket) * H * 2);
+    s_d.upload(slots.data(), slots.size() * 4);
+    MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+    main_->synchronize();
+    const Tensor replayed = cuda::to_host(out_d, DType::kBF16, {bucket, H}).to_f32();
+    const Tensor eager = run(layer, x, slots);
+    EXPECT_EQ(test::max_abs_diff(replayed, eager), 0.0) << "replay " << replay;
+    check_against_reference(eager, x, slots, lf, {a0.ref(), {}, a1.ref(), {}}, Tensor(),
+                            "replay " + std::to_string(replay));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_F(Sm90_MoeLayerNvfp4, ConfigurationChecks) {
+  std::mt19937_64 rng(test::test_seed(804));
+  LayerSpec s = nvfp4_spec(false);
+  s.shared_inter = 0;
+  s.max_tokens = 4;
+  LayerFixture lf = make_host_layer(s, rng);
+  auto refused = [&](const ops::cuda::MoeLayerConfig& c, const ops::cuda::MoeLayerHostWeights& w) {
+    return test::error_message([&] { ops::cuda::MoeLayerCuda bad(c, w, main_->get(), side_->get()); });
+  };
+  {
+    auto c = lf.config;
+    c.inter = 192;  // a multiple of 64 but not of 128
+    const std::string msg = refused(c, ops::cuda::MoeLayerHostWeights{});
+    EXPECT_NE(msg.find("I % 128"), std::string::npos) << msg;
+  }
+  {
+    auto c = lf.config;
+    c.bf16_experts = true;
+    const std::string msg = refused(c, ops::cuda::MoeLayerHostWeights{});
+    EXPECT_NE(msg.find("exclusive"), std::string::npos) << msg;
+  }
+  {
+    auto host = lf.host;
+    host.w13 = Tensor::zeros(DType::kF32, {16, 256, 256});  // dense weights where codes belong
+    const std::string msg = refused(lf.config, host);
+    EXPECT_NE(msg.find("w13"), std::string::npos) << msg;
+  }
+  {
+    auto host = lf.host;
+    host.w2_scale_2 = Tensor();
+    const std::string msg = refused(lf.config, host);
+    EXPECT_NE(msg.find("w2_scale_2"), std::string::npos) << msg;
+  }
+  {
+    auto host = lf.host;
+    host.w13_scale = Tensor::empty(DType::kF8E4M3, lf.host.w13_scale.shape());
+    std::memcpy(host.w13_scale.raw_data(), lf.host.w13_scale.raw_data(), host.w13_scale.nbytes());
+    host.w13_scale.data<uint8_t>()[3] = 0xb8;  // -1.0
+    const std::string msg = refused(lf.config, host);
+    EXPECT_NE(msg.find("negative"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
+}  // namespace moelora
