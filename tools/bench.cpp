@@ -383,7 +383,13 @@ StepBytes decode_step_bytes(const moelora::io::ModelConfig& c, int64_t batch, do
       dense_lora += static_cast<double>(out + in) * R * 2;
     });
     if (!c.is_moe_layer(l)) continue;
-    const double expert_bytes = fp8 ? 3 * H * I * (1.0 + 4.0 / (128 * 128)) : 3 * H * I * 2;
+    // NVFP4 experts stay packed on the GPU where H and I are multiples of 128 (codes, an e4m3
+    // scale per 16, scale_2 per row)
+    const bool nvfp4 = c.quant.method == moelora::io::QuantMethod::kNvfp4 && c.hidden_size % 128 == 0 &&
+                       c.moe_intermediate_size % 128 == 0;
+    const double expert_bytes = nvfp4 ? 3 * H * I * 0.5625 + (2 * I + H) * 4
+                                : fp8 ? 3 * H * I * (1.0 + 4.0 / (128 * 128))
+                                      : 3 * H * I * 2;
     b.base += E * H * 2 + distinct_experts(E, k, static_cast<double>(batch)) * expert_bytes;
     if (adapters > 0) {
       const double touched = distinct_experts(

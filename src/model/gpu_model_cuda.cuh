@@ -109,13 +109,15 @@ struct ForwardShape {
 class GpuModel {
  public:
   // Uploads a loaded checkpoint (dense weights as bf16, FP8-block experts as they are when
-  // moe_intermediate_size % 128 == 0, else and for bf16 / NVFP4 experts: bf16 experts).
+  // moe_intermediate_size % 128 == 0, NVFP4 experts packed when hidden and moe_intermediate_size
+  // are multiples of 128, else and for bf16 experts: bf16 experts).
   static std::unique_ptr<GpuModel> load(const io::ModelWeights& weights,
                                         const GpuModelLimits& limits,
                                         const GpuModelOptions& options = {});
   // A model of `config`'s shapes with seeded random weights drawn on the device (benchmarks of
-  // models nobody has on disk): FP8-block experts when fp8_experts, else bf16. Same scales as
-  // `moelora synth`.
+  // models nobody has on disk): FP8-block experts when fp8_experts, NVFP4 experts when the
+  // config's quantization is NVFP4 (and H, I are multiples of 128), else bf16. Same scales as
+  // `moelora synth` for FP8 and bf16.
   static std::unique_ptr<GpuModel> random(const io::ModelConfig& config, uint64_t seed,
                                           bool fp8_experts, const GpuModelLimits& limits,
                                           const GpuModelOptions& options = {});

@@ -163,7 +163,10 @@ void GpuModelImpl::randomize(uint64_t seed, bool fp8_experts) {
       layer.shared_inter = static_cast<int>(config_.shared_expert_intermediate_size);
       ops::cuda::MoeLayerConfig mc = moe_config(layer, config_.shared_expert_gate);
       const bool fp8 = fp8_experts && layer.moe_inter % 128 == 0;
-      mc.bf16_experts = !fp8;
+      // NVFP4 configurations keep their experts packed (the NVFP4 stream GEMM), where the shapes allow
+      const bool nvfp4 = config_.quant.method == io::QuantMethod::kNvfp4 && H % 128 == 0 && layer.moe_inter % 128 == 0;
+      mc.nvfp4_experts = nvfp4;
+      mc.bf16_experts = !fp8 && !nvfp4;
       MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_.get()));
       layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, ops::cuda::MoeLayerHostWeights{},
                                                             main_.get(), side_.get());
@@ -320,10 +323,39 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
     fp8 =
         is_fp8_block_128(ex.gate[e]) && is_fp8_block_128(ex.up[e]) && is_fp8_block_128(ex.down[e]);
 
+  // NVFP4 experts stay packed: codes, e4m3 group scales and each tensor's scale_2 per row.
+  bool nvfp4 = !fp8 && H % 128 == 0 && I % 128 == 0;
+  for (int64_t e = 0; e < E && nvfp4; ++e)
+    nvfp4 = ex.gate[e].format == io::WeightFormat::kNvfp4 && ex.up[e].format == io::WeightFormat::kNvfp4 &&
+            ex.down[e].format == io::WeightFormat::kNvfp4;
+
   ops::cuda::MoeLayerHostWeights hw;
   hw.router = src.router;
   hw.correction_bias = src.e_score_correction_bias;
-  if (fp8) {
+  if (nvfp4) {
+    hw.w13 = Tensor::empty(DType::kU8, {E, 2 * I, H / 2});
+    hw.w13_scale = Tensor::empty(DType::kF8E4M3, {E, 2 * I, H / 16});
+    hw.w13_scale_2 = Tensor::empty(DType::kF32, {E, 2 * I});
+    hw.w2 = Tensor::empty(DType::kU8, {E, H, I / 2});
+    hw.w2_scale = Tensor::empty(DType::kF8E4M3, {E, H, I / 16});
+    hw.w2_scale_2 = Tensor::empty(DType::kF32, {E, H});
+    // rows [row0, row0 + w.out_features) of an expert stack
+    auto put = [](const io::LinearWeight& w, int64_t out, int64_t in, Tensor& codes, Tensor& scales, Tensor& scale_2,
+                  int64_t row0) {
+      MOELORA_CHECK(w.out_features == out && w.in_features == in && w.weight.nbytes() == static_cast<size_t>(out * in / 2) &&
+                        w.scale.nbytes() == static_cast<size_t>(out * in / 16),
+                    ErrorCode::kInvalidArgument, "GpuModel: NVFP4 expert ", w.name, " is not [", out, ", ", in,
+                    "] with ", out * in / 2, " code bytes and ", out * in / 16, " scales");
+      std::memcpy(codes.data<uint8_t>() + row0 * (in / 2), w.weight.raw_data(), w.weight.nbytes());
+      std::memcpy(scales.data<uint8_t>() + row0 * (in / 16), w.scale.raw_data(), w.scale.nbytes());
+      std::fill(scale_2.data<float>() + row0, scale_2.data<float>() + row0 + out, w.scale_2);
+    };
+    for (int64_t e = 0; e < E; ++e) {
+      put(ex.gate[e], I, H, hw.w13, hw.w13_scale, hw.w13_scale_2, e * 2 * I);
+      put(ex.up[e], I, H, hw.w13, hw.w13_scale, hw.w13_scale_2, e * 2 * I + I);
+      put(ex.down[e], H, I, hw.w2, hw.w2_scale, hw.w2_scale_2, e * H);
+    }
+  } else if (fp8) {
     const int64_t hb = (H + 127) / 128, ib = I / 128;
     hw.w13 = Tensor::empty(DType::kF8E4M3, {E, 2 * I, H});
     hw.w13_scale = Tensor::empty(DType::kF32, {E, 2 * ib, hb});
@@ -381,7 +413,8 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
     hw.shared_gate = src.shared_expert_gate;
   }
   ops::cuda::MoeLayerConfig mc = moe_config(layer, src.shared_expert_gate.defined());
-  mc.bf16_experts = !fp8;
+  mc.nvfp4_experts = nvfp4;
+  mc.bf16_experts = !fp8 && !nvfp4;
   layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, hw, main_.get(), side_.get());
   if (!options_.router_in_route) layer.moe->set_router_gemm_path(ops::cuda::RouterGemmPath::kCublas);
 }

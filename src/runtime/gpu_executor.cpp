@@ -356,7 +356,10 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
       const uint64_t E = static_cast<uint64_t>(c.num_experts);
       const uint64_t I = static_cast<uint64_t>(c.moe_intermediate_size);
       weights += E * H * 4;  // router (fp32 at most)
-      weights += E * 3 * H * I * (fp8_experts ? 1 : 2) + E * 3 * H * I / (128 * 128) * 4;
+      if (c.quant.method == io::QuantMethod::kNvfp4 && H % 128 == 0 && I % 128 == 0)
+        weights += E * 3 * H * I * 9 / 16 + E * (2 * I + H) * 4;  // codes, group scales, row scale_2
+      else
+        weights += E * 3 * H * I * (fp8_experts ? 1 : 2) + E * 3 * H * I / (128 * 128) * 4;
       lora_elems += E * (H + 2 * I) * R + E * (I + H) * R;  // gate_up and down
     }
   }

@@ -8,6 +8,8 @@
 //   - logits: the same safetensors layout (`logits` [tokens, vocab], `logits.i` for a mixed
 //     adapter batch), every position within the whole-model bf16 bound of the GPU parity tests
 //     (tests/gpu/model_gpu_test.cu: cosine >= 0.998, max |diff| <= 3 % of the logit range).
+//   - the same model with NVFP4 experts (`synth --quant nvfp4`): packed on the GPU, dequantized on
+//     the CPU, logits within the same bound.
 // The synthesized config routes every token to all of its experts (num_experts_per_tok =
 // num_experts, as in engine_gpu_test's FlashInfer test), so bf16 differences cannot flip an expert
 // choice and move the two runs apart beyond the bf16 bound.
@@ -216,6 +218,31 @@ TEST_F(CliDeviceGpu, LogitsMatchCpuWithinBf16) {
   // The adapter moves the GPU's logits too (entry 0 and entry 3 are the same tokens).
   EXPECT_GT(test::max_abs_diff(gpu_b.tensor("logits.0").clone(), gpu_b.tensor("logits.3").clone()),
             0.05);
+}
+
+// The same model written with NVFP4 experts (ModelOpt tensors; H 256 and I 128 are multiples of
+// 128, so the GPU keeps the experts packed and runs the NVFP4 stream GEMM, while the CPU
+// dequantizes them): the logits of both devices within the same bf16 bound, with and without the
+// adapter.
+TEST_F(CliDeviceGpu, Nvfp4ExpertsLogitsMatchCpu) {
+  const fs::path model = tmp_ / "nvfp4", adapter = tmp_ / "nvfp4_adapter";
+  moelora_stdout("synth --preset tiny-qwen3-moe --quant nvfp4 --seed 9 --out " + quote(model));
+  ASSERT_TRUE(fs::exists(model / "config.json")) << "moelora synth --quant nvfp4 failed";
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(model / "config.json"));
+  config["num_experts_per_tok"] = config["num_experts"];
+  std::ofstream(model / "config.json") << config.dump(2);
+  moelora_stdout("synth-adapter --model " + quote(model) + " --targets all --rank 8 --seed 4 --out " +
+                 quote(adapter));
+  const std::string args = "logits --model " + quote(model) + " --adapter a=" + quote(adapter) +
+                           " --tokens 3,14,15,92,65,35,89,79,323,84,62,64";
+  for (const std::string use : {"", " --use a"}) {
+    moelora_stdout(args + use + " --device cpu --out " + quote(tmp_ / "nv_cpu.safetensors"));
+    moelora_stdout(args + use + " --device cuda --out " + quote(tmp_ / "nv_gpu.safetensors"));
+    const io::SafetensorsFile cpu = io::SafetensorsFile::open(tmp_ / "nv_cpu.safetensors");
+    const io::SafetensorsFile gpu = io::SafetensorsFile::open(tmp_ / "nv_gpu.safetensors");
+    expect_logits_close(gpu.tensor("logits").clone(), cpu.tensor("logits").clone(),
+                        use.empty() ? "NVFP4 experts, base" : "NVFP4 experts, adapter a");
+  }
 }
 
 }  // namespace
