@@ -235,6 +235,26 @@ TEST(GpuExecutorHost, EstimatesScaleWithTheShapes) {
   EXPECT_EQ(first_layers(qwen, 0), qwen);
   EXPECT_EQ(first_layers(qwen, 99), qwen);
 
+  // NVFP4 experts stay packed when H and I are multiples of 128: 9/16 of a byte per weight
+  // (codes + e4m3 group scales) and an fp32 scale_2 per row, against FP8's byte and 128 x 128
+  // scales; smaller shapes fall back to bf16 experts.
+  io::ModelConfig wide = qwen;
+  wide.hidden_size = 256;
+  wide.moe_intermediate_size = 128;
+  io::ModelConfig wide_nvfp4 = wide;
+  wide_nvfp4.quant.method = io::QuantMethod::kNvfp4;
+  uint64_t moe_layers = 0;
+  for (int64_t l = 0; l < wide.num_hidden_layers; ++l) moe_layers += wide.is_moe_layer(l) ? 1 : 0;
+  ASSERT_GT(moe_layers, 0u);
+  const uint64_t we = wide.num_experts, wh = 256, wi = 128;
+  const uint64_t fp8_experts = we * 3 * wh * wi + we * 3 * wh * wi / (128 * 128) * 4;
+  const uint64_t nvfp4_experts = we * 3 * wh * wi * 9 / 16 + we * (2 * wi + wh) * 4;
+  EXPECT_EQ(estimate_gpu_model_bytes(wide, true, none) - estimate_gpu_model_bytes(wide_nvfp4, false, none),
+            moe_layers * (fp8_experts - nvfp4_experts));
+  io::ModelConfig narrow_nvfp4 = qwen;  // the fixture's H and I are not multiples of 128
+  narrow_nvfp4.quant.method = io::QuantMethod::kNvfp4;
+  EXPECT_EQ(estimate_gpu_model_bytes(narrow_nvfp4, false, none), bf16);
+
   // Qwen3.5: only the full-attention layers hold KV rows; each Gated DeltaNet layer holds a bf16
   // conv state [conv_dim, K - 1] and an fp32 recurrent state [nv, dk, dv] per sequence.
   const io::ModelConfig q35 = io::load_model_config(fixture("qwen3_5_moe") / "base");

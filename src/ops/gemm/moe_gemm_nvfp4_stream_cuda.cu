@@ -26,7 +26,7 @@
 //   previous half's wgmma group runs, and frees a stage once its last group has completed.
 // - Programmatic dependent launch: the weights of the first ring fill are copied before
 //   griddepcontrol.wait, the activations after it; the kernel lets its dependents launch at once.
-// docs/gpu_moe.md §7 has what each design step measured.
+// docs/gpu_nvfp4.md has what each design step measured.
 //
 // Rows of a pass past the expert's tokens are computed but not stored (each output column depends
 // on its own activation row only). Deterministic: one CTA owns each output element and adds its K
