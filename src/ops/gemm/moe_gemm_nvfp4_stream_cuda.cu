@@ -47,6 +47,7 @@
 #include "core/tma_map.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
 #include "ops/gemm/moe_gemm_nvfp4.h"
+#include "ops/gemm/stream_gemm_common.cuh"
 
 namespace moelora::ops::cuda {
 
@@ -54,6 +55,9 @@ namespace {
 
 namespace sm90 = ::moelora::cuda::sm90;
 using ::moelora::cuda::make_tensor_map_2d;
+using stream_gemm::kMaxExperts;
+using stream_gemm::kScheduleBytes;
+using stream_gemm::Schedule;
 
 constexpr int kBlockK = kNvfp4StreamK;     // 128 columns per stage
 constexpr int kSteps = kBlockK / 16;       // wgmma k16 steps per stage
@@ -64,14 +68,12 @@ constexpr int kAtomBytes = kMaxTokens * 128;        // one 64-column atom of a p
 constexpr int kActTileBytes = 2 * kAtomBytes;       // 128 columns
 constexpr int kWeightBlockBytes = kNvfp4StreamBlockBytes;    // one 64-row block
 constexpr int kClaimAheadStages = 4;
-constexpr int kMaxExperts = 512;
 // 2^14: the expanded codes are e2m1 * 2^-14 (moe_gemm_nvfp4.h)
 constexpr float kCodeScale = 16384.0f;
 
 struct StageInfo {
   int q0, q_end, m0, expert;
 };
-constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
 
 // The two instances. kWg consumer warpgroups per CTA, each expanding and multiplying 64 rows of
 // the item's weight tile against the stage's one activation tile:
@@ -109,12 +111,6 @@ struct StreamParams {
   int n, k_blocks, m_tiles, num_experts;  // m_tiles: items per expert (N / kBlockM)
 };
 
-struct Schedule {
-  const int* active;
-  const int* offsets;
-  int num_active;
-};
-
 // Activation tiles first (1024-byte aligned for the swizzle), then the weight blocks, barriers,
 // stage records, the schedule.
 template <int kWg>
@@ -134,10 +130,6 @@ __device__ __forceinline__ int pass_width(int n_valid) {
   return n_valid <= 8 ? 8 : n_valid <= 16 ? 16 : 32;
 }
 
-__device__ __forceinline__ int claim_item(const StreamParams& p, int current) {
-  return (p.work ? atomicAdd(p.work, 1) : current) + static_cast<int>(gridDim.x);
-}
-
 template <int kWg>
 __device__ __forceinline__ void producer(const Ring<kWg>& ring, StageInfo* info, const Schedule& sched,
                                          const CUtensorMap* tma_x, const StreamParams& p) {
@@ -150,9 +142,7 @@ __device__ __forceinline__ void producer(const Ring<kWg>& ring, StageInfo* info,
         sm90::tma_load_2d(ring.act(s) + atom * kAtomBytes + j * kTokenBox * 128, tma_x, ring.full(s),
                           kb * kBlockK + atom * kAtomColumns, q0 + j * kTokenBox);
   };
-  int pending_q0[kStages], pending_width[kStages], pending_kb[kStages];
-  int pending = 0;
-  bool waited = false;
+  stream_gemm::FirstFillGate<kStages> gate;
   int stage = 0;
   uint32_t phase = 0;
   const int total_items = sched.num_active * p.m_tiles;
@@ -171,7 +161,7 @@ __device__ __forceinline__ void producer(const Ring<kWg>& ring, StageInfo* info,
       const int width = pass_width(rows);
       const bool last_pass = q0 + kMaxTokens >= q_end;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
-        if (last_pass && kb == claim_at) next = claim_item(p, item);
+        if (last_pass && kb == claim_at) next = stream_gemm::claim_item(p.work, item);
         sm90::mbar_wait(ring.empty(stage), phase ^ 1);
         info[stage] = StageInfo{q0, q0 + rows, tile * Tiling<kWg>::kBlockM, expert};
         sm90::mbar_arrive_expect_tx(ring.full(stage), kWeightStageBytes + 2 * width * 128);
@@ -179,35 +169,17 @@ __device__ __forceinline__ void producer(const Ring<kWg>& ring, StageInfo* info,
           sm90::bulk_load_hint(ring.weight(stage) + w * kWeightBlockBytes,
                                blocks + (static_cast<size_t>(w) * p.k_blocks + kb) * kWeightBlockBytes,
                                kWeightBlockBytes, ring.full(stage), evict_first);
-        if (waited) {
-          issue_activations(stage, q0, width, kb);
-        } else {
-          pending_q0[pending] = q0, pending_width[pending] = width, pending_kb[pending] = kb;
-          if (++pending == kStages) {
-            sm90::grid_dependency_wait();
-            waited = true;
-            for (int s = 0; s < kStages; ++s) issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
-          }
-        }
+        gate.copy(stage, q0, width, kb, issue_activations);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
-    item = next >= 0 ? next : claim_item(p, item);
+    item = next >= 0 ? next : stream_gemm::claim_item(p.work, item);
   }
-  if (!waited) {
-    sm90::grid_dependency_wait();
-    for (int s = 0; s < pending; ++s) issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
-  }
+  gate.finish(issue_activations);
   sm90::mbar_wait(ring.empty(stage), phase ^ 1);
   info[stage] = StageInfo{-1, -1, 0, 0};
   sm90::mbar_arrive(ring.full(stage));
-  if (p.work) {
-    __threadfence();
-    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      atomicExch(p.work, 0);
-      atomicExch(p.work + 1, 0);
-    }
-  }
+  stream_gemm::release_work_counters(p.work);
 }
 
 // Eight e2m1 codes of one word (moe_gemm_nvfp4.h) -> the four f16x2 A registers, each value
@@ -329,14 +301,7 @@ __global__ void __launch_bounds__(Tiling<kWg>::kThreads, Tiling<kWg>::kCtasPerSm
   const Ring<kWg> ring{(window + 1023u) & ~1023u};
   sm90::launch_dependents();
   int* sched_smem = reinterpret_cast<int*>(smem + (ring.schedule() - window));
-  int* s_active = sched_smem;
-  int* s_offsets = sched_smem + kMaxExperts;
-  {
-    const int n_active = *p.num_active;
-    for (int i = threadIdx.x; i < n_active; i += T::kThreads) s_active[i] = p.active_experts[i];
-    for (int i = threadIdx.x; i <= p.num_experts; i += T::kThreads) s_offsets[i] = p.expert_offsets[i];
-    if (threadIdx.x == 0) sched_smem[2 * kMaxExperts + 1] = n_active;
-  }
+  stream_gemm::stage_schedule(sched_smem, p.num_active, p.active_experts, p.expert_offsets, p.num_experts);
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       sm90::mbar_init(ring.full(s), 1);
@@ -345,7 +310,7 @@ __global__ void __launch_bounds__(Tiling<kWg>::kThreads, Tiling<kWg>::kCtasPerSm
     sm90::fence_barrier_init();
   }
   __syncthreads();
-  const Schedule sched{s_active, s_offsets, sched_smem[2 * kMaxExperts + 1]};
+  const Schedule sched = stream_gemm::schedule_view(sched_smem);
   StageInfo* info = reinterpret_cast<StageInfo*>(smem + (ring.info(0) - window));
   if (threadIdx.x >= T::kConsumerThreads) {
     if (threadIdx.x == T::kConsumerThreads) producer(ring, info, sched, &tma_x, p);

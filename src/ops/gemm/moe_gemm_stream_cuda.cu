@@ -56,6 +56,7 @@
 #include "core/sm90_ptx.cuh"
 #include "core/tma_map.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
+#include "ops/gemm/stream_gemm_common.cuh"
 
 namespace moelora::ops::cuda {
 
@@ -63,6 +64,9 @@ namespace {
 
 namespace sm90 = ::moelora::cuda::sm90;
 using ::moelora::cuda::make_tensor_map_2d;
+using stream_gemm::kMaxExperts;
+using stream_gemm::kScheduleBytes;
+using stream_gemm::Schedule;
 
 constexpr int kBlockM = 64;     // weight rows per work item (the wgmma M of one warpgroup)
 constexpr int kBlockK = 128;    // K per stage: one scale block
@@ -87,10 +91,6 @@ static_assert(kScaleBoxFloats * 4 <= kWeightScaleOffset &&
               kWeightScaleOffset + kWeightScaleBoxFloats * 4 <= kScaleTileBytes);
 // Claim the next work item this many stages before the current item's last stage.
 constexpr int kClaimAheadStages = 4;
-// The routing schedule (active experts, expert offsets, the active count) is copied into shared
-// memory once per CTA: item switches then cost no dependent global loads (two of them per switch,
-// ~1.5 us, were as long as a whole GEMM2 item of 4 stages).
-constexpr int kMaxExperts = 512;
 // What the producer tells the consumer about a stage: the pass's sorted rows [q0, q_end) (q0 < 0:
 // no more work), the item's first weight row, and which float of the weight-scale box is the one.
 struct StageInfo {
@@ -98,7 +98,6 @@ struct StageInfo {
 };
 constexpr int kRingBytes = kStages * (kWeightTileBytes + kActTileBytes + kScaleTileBytes) +
                            2 * kStages * 8 + kStages * static_cast<int>(sizeof(StageInfo));
-constexpr int kScheduleBytes = (2 * kMaxExperts + 2) * 4;
 constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
 
 // The LoRA epilogue's staging area (kLora instance): per token of a pass, the expand's input u for
@@ -123,13 +122,6 @@ struct StreamParams {
   int* work;  // [2] items claimed past the first gridDim.x, CTAs done; nullptr = round-robin
   int n, k_blocks, n_scale_blocks, m_tiles, num_experts;
   MoeGemmLoraEpilogue lora;  // the kLora instance only
-};
-
-// The schedule in shared memory: active[E], offsets[E + 1], count.
-struct Schedule {
-  const int* active;
-  const int* offsets;
-  int num_active;
 };
 
 // Shared-memory carve-up (addresses in the shared window; tiles 1024-byte aligned for the swizzle).
@@ -157,12 +149,6 @@ __device__ __forceinline__ int pass_width(int n_valid) {
   return n_valid <= 8 ? 8 : n_valid <= 16 ? 16 : n_valid <= 32 ? 32 : 64;
 }
 
-// The CTA's next work item (expert, 64-row tile) after its first (its own index): from the shared
-// counter, or round-robin.
-__device__ __forceinline__ int claim_item(const StreamParams& p, int current) {
-  return (p.work ? atomicAdd(p.work, 1) : current) + static_cast<int>(gridDim.x);
-}
-
 // The producer thread: walks its items (passes of <= 64 tokens, K blocks) and fills the ring.
 __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, const Schedule& sched,
                                          const CUtensorMap* tma_w, const CUtensorMap* tma_x,
@@ -180,9 +166,7 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
     sm90::tma_load_2d(ring.scale(s), tma_sx, ring.full(s), q0 & ~3, kb);
   };
   // Activation copies of the first ring fill, held back until the previous kernel is done.
-  int pending_q0[kStages], pending_width[kStages], pending_kb[kStages];
-  int pending = 0;
-  bool waited = false;
+  stream_gemm::FirstFillGate<kStages> gate;
   int stage = 0;
   uint32_t phase = 0;
   const int total_items = sched.num_active * p.m_tiles;
@@ -200,7 +184,7 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
       const bool last_pass = q0 + kMaxTokens >= q_end;
       const int scale_row = expert * p.n_scale_blocks + m0 / 128;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
-        if (last_pass && kb == claim_at) next = claim_item(p, item);
+        if (last_pass && kb == claim_at) next = stream_gemm::claim_item(p.work, item);
         sm90::mbar_wait(ring.empty(stage), phase ^ 1);
         const int scale_index = scale_row * p.k_blocks + kb;
         info[stage] = StageInfo{q0, q0 + rows, m0, scale_index & 3};
@@ -210,27 +194,13 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
         sm90::tma_load_2d_hint(ring.weight(stage), tma_w, ring.full(stage), kb * kBlockK,
                                expert * p.n + m0, evict_first);
         sm90::tma_load_2d(ring.weight_scale(stage), tma_sw, ring.full(stage), scale_index & ~3, 0);
-        if (waited) {
-          issue_activations(stage, q0, width, kb);
-        } else {
-          pending_q0[pending] = q0, pending_width[pending] = width, pending_kb[pending] = kb;
-          if (++pending == kStages) {
-            sm90::grid_dependency_wait();
-            waited = true;
-            for (int s = 0; s < kStages; ++s)
-              issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
-          }
-        }
+        gate.copy(stage, q0, width, kb, issue_activations);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
-    item = next >= 0 ? next : claim_item(p, item);
+    item = next >= 0 ? next : stream_gemm::claim_item(p.work, item);
   }
-  if (!waited) {
-    sm90::grid_dependency_wait();
-    for (int s = 0; s < pending; ++s)
-      issue_activations(s, pending_q0[s], pending_width[s], pending_kb[s]);
-  }
+  gate.finish(issue_activations);
   // No more items: a stage whose record says so ends the consumer.
   sm90::mbar_wait(ring.empty(stage), phase ^ 1);
   info[stage] = StageInfo{-1, -1, 0, 0};
@@ -238,13 +208,7 @@ __device__ __forceinline__ void producer(const Ring& ring, StageInfo* info, cons
   // The last CTA to have made its final claim resets the counters for the next launch (no claim
   // of this launch can follow). Done here, not at the CTA's end, so that the round trip overlaps
   // the consumer's last stages.
-  if (p.work) {
-    __threadfence();
-    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      atomicExch(p.work, 0);
-      atomicExch(p.work + 1, 0);
-    }
-  }
+  stream_gemm::release_work_counters(p.work);
 }
 
 // The four consumer warps only (the producer warp never joins): named barrier 1.
@@ -481,14 +445,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Routing schedule -> shared memory. It was written by the align kernel, which finished before
   // the kernel this one may overlap (the quant / activation kernel) started.
   int* sched_smem = reinterpret_cast<int*>(smem + (ring.schedule() - window));
-  int* s_active = sched_smem;
-  int* s_offsets = sched_smem + kMaxExperts;
-  {
-    const int n_active = *p.num_active;
-    for (int i = threadIdx.x; i < n_active; i += kThreads) s_active[i] = p.active_experts[i];
-    for (int i = threadIdx.x; i <= p.num_experts; i += kThreads) s_offsets[i] = p.expert_offsets[i];
-    if (threadIdx.x == 0) sched_smem[2 * kMaxExperts + 1] = n_active;
-  }
+  stream_gemm::stage_schedule(sched_smem, p.num_active, p.active_experts, p.expert_offsets, p.num_experts);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(ring.full(s), 1);                       // the producer's arrive.expect_tx
@@ -497,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     sm90::fence_barrier_init();
   }
   __syncthreads();
-  const Schedule sched{s_active, s_offsets, sched_smem[2 * kMaxExperts + 1]};
+  const Schedule sched = stream_gemm::schedule_view(sched_smem);
   StageInfo* info = reinterpret_cast<StageInfo*>(smem + (ring.info(0) - window));
   if (threadIdx.x >= kConsumerThreads) {
     if (threadIdx.x == kConsumerThreads)
