@@ -365,9 +365,14 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
   }
   // Workspaces: a few [max_tokens, max(H, 2 * top_k * I)] activations and the fp32 logits.
   const uint64_t T = static_cast<uint64_t>(std::max<int64_t>(limits.max_batch_tokens, 1));
+  // The routed experts' rows are token x top_k pairs ([T k, 2 I_moe]); a dense MLP's are tokens
+  // ([T, 2 I]): the top_k factor applies to the expert width only (Kimi-K2.5's dense I of 18432
+  // times top_k 8 had sized 77 GB of workspace at 8192 tokens).
   const uint64_t width = std::max<uint64_t>(
-      H, 2 * static_cast<uint64_t>(std::max<int64_t>(c.num_experts_per_tok, 1)) *
-             static_cast<uint64_t>(std::max(c.moe_intermediate_size, c.intermediate_size)));
+      {H,
+       2 * static_cast<uint64_t>(std::max<int64_t>(c.num_experts_per_tok, 1)) *
+           static_cast<uint64_t>(std::max<int64_t>(c.moe_intermediate_size, 0)),
+       2 * static_cast<uint64_t>(std::max<int64_t>(c.intermediate_size, 0))});
   const uint64_t workspace =
       8 * T * width * 4 + static_cast<uint64_t>(std::max(limits.max_sequences, 1)) * V * 4;
   // Linear-attention states: one per sequence of a step.

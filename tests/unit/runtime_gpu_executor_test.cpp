@@ -251,6 +251,21 @@ TEST(GpuExecutorHost, EstimatesScaleWithTheShapes) {
   const uint64_t nvfp4_experts = we * 3 * wh * wi * 9 / 16 + we * (2 * wi + wh) * 4;
   EXPECT_EQ(estimate_gpu_model_bytes(wide, true, none) - estimate_gpu_model_bytes(wide_nvfp4, false, none),
             moe_layers * (fp8_experts - nvfp4_experts));
+  // The workspace's width: the top_k factor multiplies the expert width, not a dense MLP's (a
+  // wide dense layer must not count as k times wider).
+  io::ModelConfig wide_dense = qwen;
+  wide_dense.intermediate_size = 64 * qwen.moe_intermediate_size * qwen.num_experts_per_tok;
+  const uint64_t T = static_cast<uint64_t>(none.max_batch_tokens);
+  uint64_t dense_layers = 0;  // the fixture's mlp_only_layers: their gate / up / down grow too
+  for (int64_t l = 0; l < qwen.num_hidden_layers; ++l) dense_layers += qwen.is_moe_layer(l) ? 0 : 1;
+  const uint64_t dense_growth = dense_layers * 3 * static_cast<uint64_t>(qwen.hidden_size) *
+                                static_cast<uint64_t>(wide_dense.intermediate_size - qwen.intermediate_size) * 2;
+  EXPECT_EQ(estimate_gpu_model_bytes(wide_dense, false, none) - bf16,
+            dense_growth + 8 * T * 4 *
+                (2 * static_cast<uint64_t>(wide_dense.intermediate_size) -
+                 std::max<uint64_t>({static_cast<uint64_t>(qwen.hidden_size),
+                                     2 * static_cast<uint64_t>(qwen.num_experts_per_tok * qwen.moe_intermediate_size),
+                                     2 * static_cast<uint64_t>(qwen.intermediate_size)})));
   io::ModelConfig narrow_nvfp4 = qwen;  // the fixture's H and I are not multiples of 128
   narrow_nvfp4.quant.method = io::QuantMethod::kNvfp4;
   EXPECT_EQ(estimate_gpu_model_bytes(narrow_nvfp4, false, none), bf16);
