@@ -82,8 +82,9 @@ int main(int argc, char** argv) {
       std::vector<std::pair<std::string, int>> modes;
       for (int b : opt.decode) modes.push_back({"decode", b});
       for (int t : opt.prefill) modes.push_back({"prefill", t});
-      const int max_tokens = std::max(*std::max_element(opt.decode.begin(), opt.decode.end()),
-                                      opt.prefill.empty() ? 0 : *std::max_element(opt.prefill.begin(), opt.prefill.end()));
+      const int max_tokens =
+          std::max(opt.decode.empty() ? 0 : *std::max_element(opt.decode.begin(), opt.decode.end()),
+                   opt.prefill.empty() ? 0 : *std::max_element(opt.prefill.begin(), opt.prefill.end()));
       ops::cuda::MoeLayerConfig c;
       c.hidden = p.H;
       c.inter = p.I;
@@ -109,9 +110,10 @@ int main(int argc, char** argv) {
       layer.set_side_stream_scheduling(opt.side);
       layer.set_decode_lora_path(opt.decode_lora);
       layer.set_stream_gemm_schedule(opt.stream_schedule);
-      const int max_decode = *std::max_element(opt.decode.begin(), opt.decode.end());
+      const int max_decode = opt.decode.empty() ? 0 : *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
-      if (opt.baseline && !opt.nvfp4)  // the baseline dequantizes FP8 experts
+      // the baseline dequantizes FP8 experts and times decode rows only
+      if (opt.baseline && !opt.nvfp4 && max_decode > 0)
         baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
       std::fprintf(stderr, "[%s] weights %.2f GB, workspace %.2f GB\n", p.name.c_str(),
                    (layer.expert_bytes() * double(p.E) + layer.router_bytes() + layer.shared_bytes()) / 1e9,

@@ -2,8 +2,10 @@
 // (launch_rows_to_f16_pow2) against the CPU references of ops/gemm/moe_gemm_nvfp4.h on random
 // inputs: ModelOpt-quantized experts with a different scale_2 per gate / up half, all-zero and
 // tiny groups (zero and subnormal e4m3 scales), idle experts, experts with 1..70 tokens (every
-// pass width, several passes), rows past the sorted positions holding NaN, programmatic launch,
-// both instances (64- and 128-row items) and claimed work items bit-equal to round-robin, graph replays bit-equal to eager launches, refusals.
+// pass width, several passes), prefill passes of 1..300 tokens (every width up to 128, tails),
+// rows past the sorted positions holding NaN, programmatic launch, the three instances (64- and
+// 128-row decode items, 256-row prefill pass items) and claimed work items bit-equal to
+// round-robin, graph replays bit-equal to eager launches, refusals.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -41,14 +43,17 @@ Case make_case(const Problem& pb, std::mt19937_64& rng) {
   c.ref.row_scale = Tensor::empty(DType::kF32, {E, N});
   for (int e = 0; e < E; ++e)
     for (int half = 0; half < 2; ++half) {
-      Tensor w = test::random_normal({N / 2, K}, rng, 0.03f * static_cast<float>(1 + 2 * half + e % 3));
+      Tensor w =
+          test::random_normal({N / 2, K}, rng, 0.03f * static_cast<float>(1 + 2 * half + e % 3));
       // an all-zero group (scale 0) and a tiny one (subnormal e4m3 scale) in every half
       for (int k = 0; k < 16; ++k) w.data<float>()[(1 % (N / 2)) * K + 16 + k] = 0.0f;
       for (int k = 0; k < 16; ++k) w.data<float>()[(2 % (N / 2)) * K + 32 + k] *= 1e-5f;
       const ops::Nvfp4Weight q = ops::quantize_nvfp4_ref(w);
       const int64_t row0 = static_cast<int64_t>(e) * N + half * (N / 2);
-      std::memcpy(c.ref.packed.data<uint8_t>() + row0 * (K / 2), q.packed.raw_data(), q.packed.nbytes());
-      std::memcpy(c.ref.scale.data<uint8_t>() + row0 * (K / 16), q.scale.raw_data(), q.scale.nbytes());
+      std::memcpy(c.ref.packed.data<uint8_t>() + row0 * (K / 2), q.packed.raw_data(),
+                  q.packed.nbytes());
+      std::memcpy(c.ref.scale.data<uint8_t>() + row0 * (K / 16), q.scale.raw_data(),
+                  q.scale.nbytes());
       for (int n = 0; n < N / 2; ++n) c.ref.row_scale.data<float>()[row0 + n] = q.scale_2;
     }
   c.ref.expert_offsets.assign(E + 1, 0);
@@ -83,7 +88,8 @@ DeviceCase upload_case(const Case& c, const Problem& pb, int slack, cudaStream_t
   d.x = cuda::to_device(c.ref.act);
   std::vector<uint16_t> nan_rows(static_cast<size_t>(std::max(rows, 1)) * pb.K, 0x7e00);  // f16 NaN
   d.act = upload_vector(nan_rows);
-  d.act_scale = upload_vector(std::vector<float>(std::max(rows, 1), std::numeric_limits<float>::quiet_NaN()));
+  d.act_scale =
+      upload_vector(std::vector<float>(std::max(rows, 1), std::numeric_limits<float>::quiet_NaN()));
   ops::cuda::RowsToF16Args conv;
   conv.x = d.x.as<__nv_bfloat16>();
   conv.max_rows = d.P;
@@ -132,28 +138,38 @@ void check_problem(const Problem& pb, uint64_t seed_fallback) {
       // the conversion kernel against its reference, bit for bit
       const ops::F16Rows want_rows = ops::rows_to_f16_pow2_ref(c.ref.act, {}, P);
       EXPECT_EQ(test::download_vector<uint16_t>(d.act, static_cast<size_t>(P) * pb.K),
-                std::vector<uint16_t>(want_rows.rows.data<uint16_t>(), want_rows.rows.data<uint16_t>() + P * pb.K));
-      EXPECT_EQ(test::download_vector<float>(d.act_scale, P),
-                std::vector<float>(want_rows.scale.data<float>(), want_rows.scale.data<float>() + P));
-      // launches 0-2: 64-row items (one warpgroup per CTA), 3-5: 128-row items (two); each pair of
-      // instances and schedules must give the same bits (the same wgmma steps per 64 rows)
+                std::vector<uint16_t>(want_rows.rows.data<uint16_t>(),
+                                      want_rows.rows.data<uint16_t>() + P * pb.K));
+      EXPECT_EQ(
+          test::download_vector<float>(d.act_scale, P),
+          std::vector<float>(want_rows.scale.data<float>(), want_rows.scale.data<float>() + P));
+      // launches 0-2: 64-row items (one warpgroup per CTA), 3-5: 128-row items (two), 6-8 where N
+      // allows: the prefill instance (256-row x 128-token pass items); every pair of instances and
+      // schedules must give the same bits (the same k16 steps in the same order per output)
       std::vector<uint16_t> round_robin;
-      for (int launch = 0; launch < 6; ++launch) {
+      const int launches = pb.N % 256 == 0 ? 9 : 6;
+      for (int launch = 0; launch < launches; ++launch) {
         const bool claimed = launch % 3 > 0;
         ops::cuda::MoeGemmNvfp4Args args = d.args;
-        args.max_tokens_per_expert = launch < 3 ? 8 : 32;
+        args.max_tokens_per_expert = launch < 3   ? 8
+                                     : launch < 6 ? 32
+                                                  : ops::cuda::kNvfp4PrefillMinTokens + 1;
         if (claimed) args.work_counters = counters.as<int32_t>();
         MOELORA_CUDA_CHECK(cudaMemsetAsync(d.out.get(), 0xff, d.out.bytes(), stream.get()));
         ops::cuda::launch_moe_gemm_nvfp4_stream(args, sms, pdl, stream.get());
         stream.synchronize();
-        const std::string what = "E=" + std::to_string(pb.E) + " N=" + std::to_string(pb.N) + " K=" +
-                                 std::to_string(pb.K) + " slack=" + std::to_string(slack) +
-                                 " pdl=" + std::to_string(pdl) + " launch " + std::to_string(launch);
+        const std::string what = "E=" + std::to_string(pb.E) + " N=" + std::to_string(pb.N) +
+                                 " K=" + std::to_string(pb.K) + " slack=" + std::to_string(slack) +
+                                 " pdl=" + std::to_string(pdl) + " launch " +
+                                 std::to_string(launch);
         const Tensor got = cuda::to_host(d.out, DType::kBF16, {P, pb.N}).to_f32();
         EXPECT_TRUE(test::close_bf16(got, expected, 0.99999)) << what;
         const auto bits = test::download_vector<uint16_t>(d.out, static_cast<size_t>(P) * pb.N);
-        if (launch == 0) round_robin = bits;
-        else EXPECT_EQ(bits, round_robin) << what << ": every instance and schedule must give the same bits";
+        if (launch == 0)
+          round_robin = bits;
+        else
+          EXPECT_EQ(bits, round_robin)
+              << what << ": every instance and schedule must give the same bits";
         if (claimed)
           EXPECT_EQ(test::download_vector<int32_t>(counters, 2), (std::vector<int32_t>{0, 0}))
               << what << ": the work counters must be left zeroed";
@@ -165,6 +181,20 @@ void check_problem(const Problem& pb, uint64_t seed_fallback) {
 TEST(Sm90_MoeGemmNvfp4Stream, EveryPassWidthAndSeveralPasses) {
   MOELORA_REQUIRE_SM90();
   check_problem({6, 128, 256, {1, 0, 9, 17, 33, 70}}, 81);
+}
+
+TEST(Sm90_MoeGemmNvfp4Stream, PrefillPassesEveryWidthAndTails) {
+  MOELORA_REQUIRE_SM90();
+  // 300 tokens: passes of 128, 128 and 44 (N = 64); 129: 128 + 1 (N = 8); 65: one pass of N = 96,
+  // 97: one of N = 128
+  check_problem({7, 512, 384, {300, 0, 129, 65, 5, 17, 97}}, 85);
+}
+
+TEST(Sm90_MoeGemmNvfp4Stream, PrefillGemm2ShapeManyItems) {
+  MOELORA_REQUIRE_SM90();
+  // GEMM2 of a small MoE (N = H = 1024, K = I = 256) at prefill: 8 experts of 90-250 tokens, more
+  // pass items than CTAs
+  check_problem({8, 1024, 256, {90, 250, 131, 0, 200, 128, 97, 160}}, 86);
 }
 
 TEST(Sm90_MoeGemmNvfp4Stream, DecodeShapesManyExperts) {
@@ -183,29 +213,35 @@ TEST(Sm90_MoeGemmNvfp4Stream, NarrowKWideN) {
 
 TEST(Sm90_MoeGemmNvfp4Stream, GraphReplayBitEqualToEager) {
   MOELORA_REQUIRE_SM90();
-  const Problem pb{5, 256, 512, {3, 0, 12, 1, 40}};
+  const Problem pb{5, 256, 512, {3, 0, 12, 1, 140}};
   std::mt19937_64 rng(test::test_seed(84));
   const Case c = make_case(pb, rng);
   const int sms = cuda::device_info(0).num_sms;
   cuda::Stream stream;
   DeviceCase d = upload_case(c, pb, 8, stream.get());
-  ops::cuda::launch_moe_gemm_nvfp4_stream(d.args, sms, true, stream.get());
-  stream.synchronize();
-  const auto eager = test::download_vector<uint16_t>(d.out, static_cast<size_t>(d.P) * pb.N);
-  MOELORA_CUDA_CHECK(cudaMemset(d.out.get(), 0, d.out.bytes()));
-  cudaGraph_t graph = nullptr;
-  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
-  ops::cuda::launch_moe_gemm_nvfp4_stream(d.args, sms, true, stream.get());
-  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-  cudaGraphExec_t exec = nullptr;
-  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) {
-    MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+  for (int max_tokens :
+       {8, ops::cuda::kNvfp4PrefillMinTokens + 1}) {  // a decode and the prefill instance
+    ops::cuda::MoeGemmNvfp4Args args = d.args;
+    args.max_tokens_per_expert = max_tokens;
+    ops::cuda::launch_moe_gemm_nvfp4_stream(args, sms, true, stream.get());
     stream.synchronize();
-    EXPECT_EQ(test::download_vector<uint16_t>(d.out, static_cast<size_t>(d.P) * pb.N), eager) << "replay " << replay;
+    const auto eager = test::download_vector<uint16_t>(d.out, static_cast<size_t>(d.P) * pb.N);
+    MOELORA_CUDA_CHECK(cudaMemset(d.out.get(), 0, d.out.bytes()));
+    cudaGraph_t graph = nullptr;
+    MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+    ops::cuda::launch_moe_gemm_nvfp4_stream(args, sms, true, stream.get());
+    MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+      stream.synchronize();
+      EXPECT_EQ(test::download_vector<uint16_t>(d.out, static_cast<size_t>(d.P) * pb.N), eager)
+          << "max_tokens_per_expert " << max_tokens << ", replay " << replay;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 TEST(Sm90_RowsToF16Pow2, GatheredRowsAndDeviceRowCount) {
@@ -233,14 +269,17 @@ TEST(Sm90_RowsToF16Pow2, GatheredRowsAndDeviceRowCount) {
   a.scale = scale.as<float>();
   ops::cuda::launch_rows_to_f16_pow2(a, nullptr);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-  const ops::F16Rows want = ops::rows_to_f16_pow2_ref(x, {gather.begin(), gather.begin() + valid}, valid);
+  const ops::F16Rows want =
+      ops::rows_to_f16_pow2_ref(x, {gather.begin(), gather.begin() + valid}, valid);
   const auto got = test::download_vector<uint16_t>(out, 7 * 520);
   const auto got_scale = test::download_vector<float>(scale, 7);
-  EXPECT_EQ(std::vector<uint16_t>(got.begin(), got.begin() + valid * 520),
-            std::vector<uint16_t>(want.rows.data<uint16_t>(), want.rows.data<uint16_t>() + valid * 520));
+  EXPECT_EQ(
+      std::vector<uint16_t>(got.begin(), got.begin() + valid * 520),
+      std::vector<uint16_t>(want.rows.data<uint16_t>(), want.rows.data<uint16_t>() + valid * 520));
   EXPECT_EQ(std::vector<float>(got_scale.begin(), got_scale.begin() + valid),
             std::vector<float>(want.scale.data<float>(), want.scale.data<float>() + valid));
-  for (size_t i = valid * 520; i < got.size(); ++i) ASSERT_EQ(got[i], 0x1111) << "row past the count written";
+  for (size_t i = valid * 520; i < got.size(); ++i)
+    ASSERT_EQ(got[i], 0x1111) << "row past the count written";
   a.cols = 12;
   EXPECT_THROW(ops::cuda::launch_rows_to_f16_pow2(a, nullptr), Error);
 }

@@ -2,8 +2,9 @@
 // scales packed on the device, the NVFP4 stream GEMM for GEMM1 and GEMM2 on f16 rows) against the
 // CPU reference moe_forward_ref on the exactly dequantized weights:
 //   - Qwen-style softmax routing with a gated shared expert and DeepSeek-style noaux_tc routing
-//     with groups and routed scaling, H 256, I 128, E 16, k 4, T in {1, 5, 64, 300} (64 and 300
-//     take the 128-row GEMM instance), gate and up rows with different scale_2 values;
+//     with groups and routed scaling, H 256, I 128, E 16, k 4, T in {1, 5, 64, 300} (64 takes the
+//     128-row decode GEMM instance, 300 the prefill one), gate and up rows with different scale_2
+//     values;
 //   - tokens of slot -1 mixed with adapters of ranks 5-16 (per-expert and shared-outer) and an
 //     empty slot, the single-adapter path, the no-LoRA pipeline, every GEMM path bit-equal;
 //   - CUDA-graph capture and replays with other inputs, bit-equal to eager forwards;

@@ -138,17 +138,20 @@ struct MoeGemmNvfp4Args {
   int n = 0;                                // N, a multiple of 128
   int k = 0;                                // K, a multiple of 128
   int max_active_experts = 0;               // grid sizing (host value, fixed per graph)
-  // Expected tokens of the busiest expert (host value, fixed per graph): above 16 the kernel takes
-  // 128-row items (two warpgroups sharing each activation tile), else 64-row ones. Any routing is
-  // computed correctly either way.
+  // Expected tokens of the busiest expert (host value, fixed per graph): above
+  // kNvfp4PrefillMinTokens (and N a multiple of 256) the prefill instance (256-row x 128-token
+  // tiles, one item per pass), above 16 128-row items (two warpgroups sharing each activation
+  // tile), else 64-row ones. Any routing is computed correctly by each; the bits are the same.
   int max_tokens_per_expert = 0;
   int act_rows = 0;                         // rows of act (the TMA view's extent)
   int* work_counters = nullptr;             // optional, as MoeGemmFp8Args::work_counters
 };
 
+constexpr int kNvfp4PrefillMinTokens = 64;
+
 // Persistent weight-streaming kernel as launch_moe_gemm_fp8_stream (swap-AB, passes of up to 32
 // tokens, items of 64 or 128 weight rows, weights of the first ring fill fetched before
-// griddepcontrol.wait when `pdl`). Throws moelora::Error naming the bad field; never allocates or
+// griddepcontrol.wait when `pdl`); prefill sizes take passes of 128 tokens over 256 weight rows. Throws moelora::Error naming the bad field; never allocates or
 // synchronizes.
 void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& args, int num_sms, bool pdl, cudaStream_t stream);
 

@@ -1,29 +1,34 @@
-// Weight-streaming grouped NVFP4 expert GEMM for decode (few tokens per expert): the packed codes
-// and group scales of every touched expert are read from HBM once per pass of up to 32 tokens,
-// 0.5625 bytes per weight instead of FP8's 1.
+// Grouped NVFP4 expert GEMM. Decode (few tokens per expert): weight streaming, the packed codes and
+// group scales of every touched expert read from HBM once per pass of up to 32 tokens, 0.5625 bytes
+// per weight instead of FP8's 1. Prefill: the same expansion over 256-row x 128-token tiles, where
+// the f16 tensor cores are the limit (Tiling below).
 //
-//   out[q, n] = act_scale[q] * row_scale[e, n] * sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n, k/16])
+//   out[q, n] = act_scale[q] * row_scale[e, n] * sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n,
+//   k/16])
 //
 // Hopper has no FP4 tensor cores, so the weights are expanded in registers: swap-AB as the FP8
-// stream kernel (moe_gemm_stream_cuda.cu), 64 weight rows per warpgroup on the wgmma M side, but A comes from
-// registers (wgmma m64nNk16 f16, N = 8 / 16 / 32 tokens) and the activations are f16 rows in shared
-// memory. Per k16 step a consumer thread turns one 32-bit word of codes into its four A registers
-// (signs and magnitudes shifted into f16 positions: e2m1 * 2^-14, exact) and multiplies each pair by
-// its row's group scale (e4m3 -> f16 by cvt; the product has at most 5 significant bits and is never
-// below 2^-24, so it is exact in f16). The accumulator therefore holds the exact sum over K and the
-// per-row scale_2 (times 2^14) and the activation row's power-of-two scale are applied once at the
-// store. The code words come in the order the threads read them (pack_nvfp4_for_stream), so a stage
-// is two 16-byte shared loads of codes and one of scales per thread, bank-conflict free.
+// stream kernel (moe_gemm_stream_cuda.cu), 64 weight rows per warpgroup on the wgmma M side, but A
+// comes from registers (wgmma m64nNk16 f16, N = 8 .. 128 tokens) and the activations are f16 rows
+// in shared memory. Per k16 step a consumer thread turns one 32-bit word of codes into its four A
+// registers (signs and magnitudes shifted into f16 positions: e2m1 * 2^-14, exact) and multiplies
+// each pair by its row's group scale (e4m3 -> f16 by cvt; the product has at most 5 significant
+// bits and is never below 2^-24, so it is exact in f16). The accumulator therefore holds the exact
+// sum over K and the per-row scale_2 (times 2^14) and the activation row's power-of-two scale are
+// applied once at the store. The code words come in the order the threads read them
+// (pack_nvfp4_for_stream), so a stage is two 16-byte shared loads of codes and one of scales per
+// thread, bank-conflict free.
 //
-// Pipeline (one CTA = a producer warp + one or two consumer warpgroups; Tiling below):
-// - The producer walks the CTA's work items (expert, 64- or 128-row tile; round-robin or claimed
-//   from work counters, as the FP8 kernel) and per 128-wide K block fills one stage of its ring:
-//   one bulk copy per 64-row block of its 4,608-byte image (codes + scales, L2 evict-first) and
-//   TMA boxes of the pass's activation rows (two 64-column swizzle atoms per stage, 8-row boxes),
-//   shared by the warpgroups. Completion is counted in bytes on the stage's mbarrier; the producer
-//   records the stage's pass beside it.
-// - Each consumer warpgroup expands half a stage (four k16 steps) of its 64-row block while the
-//   previous half's wgmma group runs, and frees a stage once its last group has completed.
+// Pipeline (one CTA = a producer warp + one, two or four consumer warpgroups; Tiling below):
+// - The producer walks the CTA's work items (expert, 64- or 128-row tile, or for prefill expert,
+//   256-row tile, pass; round-robin or claimed from work counters, as the FP8 kernel) and per
+//   128-wide K block fills one stage of its ring:
+//   one bulk copy per 64-row block of its 4,608-byte image (codes + scales; decode: L2 evict-first)
+//   and TMA boxes of the pass's activation rows (two 64-column swizzle atoms per stage, 8-row
+//   boxes), shared by the warpgroups. Completion is counted in bytes on the stage's mbarrier; the
+//   producer records the stage's pass beside it.
+// - Each consumer warpgroup expands half a stage (four k16 steps; prefill: a quarter) of its
+//   64-row block while the previous group runs, and frees a stage once its last group has
+//   completed.
 // - Programmatic dependent launch: the weights of the first ring fill are copied before
 //   griddepcontrol.wait, the activations after it; the kernel lets its dependents launch at once.
 // docs/gpu_nvfp4.md has what each design step measured.
@@ -59,15 +64,14 @@ using stream_gemm::kMaxExperts;
 using stream_gemm::kScheduleBytes;
 using stream_gemm::Schedule;
 
-constexpr int kBlockK = kNvfp4StreamK;     // 128 columns per stage
-constexpr int kSteps = kBlockK / 16;       // wgmma k16 steps per stage
-constexpr int kMaxTokens = 32;             // tokens per pass (the widest wgmma N instantiated)
-constexpr int kTokenBox = 8;               // activation rows per TMA box
-constexpr int kAtomColumns = 64;           // f16 columns of one 128-byte swizzle row
-constexpr int kAtomBytes = kMaxTokens * 128;        // one 64-column atom of a pass's rows
-constexpr int kActTileBytes = 2 * kAtomBytes;       // 128 columns
-constexpr int kWeightBlockBytes = kNvfp4StreamBlockBytes;    // one 64-row block
+constexpr int kBlockK = kNvfp4StreamK;  // 128 columns per stage
+constexpr int kSteps = kBlockK / 16;    // wgmma k16 steps per stage
+constexpr int kTokenBox = 8;            // activation rows per TMA box
+constexpr int kWideBox = 64;            // activation rows per TMA box of a prefill pass
+constexpr int kAtomColumns = 64;        // f16 columns of one 128-byte swizzle row
+constexpr int kWeightBlockBytes = kNvfp4StreamBlockBytes;  // one 64-row block
 constexpr int kClaimAheadStages = 4;
+constexpr int kProducerRegs = 40;  // registers a thread of a producer warpgroup keeps (setmaxnreg)
 // 2^14: the expanded codes are e2m1 * 2^-14 (moe_gemm_nvfp4.h)
 constexpr float kCodeScale = 16384.0f;
 
@@ -75,29 +79,52 @@ struct StageInfo {
   int q0, q_end, m0, expert;
 };
 
-// The two instances. kWg consumer warpgroups per CTA, each expanding and multiplying 64 rows of
-// the item's weight tile against the stage's one activation tile:
-// - kWg = 1, three CTAs per SM with 5-deep rings (69 KB of codes in flight per SM): 64-row items,
-//   twice as many as kWg = 2 has, so few tokens still spread over every SM;
-// - kWg = 2, two CTAs per SM with 6-deep rings (110 KB in flight): half the activation bytes read
+// The three instances. kWg consumer warpgroups per CTA, each expanding and multiplying 64 rows of
+// the item's weight tile against the stage's one activation tile of up to kTokens rows:
+// - <1, 32>, three CTAs per SM with 5-deep rings (69 KB of codes in flight per SM): 64-row items,
+//   twice as many as <2, 32> has, so few tokens still spread over every SM;
+// - <2, 32>, two CTAs per SM with 6-deep rings (110 KB in flight): half the activation bytes read
 //   from L2 per weight byte, which decides at 17-32 tokens per expert (f16 rows of 32 tokens weigh
 //   8 KB a stage against 4.6 KB of codes per 64 rows).
-// Either way several consumer warps per scheduler, which the issue-bound expansion needs to hide
-// its latencies.
-template <int kWg>
+//   Either way several consumer warps per scheduler, which the issue-bound expansion needs to hide
+//   its latencies; an item (expert, row tile) walks its expert's tokens in passes of 32.
+// - <4, 128>, prefill (many tokens per expert): one CTA per SM, 256-row x 128-token tiles, 4-deep
+//   rings of 50 KB. Tensor-core bound: a k16 step of m64n128 keeps a scheduler's tensor core busy
+//   64 cycles against ~20 issue slots of expansion per warp, and four warps per scheduler hide each
+//   other's expansion. 256 weight rows per activation tile halve the L2 reads of the f16 rows
+//   (~2.5 TB/s at 650 TFLOP/s). Items are single passes, (expert, row tile, pass) with the pass
+//   innermost, so the CTAs working on one weight tile at the same time read it from HBM once.
+template <int kWg, int kTokens>
 struct Tiling {
+  static constexpr int kMaxTokens = kTokens;
+  static constexpr bool kPassItems = kTokens > 32;        // work items are single passes (prefill)
   static constexpr int kBlockM = kNvfp4StreamRows * kWg;  // weight rows per work item
-  static constexpr int kCtasPerSm = kWg == 2 ? 2 : 3;
-  static constexpr int kStages = kWg == 2 ? 6 : 5;
+  static constexpr int kCtasPerSm = kPassItems ? 1 : kWg == 2 ? 2 : 3;
+  static constexpr int kStages = kPassItems ? 4 : kWg == 2 ? 6 : 5;
   static constexpr int kConsumerThreads = 128 * kWg;
-  static constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp
+  // Decode: one producer warp. Prefill: a producer warpgroup (one warp of it works) that gives
+  // registers to the consumers with setmaxnreg: the launch leaves 96 a thread (five warps per
+  // scheduler), where 64 accumulators spill; the increase draws on the CTA's own pool, which only
+  // holds what the producers released: 128 x (96 - 40) >= 512 x (104 - 96).
+  static constexpr int kProducerThreads = kPassItems ? 128 : 32;
+  static constexpr int kConsumerRegs = kPassItems ? 104 : 0;  // 0: no setmaxnreg
+  static constexpr int kThreads = kConsumerThreads + kProducerThreads;
+  static constexpr int kAtomBytes = kTokens * 128;      // one 64-column atom of a pass's rows
+  static constexpr int kActTileBytes = 2 * kAtomBytes;  // 128 columns
   static constexpr int kWeightStageBytes = kWeightBlockBytes * kWg;
-  static constexpr int kRingBytes = kStages * (kActTileBytes + kWeightStageBytes) + 2 * kStages * 8 +
-                                    kStages * static_cast<int>(sizeof(StageInfo));
-  static constexpr int kSmemBytes = kRingBytes + kScheduleBytes + 1024;  // + alignment slack
+  static constexpr int kRingBytes = kStages * (kActTileBytes + kWeightStageBytes) +
+                                    2 * kStages * 8 + kStages * static_cast<int>(sizeof(StageInfo));
+  // pass items: the first item of each active expert ([kMaxExperts + 1] ints)
+  static constexpr int kItemTableBytes = kPassItems ? (kMaxExperts + 1) * 4 : 0;
+  static constexpr int kSmemBytes =
+      kRingBytes + kScheduleBytes + kItemTableBytes + 1024;  // + alignment slack
   static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs per SM");
+  static_assert(kActTileBytes % 1024 == 0);
 };
-static_assert(kWeightBlockBytes % 16 == 0 && kActTileBytes % 1024 == 0);
+using DecodeNarrow = Tiling<1, 32>;
+using DecodeWide = Tiling<2, 32>;
+using Prefill = Tiling<4, 128>;
+static_assert(kWeightBlockBytes % 16 == 0);
 
 struct StreamParams {
   const uint8_t* weight;          // image [E, N/64, K/128, 4608]
@@ -112,66 +139,150 @@ struct StreamParams {
 };
 
 // Activation tiles first (1024-byte aligned for the swizzle), then the weight blocks, barriers,
-// stage records, the schedule.
-template <int kWg>
+// stage records, the schedule, the item table.
+template <class T>
 struct Ring {
-  using T = Tiling<kWg>;
-  static constexpr int kStages = T::kStages, kWeightStageBytes = T::kWeightStageBytes;
+  static constexpr int kStages = T::kStages, kWeightStageBytes = T::kWeightStageBytes,
+                       kActTileBytes = T::kActTileBytes;
   uint32_t base;
   __device__ uint32_t act(int s) const { return base + s * kActTileBytes; }
-  __device__ uint32_t weight(int s) const { return base + kStages * kActTileBytes + s * kWeightStageBytes; }
-  __device__ uint32_t full(int s) const { return base + kStages * (kActTileBytes + kWeightStageBytes) + s * 8; }
+  __device__ uint32_t weight(int s) const {
+    return base + kStages * kActTileBytes + s * kWeightStageBytes;
+  }
+  __device__ uint32_t full(int s) const {
+    return base + kStages * (kActTileBytes + kWeightStageBytes) + s * 8;
+  }
   __device__ uint32_t empty(int s) const { return full(kStages) + s * 8; }
   __device__ uint32_t info(int s) const { return full(2 * kStages) + s * sizeof(StageInfo); }
   __device__ uint32_t schedule() const { return base + T::kRingBytes; }
+  __device__ uint32_t item_table() const { return schedule() + kScheduleBytes; }
 };
 
+// The wgmma N of a pass of n_valid tokens (an instance's passes hold up to kTokens).
+template <int kTokens>
 __device__ __forceinline__ int pass_width(int n_valid) {
-  return n_valid <= 8 ? 8 : n_valid <= 16 ? 16 : 32;
+  if (n_valid <= 8) return 8;
+  if (n_valid <= 16) return 16;
+  if (kTokens == 32 || n_valid <= 32) return 32;
+  return n_valid <= 64 ? 64 : n_valid <= 96 ? 96 : 128;
 }
 
-template <int kWg>
-__device__ __forceinline__ void producer(const Ring<kWg>& ring, StageInfo* info, const Schedule& sched,
-                                         const CUtensorMap* tma_x, const StreamParams& p) {
-  constexpr int kStages = Tiling<kWg>::kStages, kWeightStageBytes = Tiling<kWg>::kWeightStageBytes;
+// Pass items (Tiling::kPassItems): table[i] = the first item of active expert i, table[num_active]
+// = the item count; an expert of t tokens has ceil(t / kTokens) passes per row tile. Computed by
+// the producer warp with a warp scan over the staged schedule.
+template <class T>
+__device__ __forceinline__ void build_item_table(int* table, const Schedule& sched, int m_tiles) {
+  const int lane = threadIdx.x % 32;
+  int carry = 0;
+  for (int base = 0; base < sched.num_active; base += 32) {
+    const int i = base + lane;
+    int count = 0;
+    if (i < sched.num_active) {
+      const int e = sched.active[i];
+      count =
+          (sched.offsets[e + 1] - sched.offsets[e] + T::kMaxTokens - 1) / T::kMaxTokens * m_tiles;
+    }
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int up = __shfl_up_sync(0xffffffffu, count, d);
+      if (lane >= d) count += up;
+    }
+    if (i < sched.num_active) table[i + 1] = carry + count;
+    carry += __shfl_sync(0xffffffffu, count, 31);
+  }
+  if (lane == 0) table[0] = 0;
+  __syncwarp();
+}
+
+// The (expert, row tile, first token) of pass item `item` (< table[num_active]).
+template <class T>
+__device__ __forceinline__ void locate_pass_item(const int* table, const Schedule& sched,
+                                                 int m_tiles, int item, int& expert, int& tile,
+                                                 int& q0) {
+  int lo = 0, hi = sched.num_active - 1;  // the last i with table[i] <= item
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table[mid] <= item)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  expert = sched.active[lo];
+  const int passes = (table[lo + 1] - table[lo]) / m_tiles;
+  const int r = item - table[lo];
+  tile = r / passes;
+  q0 = sched.offsets[expert] + (r % passes) * T::kMaxTokens;
+}
+
+template <class T>
+__device__ __forceinline__ void producer(const Ring<T>& ring, StageInfo* info,
+                                         const Schedule& sched, const int* item_table,
+                                         const CUtensorMap* tma_x, const CUtensorMap* tma_x_wide,
+                                         const StreamParams& p) {
+  constexpr int kStages = T::kStages, kWeightStageBytes = T::kWeightStageBytes;
   sm90::prefetch_tensor_map(tma_x);
-  const uint64_t evict_first = sm90::l2_evict_first_policy();
+  if constexpr (T::kPassItems) sm90::prefetch_tensor_map(tma_x_wide);
+  // Decode: every weight byte is read once per pass and by one CTA. Prefill: the CTAs on the
+  // passes of one row tile read it at about the same time.
+  const uint64_t weight_policy =
+      T::kPassItems ? sm90::l2_evict_normal_policy() : sm90::l2_evict_first_policy();
+  // A pass's rows: boxes of kWideBox rows (prefill) and then of kTokenBox; 8-row-aligned boxes
+  // land in the same swizzled layout whatever their height.
   auto issue_activations = [&](int s, int q0, int width, int kb) {
-    for (int atom = 0; atom < 2; ++atom)
-      for (int j = 0; j < width / kTokenBox; ++j)
-        sm90::tma_load_2d(ring.act(s) + atom * kAtomBytes + j * kTokenBox * 128, tma_x, ring.full(s),
-                          kb * kBlockK + atom * kAtomColumns, q0 + j * kTokenBox);
+    for (int atom = 0; atom < 2; ++atom) {
+      const uint32_t dst = ring.act(s) + atom * T::kAtomBytes;
+      const int column = kb * kBlockK + atom * kAtomColumns;
+      int j = 0;
+      if constexpr (T::kPassItems)
+        for (; j + kWideBox <= width; j += kWideBox)
+          sm90::tma_load_2d(dst + j * 128, tma_x_wide, ring.full(s), column, q0 + j);
+      for (; j < width; j += kTokenBox)
+        sm90::tma_load_2d(dst + j * 128, tma_x, ring.full(s), column, q0 + j);
+    }
   };
   stream_gemm::FirstFillGate<kStages> gate;
   int stage = 0;
   uint32_t phase = 0;
-  const int total_items = sched.num_active * p.m_tiles;
   const int claim_at = p.k_blocks > kClaimAheadStages ? p.k_blocks - kClaimAheadStages : 0;
+  int next = -1;
+  // One pass of the item's weight tile: every K block as a stage. The CTA's next item is claimed a
+  // few stages before the end of its last pass, so its first stages follow without a gap.
+  auto stream_pass = [&](int item, int expert, int tile, int q0, int rows, bool last_pass) {
+    const int width = pass_width<T::kMaxTokens>(rows);
+    // the item's 64-row blocks: tiles kWg * tile + w of the image, K blocks contiguous
+    const uint8_t* blocks = p.weight + (static_cast<size_t>(expert) * p.m_tiles + tile) *
+                                           (T::kBlockM / 64) * p.k_blocks * kWeightBlockBytes;
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      if (last_pass && kb == claim_at) next = stream_gemm::claim_item(p.work, item);
+      sm90::mbar_wait(ring.empty(stage), phase ^ 1);
+      info[stage] = StageInfo{q0, q0 + rows, tile * T::kBlockM, expert};
+      sm90::mbar_arrive_expect_tx(ring.full(stage), kWeightStageBytes + 2 * width * 128);
+      for (int w = 0; w < T::kBlockM / 64; ++w)
+        sm90::bulk_load_hint(
+            ring.weight(stage) + w * kWeightBlockBytes,
+            blocks + (static_cast<size_t>(w) * p.k_blocks + kb) * kWeightBlockBytes,
+            kWeightBlockBytes, ring.full(stage), weight_policy);
+      gate.copy(stage, q0, width, kb, issue_activations);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  };
+  const int total_items =
+      T::kPassItems ? item_table[sched.num_active] : sched.num_active * p.m_tiles;
   int item = static_cast<int>(blockIdx.x);
   while (item < total_items) {
-    const int expert = sched.active[item / p.m_tiles];
-    const int tile = item % p.m_tiles;
-    const int q_end = sched.offsets[expert + 1];
-    // the item's 64-row blocks: tiles kWg * tile + w of the image, K blocks contiguous
-    const uint8_t* blocks = p.weight + (static_cast<size_t>(expert) * p.m_tiles + tile) * kWg *
-                                           p.k_blocks * kWeightBlockBytes;
-    int next = -1;
-    for (int q0 = sched.offsets[expert]; q0 < q_end; q0 += kMaxTokens) {
-      const int rows = q_end - q0 < kMaxTokens ? q_end - q0 : kMaxTokens;
-      const int width = pass_width(rows);
-      const bool last_pass = q0 + kMaxTokens >= q_end;
-      for (int kb = 0; kb < p.k_blocks; ++kb) {
-        if (last_pass && kb == claim_at) next = stream_gemm::claim_item(p.work, item);
-        sm90::mbar_wait(ring.empty(stage), phase ^ 1);
-        info[stage] = StageInfo{q0, q0 + rows, tile * Tiling<kWg>::kBlockM, expert};
-        sm90::mbar_arrive_expect_tx(ring.full(stage), kWeightStageBytes + 2 * width * 128);
-        for (int w = 0; w < kWg; ++w)
-          sm90::bulk_load_hint(ring.weight(stage) + w * kWeightBlockBytes,
-                               blocks + (static_cast<size_t>(w) * p.k_blocks + kb) * kWeightBlockBytes,
-                               kWeightBlockBytes, ring.full(stage), evict_first);
-        gate.copy(stage, q0, width, kb, issue_activations);
-        if (++stage == kStages) stage = 0, phase ^= 1;
-      }
+    next = -1;
+    if constexpr (T::kPassItems) {
+      int expert, tile, q0;
+      locate_pass_item<T>(item_table, sched, p.m_tiles, item, expert, tile, q0);
+      const int q_end = sched.offsets[expert + 1];
+      stream_pass(item, expert, tile, q0, min(q_end - q0, T::kMaxTokens), true);
+    } else {
+      const int expert = sched.active[item / p.m_tiles];
+      const int tile = item % p.m_tiles;
+      const int q_end = sched.offsets[expert + 1];
+      for (int q0 = sched.offsets[expert]; q0 < q_end; q0 += T::kMaxTokens)
+        stream_pass(item, expert, tile, q0, min(q_end - q0, T::kMaxTokens),
+                    q0 + T::kMaxTokens >= q_end);
     }
     item = next >= 0 ? next : stream_gemm::claim_item(p.work, item);
   }
@@ -203,24 +314,47 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, __half2 b) {
   return *reinterpret_cast<uint32_t*>(&x);
 }
 
-// The A registers of four k16 steps (half h of a stage: steps 4 h .. 4 h + 3): codes (one 16-byte
-// load) times group scales (8 bytes of the row pair's 16; bytes 2 j / 2 j + 1 are rows r / r + 8
-// of step j).
-__device__ __forceinline__ void load_half_fragments(const uint8_t* block, int thread, int half,
-                                                    uint32_t (&a)[kSteps / 2][4]) {
-  const uint4 c = reinterpret_cast<const uint4*>(block)[half * 128 + thread];
+// The shared-memory words of group g of a stage (kGroupSteps k16 steps: kGroupSteps g ..): one
+// 32-bit code word per step (one 16- or 8-byte load) and the row pair's group scales (bytes 2 j /
+// 2 j + 1 of its 16 are rows r / r + 8 of step j).
+template <int kGroupSteps>
+struct GroupWords {
+  uint32_t codes[kGroupSteps], scales[kGroupSteps / 2];
+};
+template <int kGroupSteps>
+__device__ __forceinline__ GroupWords<kGroupSteps> load_group_words(uint32_t block, int thread,
+                                                                    int group) {
+  static_assert(kGroupSteps == 4 || kGroupSteps == 2);
+  namespace ptx = ::moelora::cuda::ptx;
   const int pair = (thread / 32) * 8 + (thread % 32) / 4;
-  const uint2 sv = reinterpret_cast<const uint2*>(block + kNvfp4StreamCodeBytes)[2 * pair + half];
-  const uint32_t codes[kSteps / 2] = {c.x, c.y, c.z, c.w};
-  const uint32_t scale_words[2] = {sv.x, sv.y};
+  GroupWords<kGroupSteps> w;
+  if constexpr (kGroupSteps == 4) {
+    const uint4 c = ptx::ld_shared_v4_u32(block + (group * 128 + thread) * 16);
+    const uint2 sv = ptx::ld_shared_v2_u32(block + kNvfp4StreamCodeBytes + (2 * pair + group) * 8);
+    w.codes[0] = c.x, w.codes[1] = c.y, w.codes[2] = c.z, w.codes[3] = c.w;
+    w.scales[0] = sv.x, w.scales[1] = sv.y;
+  } else {
+    const uint2 c =
+        ptx::ld_shared_v2_u32(block + (((group / 2) * 128 + thread) * 2 + group % 2) * 8);
+    w.codes[0] = c.x, w.codes[1] = c.y;
+    w.scales[0] = ptx::ld_shared_u32(block + kNvfp4StreamCodeBytes + (4 * pair + group) * 4);
+  }
+  return w;
+}
+
+// A group's words -> its A registers: codes expanded and multiplied by their group scales.
+template <int kGroupSteps>
+__device__ __forceinline__ void expand_group(const GroupWords<kGroupSteps>& w,
+                                             uint32_t (&a)[kGroupSteps][4]) {
 #pragma unroll
-  for (int j = 0; j < kSteps / 2; ++j) {
+  for (int j = 0; j < kGroupSteps; ++j) {
     const __nv_fp8x2_storage_t pair_bits =
-        static_cast<__nv_fp8x2_storage_t>(scale_words[j / 2] >> (16 * (j % 2)));
-    const __half2 s = __half2(__nv_cvt_fp8x2_to_halfraw2(pair_bits, __NV_E4M3));  // (row r, row r + 8)
+        static_cast<__nv_fp8x2_storage_t>(w.scales[j / 2] >> (16 * (j % 2)));
+    const __half2 s =
+        __half2(__nv_cvt_fp8x2_to_halfraw2(pair_bits, __NV_E4M3));  // (row r, row r + 8)
     const __half2 s_lo = __low2half2(s), s_hi = __high2half2(s);
     uint32_t h[4];
-    expand_codes(codes[j], h);
+    expand_codes(w.codes[j], h);
     a[j][0] = hmul2_bits(h[0], s_lo);
     a[j][1] = hmul2_bits(h[1], s_hi);
     a[j][2] = hmul2_bits(h[2], s_lo);
@@ -228,26 +362,38 @@ __device__ __forceinline__ void load_half_fragments(const uint8_t* block, int th
   }
 }
 
-// Half h of a stage (four k16 steps) as one wgmma group: its codes are expanded while the group
-// before it still runs; after the commit at most this group is in flight, so the previous one
-// is done and its A registers (the other set) may be rewritten.
-template <int kWidth>
-__device__ __forceinline__ void consume_half(const uint8_t* block, uint32_t act_smem, int half, bool first,
-                                             float (&acc)[kWidth / 2], uint32_t (&a)[kSteps / 2][4]) {
-  load_half_fragments(block, threadIdx.x % 128, half, a);
-  const uint64_t desc_x = sm90::wgmma_desc_k_major_sw128(act_smem + half * kAtomBytes);
+// Group g of a stage (kGroupSteps k16 steps) as one committed wgmma group on A registers `a`.
+template <int kWidth, int kAtomBytes, int kGroupSteps>
+__device__ __forceinline__ void issue_group(uint32_t act_smem, int group, bool first,
+                                            float (&acc)[kWidth / 2],
+                                            uint32_t (&a)[kGroupSteps][4]) {
+  // steps 0-3 of a stage read the first 64-column atom, 4-7 the second; 32 bytes of K per step
+  // inside the atom's 128-byte rows
+  const int step0 = group * kGroupSteps;
+  const uint64_t desc_x =
+      sm90::wgmma_desc_k_major_sw128(act_smem + (step0 / 4) * kAtomBytes) + 2 * (step0 % 4);
   sm90::wgmma_fence();  // orders the A registers just written before the wgmma reads them
 #pragma unroll
-  for (int j = 0; j < kSteps / 2; ++j)  // 32 bytes of K per step inside the half's 128-byte atom rows
+  for (int j = 0; j < kGroupSteps; ++j)
     sm90::WgmmaF16Rs<kWidth>::mma(acc, a[j], desc_x + 2 * j, !first || j > 0);
   sm90::wgmma_commit();
+}
+
+// Decode: half h of a stage as one wgmma group, its codes expanded while the group before it
+// still runs; after the commit at most one group stays in flight, so the previous one is done and
+// its A registers (the other set) may be rewritten.
+template <int kWidth, int kAtomBytes>
+__device__ __forceinline__ void consume_half(uint32_t block, uint32_t act_smem, int half,
+                                             bool first, float (&acc)[kWidth / 2],
+                                             uint32_t (&a)[kSteps / 2][4]) {
+  expand_group<kSteps / 2>(load_group_words<kSteps / 2>(block, threadIdx.x % 128, half), a);
+  issue_group<kWidth, kAtomBytes, kSteps / 2>(act_smem, half, first, acc, a);
   sm90::wgmma_wait<1>();
 }
 
-template <int kWidth, int kWg>
-__device__ __forceinline__ void consume_pass(const Ring<kWg>& ring, uint8_t* smem_generic, uint32_t smem_window,
-                                             int& stage, uint32_t& phase, const StreamParams& p,
-                                             const StageInfo pass) {
+template <int kWidth, class T>
+__device__ __forceinline__ void consume_pass(const Ring<T>& ring, int& stage, uint32_t& phase,
+                                             const StreamParams& p, const StageInfo pass) {
   constexpr int kAcc = kWidth / 2;
   // warpgroup wg multiplies rows 64 wg .. 64 wg + 63 of the item (its own weight block)
   const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
@@ -256,24 +402,50 @@ __device__ __forceinline__ void consume_pass(const Ring<kWg>& ring, uint8_t* sme
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
-  // Two sets of A registers, one per half stage: half 1 is expanded while half 0's group runs, and
-  // half 0 of the next stage while half 1's does. A stage is freed once its second group is done
-  // (its activations are read by the wgmma from shared memory until then).
-  uint32_t a_first[kSteps / 2][4], a_second[kSteps / 2][4];
+  // Two sets of A registers: group g + 1 is expanded while group g runs. A stage is freed once its
+  // last group is done (its activations are read by the wgmma from shared memory until then).
+  // Decode: half-stage groups. Prefill: quarter-stage groups (beside 64 accumulators).
   int previous = -1;
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    sm90::mbar_wait(ring.full(stage), phase);
-    const uint8_t* block = smem_generic + (ring.weight(stage) + wg * kWeightBlockBytes - smem_window);
-    consume_half<kWidth>(block, ring.act(stage), 0, kb == 0, acc, a_first);
-    if (previous >= 0) sm90::mbar_arrive(ring.empty(previous));
-    consume_half<kWidth>(block, ring.act(stage), 1, false, acc, a_second);
-    previous = stage;
-    if (++stage == Tiling<kWg>::kStages) stage = 0, phase ^= 1;
+  if constexpr (!T::kPassItems) {
+    uint32_t a_first[kSteps / 2][4], a_second[kSteps / 2][4];
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      sm90::mbar_wait(ring.full(stage), phase);
+      const uint32_t block = ring.weight(stage) + wg * kWeightBlockBytes;
+      consume_half<kWidth, T::kAtomBytes>(block, ring.act(stage), 0, kb == 0, acc, a_first);
+      if (previous >= 0) sm90::mbar_arrive(ring.empty(previous));
+      consume_half<kWidth, T::kAtomBytes>(block, ring.act(stage), 1, false, acc, a_second);
+      previous = stage;
+      if (++stage == T::kStages) stage = 0, phase ^= 1;
+    }
+  } else {
+    // Quarter-stage groups (two k16 steps), two A register sets, and the next group's words read
+    // from shared memory before the current group is issued, so neither the shared-memory latency
+    // nor the expansion waits for the tensor cores (ncu: the shared loads right before the
+    // expansion were 44 % of the stalls).
+    constexpr int kGroups = 4, kGroupSteps = kSteps / kGroups;
+    const int thread = threadIdx.x % 128;
+    uint32_t a[2][kGroupSteps][4];
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      sm90::mbar_wait(ring.full(stage), phase);
+      const uint32_t block = ring.weight(stage) + wg * kWeightBlockBytes;
+      GroupWords<kGroupSteps> words = load_group_words<kGroupSteps>(block, thread, 0);
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        expand_group<kGroupSteps>(words, a[g % 2]);
+        if (g + 1 < kGroups) words = load_group_words<kGroupSteps>(block, thread, g + 1);
+        issue_group<kWidth, T::kAtomBytes, kGroupSteps>(ring.act(stage), g, kb == 0 && g == 0, acc,
+                                                        a[g % 2]);
+        sm90::wgmma_wait<1>();  // group g - 1 is done: its A set may be rewritten
+        if (g == 0 && previous >= 0) sm90::mbar_arrive(ring.empty(previous));
+      }
+      previous = stage;
+      if (++stage == T::kStages) stage = 0, phase ^= 1;
+    }
   }
   sm90::wgmma_wait<0>();
+  sm90::mbar_arrive(ring.empty(previous));
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
-  sm90::mbar_arrive(ring.empty(previous));
   const int n_valid = pass.q_end - pass.q0;
   const int row = pass.m0 + kNvfp4StreamRows * wg + 16 * warp + lane / 4;
   const float* rs = p.row_scale + static_cast<size_t>(pass.expert) * p.n;
@@ -291,17 +463,19 @@ __device__ __forceinline__ void consume_pass(const Ring<kWg>& ring, uint8_t* sme
     }
 }
 
-template <int kWg>
-__global__ void __launch_bounds__(Tiling<kWg>::kThreads, Tiling<kWg>::kCtasPerSm)
-    moe_gemm_nvfp4_stream_kernel(const __grid_constant__ CUtensorMap tma_x, const StreamParams p) {
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
+    moe_gemm_nvfp4_stream_kernel(const __grid_constant__ CUtensorMap tma_x,
+                                 const __grid_constant__ CUtensorMap tma_x_wide,
+                                 const StreamParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
   const uint32_t window = ::moelora::cuda::ptx::smem_addr(smem);
-  using T = Tiling<kWg>;
-  const Ring<kWg> ring{(window + 1023u) & ~1023u};
+  const Ring<T> ring{(window + 1023u) & ~1023u};
   sm90::launch_dependents();
   int* sched_smem = reinterpret_cast<int*>(smem + (ring.schedule() - window));
-  stream_gemm::stage_schedule(sched_smem, p.num_active, p.active_experts, p.expert_offsets, p.num_experts);
+  stream_gemm::stage_schedule(sched_smem, p.num_active, p.active_experts, p.expert_offsets,
+                              p.num_experts);
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       sm90::mbar_init(ring.full(s), 1);
@@ -312,10 +486,16 @@ __global__ void __launch_bounds__(Tiling<kWg>::kThreads, Tiling<kWg>::kCtasPerSm
   __syncthreads();
   const Schedule sched = stream_gemm::schedule_view(sched_smem);
   StageInfo* info = reinterpret_cast<StageInfo*>(smem + (ring.info(0) - window));
-  if (threadIdx.x >= T::kConsumerThreads) {
-    if (threadIdx.x == T::kConsumerThreads) producer(ring, info, sched, &tma_x, p);
+  if (threadIdx.x >= T::kConsumerThreads) {  // the producer warp (or warpgroup)
+    if constexpr (T::kConsumerRegs > 0) sm90::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x >= T::kConsumerThreads + 32) return;
+    int* item_table = reinterpret_cast<int*>(smem + (ring.item_table() - window));
+    if constexpr (T::kPassItems) build_item_table<T>(item_table, sched, p.m_tiles);
+    if (threadIdx.x == T::kConsumerThreads)
+      producer(ring, info, sched, item_table, &tma_x, &tma_x_wide, p);
     return;
   }
+  if constexpr (T::kConsumerRegs > 0) sm90::setmaxnreg_inc<T::kConsumerRegs>();
   // The epilogue reads the activation scales the previous kernel wrote.
   sm90::grid_dependency_wait();
   int stage = 0;
@@ -324,10 +504,21 @@ __global__ void __launch_bounds__(Tiling<kWg>::kThreads, Tiling<kWg>::kCtasPerSm
     sm90::mbar_wait(ring.full(stage), phase);
     const StageInfo pass = info[stage];
     if (pass.q0 < 0) break;
-    switch (pass_width(pass.q_end - pass.q0)) {
-      case 8: consume_pass<8, kWg>(ring, smem, window, stage, phase, p, pass); break;
-      case 16: consume_pass<16, kWg>(ring, smem, window, stage, phase, p, pass); break;
-      default: consume_pass<32, kWg>(ring, smem, window, stage, phase, p, pass); break;
+    switch (pass_width<T::kMaxTokens>(pass.q_end - pass.q0)) {
+      case 8: consume_pass<8, T>(ring, stage, phase, p, pass); break;
+      case 16: consume_pass<16, T>(ring, stage, phase, p, pass); break;
+      case 32: consume_pass<32, T>(ring, stage, phase, p, pass); break;
+      default:
+        if constexpr (T::kMaxTokens > 32) {
+          const int rows = pass.q_end - pass.q0;
+          if (rows <= 64)
+            consume_pass<64, T>(ring, stage, phase, p, pass);
+          else if (rows <= 96)
+            consume_pass<96, T>(ring, stage, phase, p, pass);
+          else
+            consume_pass<128, T>(ring, stage, phase, p, pass);
+        }
+        break;
     }
   }
 #else
@@ -335,11 +526,11 @@ __global__ void __launch_bounds__(Tiling<kWg>::kThreads, Tiling<kWg>::kCtasPerSm
 #endif
 }
 
-template <int kWg>
+template <class T>
 int stream_grid(const MoeGemmNvfp4Args& a, int num_sms) {
-  const int64_t items = static_cast<int64_t>(a.max_active_experts) * (a.n / Tiling<kWg>::kBlockM);
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(items, static_cast<int64_t>(Tiling<kWg>::kCtasPerSm) * num_sms)));
+  const int64_t items = static_cast<int64_t>(a.max_active_experts) * (a.n / T::kBlockM);
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(items, static_cast<int64_t>(T::kCtasPerSm) * num_sms)));
 }
 
 void prepare_device() {
@@ -352,55 +543,83 @@ void prepare_device() {
   int major = 0, minor = 0;
   MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "NVFP4 stream GEMM: device ", device, " is sm_",
-                major, minor, "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<1>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Tiling<1>::kSmemBytes));
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<2>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Tiling<2>::kSmemBytes));
+  MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "NVFP4 stream GEMM: device ",
+                device, " is sm_", major, minor,
+                "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<DecodeNarrow>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          DecodeNarrow::kSmemBytes));
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<DecodeWide>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          DecodeWide::kSmemBytes));
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<Prefill>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          Prefill::kSmemBytes));
   if (device >= static_cast<int>(prepared.size())) prepared.resize(device + 1, false);
   prepared[device] = true;
 }
 
+template <class T>
+void launch_instance(const CUtensorMap& tma_x, const CUtensorMap& tma_x_wide,
+                     const MoeGemmNvfp4Args& a, int num_sms, bool pdl, cudaStream_t stream) {
+  const StreamParams p{
+      a.weight, a.row_scale,     a.act_scale, a.expert_offsets, a.active_experts, a.num_active,
+      a.out,    a.work_counters, a.n,         a.k / kBlockK,    a.n / T::kBlockM, a.num_experts};
+  ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel<T>, dim3(stream_grid<T>(a, num_sms)),
+                                 dim3(T::kThreads), T::kSmemBytes, stream, pdl, tma_x, tma_x_wide,
+                                 p);
+}
+
 }  // namespace
 
-void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool pdl, cudaStream_t stream) {
-  MOELORA_CHECK(a.act && a.act_scale && a.weight && a.row_scale && a.expert_offsets && a.active_experts &&
-                    a.num_active && a.out,
+void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool pdl,
+                                  cudaStream_t stream) {
+  MOELORA_CHECK(a.act && a.act_scale && a.weight && a.row_scale && a.expert_offsets &&
+                    a.active_experts && a.num_active && a.out,
                 ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: act, act_scale, weight, row_scale, expert_offsets, active_experts, num_active "
+                "NVFP4 stream GEMM: act, act_scale, weight, row_scale, expert_offsets, "
+                "active_experts, num_active "
                 "and out are required");
   MOELORA_CHECK(a.num_experts > 0 && a.num_experts <= kMaxExperts, ErrorCode::kUnsupported,
-                "NVFP4 stream GEMM: E = ", a.num_experts, " experts; the kernel's schedule holds 1 to ", kMaxExperts);
-  MOELORA_CHECK(a.n > 0 && a.n % Tiling<2>::kBlockM == 0 && a.k > 0 && a.k % kBlockK == 0, ErrorCode::kUnsupported,
-                "NVFP4 stream GEMM: N = ", a.n, " must be a positive multiple of ", Tiling<2>::kBlockM, " and K = ",
-                a.k, " of ", kBlockK);
-  MOELORA_CHECK(a.max_active_experts >= 1 && a.max_active_experts <= a.num_experts, ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: max_active_experts = ", a.max_active_experts, " outside [1, E = ", a.num_experts,
-                "]");
-  MOELORA_CHECK(a.act_rows > 0, ErrorCode::kInvalidArgument, "NVFP4 stream GEMM: act_rows = ", a.act_rows,
-                " must be positive");
-  MOELORA_CHECK(reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 && reinterpret_cast<uintptr_t>(a.act) % 16 == 0,
-                ErrorCode::kInvalidArgument, "NVFP4 stream GEMM: weight and act must be 16-byte aligned");
-  MOELORA_CHECK(static_cast<int64_t>(a.num_experts) * a.n < (1LL << 31), ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: E * N = ", static_cast<int64_t>(a.num_experts) * a.n, " rows exceed 2^31");
-  const CUtensorMap tma_x =
-      make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows, static_cast<uint64_t>(a.k) * 2,
-                         kAtomColumns, kTokenBox, CU_TENSOR_MAP_SWIZZLE_128B, "the f16 activation rows");
+                "NVFP4 stream GEMM: E = ", a.num_experts,
+                " experts; the kernel's schedule holds 1 to ", kMaxExperts);
+  MOELORA_CHECK(a.n > 0 && a.n % DecodeWide::kBlockM == 0 && a.k > 0 && a.k % kBlockK == 0,
+                ErrorCode::kUnsupported, "NVFP4 stream GEMM: N = ", a.n,
+                " must be a positive multiple of ", DecodeWide::kBlockM, " and K = ", a.k, " of ",
+                kBlockK);
+  MOELORA_CHECK(a.max_active_experts >= 1 && a.max_active_experts <= a.num_experts,
+                ErrorCode::kInvalidArgument,
+                "NVFP4 stream GEMM: max_active_experts = ", a.max_active_experts,
+                " outside [1, E = ", a.num_experts, "]");
+  MOELORA_CHECK(a.act_rows > 0, ErrorCode::kInvalidArgument,
+                "NVFP4 stream GEMM: act_rows = ", a.act_rows, " must be positive");
+  MOELORA_CHECK(reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(a.act) % 16 == 0,
+                ErrorCode::kInvalidArgument,
+                "NVFP4 stream GEMM: weight and act must be 16-byte aligned");
+  MOELORA_CHECK(static_cast<int64_t>(a.num_experts) * a.n < (1LL << 31),
+                ErrorCode::kInvalidArgument,
+                "NVFP4 stream GEMM: E * N = ", static_cast<int64_t>(a.num_experts) * a.n,
+                " rows exceed 2^31");
+  const CUtensorMap tma_x = make_tensor_map_2d(
+      a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows, static_cast<uint64_t>(a.k) * 2,
+      kAtomColumns, kTokenBox, CU_TENSOR_MAP_SWIZZLE_128B, "the f16 activation rows");
+  // prefill passes: 64-row boxes (a 128-token stage is 4 copies instead of 32)
+  const CUtensorMap tma_x_wide =
+      make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows,
+                         static_cast<uint64_t>(a.k) * 2, kAtomColumns, kWideBox,
+                         CU_TENSOR_MAP_SWIZZLE_128B, "the f16 activation rows (prefill boxes)");
   prepare_device();
-  // Two warpgroups per CTA once a pass may be wider than 16 tokens (the activation bytes per weight
-  // byte then decide), one below (more, smaller items for few tokens).
-  const bool two = a.max_tokens_per_expert > 16;
-  const StreamParams p{a.weight,     a.row_scale, a.act_scale,     a.expert_offsets,
-                       a.active_experts, a.num_active, a.out,     a.work_counters,
-                       a.n,          a.k / kBlockK, a.n / (two ? Tiling<2>::kBlockM : Tiling<1>::kBlockM),
-                       a.num_experts};
-  if (two)
-    ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel<2>, dim3(stream_grid<2>(a, num_sms)),
-                                   dim3(Tiling<2>::kThreads), Tiling<2>::kSmemBytes, stream, pdl, tma_x, p);
+  // Prefill-sized passes (more than kPrefillMinTokens tokens for the busiest expert): 256-row x
+  // 128-token tiles, tensor-core bound. Decode: two warpgroups per CTA once a pass may be wider
+  // than 16 tokens (the activation bytes per weight byte then decide), one below (more, smaller
+  // items for few tokens).
+  if (a.max_tokens_per_expert > kNvfp4PrefillMinTokens && a.n % Prefill::kBlockM == 0)
+    launch_instance<Prefill>(tma_x, tma_x_wide, a, num_sms, pdl, stream);
+  else if (a.max_tokens_per_expert > 16)
+    launch_instance<DecodeWide>(tma_x, tma_x_wide, a, num_sms, pdl, stream);
   else
-    ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel<1>, dim3(stream_grid<1>(a, num_sms)),
-                                   dim3(Tiling<1>::kThreads), Tiling<1>::kSmemBytes, stream, pdl, tma_x, p);
+    launch_instance<DecodeNarrow>(tma_x, tma_x_wide, a, num_sms, pdl, stream);
 }
 
 }  // namespace moelora::ops::cuda

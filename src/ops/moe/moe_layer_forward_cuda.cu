@@ -64,8 +64,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                       (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
   const bool register_decode = decode && gemm_path_ == GemmPath::kDecodeRegister;
   const bool stream = decode && !register_decode && !c.bf16_experts && !c.nvfp4_experts;
-  // NVFP4 experts: every forward takes the NVFP4 stream GEMM (passes of up to 32 tokens; prefill
-  // re-streams the weights per pass), chained by programmatic launch as the FP8 stream path.
+  // NVFP4 experts: every forward takes the NVFP4 GEMM, chained by programmatic launch as the FP8
+  // stream path; it picks its instance from max_tokens_per_expert (decode: weight-streaming passes
+  // of up to 32 tokens; prefill: 256-row x 128-token tiles on the tensor cores).
   const bool nvfp4 = c.nvfp4_experts;
   const bool chain_pdl = stream || nvfp4;
   // Prefill-sized forwards take the tensor-core shrink / expand (64-row tiles of a segment through
