@@ -32,14 +32,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-bool starts_with(const std::string& s, const std::string& prefix) {
-  return s.compare(0, prefix.size(), prefix) == 0;
-}
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 Tensor f32_scalar(float v, Shape shape) {
   Tensor t = Tensor::empty(DType::kF32, shape);
   t.data<float>()[0] = v;
@@ -95,7 +87,7 @@ PublishedKimi write_published_kimi(const fs::path& dir) {
   for (const std::string& name : store.names()) {
     const Tensor t = store.tensor(name);
     const std::string published = "language_model." + name;
-    if (name.find(".mlp.experts.") != std::string::npos && ends_with(name, "_proj.weight")) {
+    if (name.find(".mlp.experts.") != std::string::npos && name.ends_with("_proj.weight")) {
       const ops::Nvfp4Weight q = ops::quantize_nvfp4_ref(t.to_f32());
       const std::string base = published.substr(0, published.size() - std::string("weight").size());
       writer.add(base + "weight", q.packed);
@@ -177,7 +169,7 @@ TEST(CheckpointKimiK25, PublishedNvfp4LayoutLoadsThroughTheLanguageModelPrefix) 
       EXPECT_TRUE(same(l.shared_expert.down, r.shared_expert.down)) << l.shared_expert.down.name;
       EXPECT_EQ(l.router.dtype(), DType::kBF16);
       EXPECT_EQ(std::memcmp(l.router.raw_data(), r.router.raw_data(), l.router.nbytes()), 0);
-      EXPECT_TRUE(starts_with(l.shared_expert.down.name, "language_model.model.layers."));
+      EXPECT_TRUE(l.shared_expert.down.name.starts_with("language_model.model.layers."));
     }
   }
   EXPECT_TRUE(same(w.lm_head, bf16.lm_head)) << w.lm_head.name;

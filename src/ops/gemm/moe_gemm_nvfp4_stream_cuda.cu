@@ -3,8 +3,8 @@
 // per weight instead of FP8's 1. Prefill: the same expansion over 256-row x 128-token tiles, where
 // the f16 tensor cores are the limit (Tiling below).
 //
-//   out[q, n] = act_scale[q] * row_scale[e, n] * sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n,
-//   k/16])
+//   out[q, n] = act_scale[q] * row_scale[e, n] *
+//               sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n, k/16])
 //
 // Hopper has no FP4 tensor cores, so the weights are expanded in registers: swap-AB as the FP8
 // stream kernel (moe_gemm_stream_cuda.cu), 64 weight rows per warpgroup on the wgmma M side, but A
@@ -24,8 +24,8 @@
 //   128-wide K block fills one stage of its ring:
 //   one bulk copy per 64-row block of its 4,608-byte image (codes + scales; decode: L2 evict-first)
 //   and TMA boxes of the pass's activation rows (two 64-column swizzle atoms per stage, 8-row
-//   boxes), shared by the warpgroups. Completion is counted in bytes on the stage's mbarrier; the
-//   producer records the stage's pass beside it.
+//   boxes; prefill: 64-row boxes first), shared by the warpgroups. Completion is counted in bytes
+//   on the stage's mbarrier; the producer records the stage's pass beside it.
 // - Each consumer warpgroup expands half a stage (four k16 steps; prefill: a quarter) of its
 //   64-row block while the previous group runs, and frees a stage once its last group has
 //   completed.
@@ -601,25 +601,27 @@ void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool p
                 ErrorCode::kInvalidArgument,
                 "NVFP4 stream GEMM: E * N = ", static_cast<int64_t>(a.num_experts) * a.n,
                 " rows exceed 2^31");
-  const CUtensorMap tma_x = make_tensor_map_2d(
-      a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows, static_cast<uint64_t>(a.k) * 2,
-      kAtomColumns, kTokenBox, CU_TENSOR_MAP_SWIZZLE_128B, "the f16 activation rows");
-  // prefill passes: 64-row boxes (a 128-token stage is 4 copies instead of 32)
-  const CUtensorMap tma_x_wide =
-      make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows,
-                         static_cast<uint64_t>(a.k) * 2, kAtomColumns, kWideBox,
-                         CU_TENSOR_MAP_SWIZZLE_128B, "the f16 activation rows (prefill boxes)");
+  // The f16 rows as TMA boxes of `rows` x 64 columns (128-byte swizzle).
+  auto activation_map = [&](uint32_t rows, const char* what) {
+    return make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows,
+                              static_cast<uint64_t>(a.k) * 2, kAtomColumns, rows,
+                              CU_TENSOR_MAP_SWIZZLE_128B, what);
+  };
+  const CUtensorMap tma_x = activation_map(kTokenBox, "the f16 activation rows");
   prepare_device();
   // Prefill-sized passes (more than kPrefillMinTokens tokens for the busiest expert): 256-row x
-  // 128-token tiles, tensor-core bound. Decode: two warpgroups per CTA once a pass may be wider
-  // than 16 tokens (the activation bytes per weight byte then decide), one below (more, smaller
-  // items for few tokens).
+  // 128-token tiles, tensor-core bound, whose full 64-row blocks of a pass come as 64-row boxes (a
+  // 128-token stage is 4 copies instead of 32). Decode: two warpgroups per CTA once a pass may be
+  // wider than 16 tokens (the activation bytes per weight byte then decide), one below (more,
+  // smaller items for few tokens); they never read the wide map.
   if (a.max_tokens_per_expert > kNvfp4PrefillMinTokens && a.n % Prefill::kBlockM == 0)
-    launch_instance<Prefill>(tma_x, tma_x_wide, a, num_sms, pdl, stream);
+    launch_instance<Prefill>(tma_x,
+                             activation_map(kWideBox, "the f16 activation rows (prefill boxes)"), a,
+                             num_sms, pdl, stream);
   else if (a.max_tokens_per_expert > 16)
-    launch_instance<DecodeWide>(tma_x, tma_x_wide, a, num_sms, pdl, stream);
+    launch_instance<DecodeWide>(tma_x, tma_x, a, num_sms, pdl, stream);
   else
-    launch_instance<DecodeNarrow>(tma_x, tma_x_wide, a, num_sms, pdl, stream);
+    launch_instance<DecodeNarrow>(tma_x, tma_x, a, num_sms, pdl, stream);
 }
 
 }  // namespace moelora::ops::cuda
