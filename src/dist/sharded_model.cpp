@@ -27,15 +27,14 @@ LoraFactors owned(const LoraFactors* f) {
 ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options)
     : model_(model), shard_(shard), options_(options) {
   const io::ModelConfig& config = model.config();
-  MOELORA_CHECK(!config.use_mla, ErrorCode::kUnsupported, "sharded model: ", config.model_type,
-                " uses MLA attention, which has no tensor-parallel split yet (GQA models only)");
   MOELORA_CHECK(!config.attention_output_gate, ErrorCode::kUnsupported, "sharded model: ",
                 config.model_type,
                 " uses gated attention (Qwen3.5), which has no tensor-parallel split yet");
   norm_ = {config.rms_norm_eps, config.norm_style};
   const model::ModelWeightsF32& w = model.weights();
   const model::AdapterSet& adapters = model.adapters();
-  const ops::RopeTable rope = ops::make_rope_table(model::rope_params(config));
+  const ops::RopeParams rope_params = model::rope_params(config);
+  const ops::RopeTable rope = ops::make_rope_table(rope_params);
   for (int64_t l = 0; l < model.num_layers(); ++l) {
     const model::LayerWeightsF32& src = w.layers[static_cast<size_t>(l)];
     MOELORA_CHECK(!src.is_linear_attention, ErrorCode::kUnsupported, "sharded model: layer ", l,
@@ -44,26 +43,10 @@ ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const Sha
     layer.input_layernorm = src.input_layernorm;
     layer.post_attention_layernorm = src.post_attention_layernorm;
 
-    GqaWeights attention;
-    attention.num_heads = config.num_attention_heads;
-    attention.num_kv_heads = config.num_key_value_heads;
-    attention.head_dim = config.head_dim;
-    attention.q_proj = src.attention.q_proj;
-    attention.k_proj = src.attention.k_proj;
-    attention.v_proj = src.attention.v_proj;
-    attention.o_proj = src.attention.o_proj;
-    attention.q_norm = src.attention.q_norm;
-    attention.k_norm = src.attention.k_norm;
-    attention.norm = norm_;
-    attention.rope = rope;
-    attention.rope_apply = {config.rope_style, 0};
-    layer.attention = shard_gqa(attention, shard);
-    const auto q = adapters.target(l, &io::LayerLora::q_proj), k = adapters.target(l, &io::LayerLora::k_proj),
-               v = adapters.target(l, &io::LayerLora::v_proj), o = adapters.target(l, &io::LayerLora::o_proj);
-    for (int32_t s = 0; s < adapters.size(); ++s) {
-      const GqaLora full{owned(q[s]), owned(k[s]), owned(v[s]), owned(o[s])};
-      layer.attention_lora.push_back(shard_gqa_lora(full, attention, shard));
-    }
+    if (config.use_mla)
+      shard_mla_layer(layer, src.attention, l, rope, rope_params);
+    else
+      shard_gqa_layer(layer, src.attention, l, rope);
 
     layer.is_moe = src.is_moe;
     if (src.is_moe) {
@@ -80,6 +63,66 @@ ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const Sha
   lm_head_ = shard_dim(w.lm_head, 0, shard, "lm_head");
 }
 
+void ShardedModel::shard_gqa_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
+                                   const ops::RopeTable& rope) {
+  const io::ModelConfig& config = model_.config();
+  const model::AdapterSet& adapters = model_.adapters();
+  GqaWeights attention;
+  attention.num_heads = config.num_attention_heads;
+  attention.num_kv_heads = config.num_key_value_heads;
+  attention.head_dim = config.head_dim;
+  attention.q_proj = src.q_proj;
+  attention.k_proj = src.k_proj;
+  attention.v_proj = src.v_proj;
+  attention.o_proj = src.o_proj;
+  attention.q_norm = src.q_norm;
+  attention.k_norm = src.k_norm;
+  attention.norm = norm_;
+  attention.rope = rope;
+  attention.rope_apply = {config.rope_style, 0};
+  layer.attention = shard_gqa(attention, shard_);
+  const auto q = adapters.target(l, &io::LayerLora::q_proj), k = adapters.target(l, &io::LayerLora::k_proj),
+             v = adapters.target(l, &io::LayerLora::v_proj), o = adapters.target(l, &io::LayerLora::o_proj);
+  for (int32_t s = 0; s < adapters.size(); ++s) {
+    const GqaLora full{owned(q[s]), owned(k[s]), owned(v[s]), owned(o[s])};
+    layer.attention_lora.push_back(shard_gqa_lora(full, attention, shard_));
+  }
+}
+
+void ShardedModel::shard_mla_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
+                                   const ops::RopeTable& rope, const ops::RopeParams& rope_params) {
+  const io::ModelConfig& config = model_.config();
+  const model::AdapterSet& adapters = model_.adapters();
+  MlaWeights mla;
+  mla.dims = {config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
+              config.v_head_dim, config.kv_lora_rank};
+  mla.q_lora_rank = config.q_lora_rank;
+  mla.q_a_proj = src.q_a_proj;
+  mla.q_a_layernorm = src.q_a_layernorm;
+  mla.q_b_proj = src.q_b_proj;
+  mla.q_proj = src.q_proj;
+  mla.kv_a_proj_with_mqa = src.kv_a_proj_with_mqa;
+  mla.kv_a_layernorm = src.kv_a_layernorm;
+  mla.kv_b_proj = src.kv_b_proj;
+  mla.o_proj = src.o_proj;
+  mla.norm = norm_;
+  mla.rope = rope;
+  mla.rope_style = config.rope_style;
+  mla.scale = static_cast<float>(ops::mla_softmax_scale(config.qk_head_dim(), rope_params));
+  layer.mla = shard_mla(mla, shard_);
+  const auto q = adapters.target(l, &io::LayerLora::q_proj),
+             q_a = adapters.target(l, &io::LayerLora::q_a_proj),
+             q_b = adapters.target(l, &io::LayerLora::q_b_proj),
+             kv_a = adapters.target(l, &io::LayerLora::kv_a_proj_with_mqa),
+             kv_b = adapters.target(l, &io::LayerLora::kv_b_proj),
+             o = adapters.target(l, &io::LayerLora::o_proj);
+  for (int32_t s = 0; s < adapters.size(); ++s) {
+    const MlaLora full{owned(q[s]),    owned(q_a[s]),  owned(q_b[s]),
+                       owned(kv_a[s]), owned(kv_b[s]), owned(o[s])};
+    layer.mla_lora.push_back(shard_mla_lora(full, mla, shard_));
+  }
+}
+
 Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slot, Communicator& comm) const {
   MOELORA_CHECK(comm.size() == shard_.size && comm.rank() == shard_.rank, ErrorCode::kInvalidArgument,
                 "sharded model: cut for rank ", shard_.rank, " of ", shard_.size, " but run on rank ",
@@ -93,7 +136,9 @@ Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slo
   Tensor x = ops::embedding_ref(model_.weights().embed_tokens, tokens);  // [T, H]
   for (const Layer& layer : layers_) {
     Tensor h = ops::rms_norm_ref(x, layer.input_layernorm, norm_);
-    add_inplace(x, gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm));
+    add_inplace(x, model_.config().use_mla
+                       ? mla_prefill_tp(h, slots, layer.mla, layer.mla_lora, comm)
+                       : gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm));
     h = ops::rms_norm_ref(x, layer.post_attention_layernorm, norm_);
     add_inplace(x, layer.is_moe
                        ? moe_forward_ep(h, slots, layer.moe, layer.moe_lora, options_.moe_combine, comm)

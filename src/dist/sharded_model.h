@@ -4,14 +4,16 @@
 //
 // Split (n ranks, one group for TP and EP as the anchor serves Qwen3.5 TP4 / EP4):
 //   embedding, norms, router: whole on every rank;
-//   attention: GQA heads tensor parallel (parallel_attention.h);
+//   attention: GQA heads tensor parallel (parallel_attention.h), MLA heads tensor parallel with
+//     the query and KV latents replicated (parallel_mla.h);
 //   dense MLP layers and the shared expert: tensor parallel; routed experts: expert parallel with
 //   the pair rows combined exactly (MoeCombine::kPairRows) or per-rank partial sums;
 //   lm_head: vocab parallel (rows [r V / n, (r + 1) V / n)), logits all-gathered.
 // Every adapter slot of the model is cut to the rank's share at construction.
 //
-// Supported: Qwen3-MoE (GQA without the output gate, MoE and dense layers). MLA (DeepSeek-V3 /
-// Kimi) and Qwen3.5's gated attention and Gated DeltaNet layers are kUnsupported by name.
+// Supported: Qwen3-MoE (GQA without the output gate) and DeepSeek-V3 / Kimi-K2 (MLA), with their
+// MoE and dense layers. Qwen3.5's gated attention and Gated DeltaNet layers are kUnsupported by
+// name.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +24,7 @@
 #include "dist/communicator.h"
 #include "dist/parallel_attention.h"
 #include "dist/parallel_layers.h"
+#include "dist/parallel_mla.h"
 #include "dist/shard.h"
 #include "model/model.h"
 
@@ -48,14 +51,22 @@ class ShardedModel {
  private:
   struct Layer {
     Tensor input_layernorm, post_attention_layernorm;
-    GqaWeights attention;
+    GqaWeights attention;                 // GQA models
     std::vector<GqaLora> attention_lora;  // per slot
+    MlaWeights mla;                       // MLA models (use_mla)
+    std::vector<MlaLora> mla_lora;        // per slot
     bool is_moe = false;
     MoeShard moe;
     std::vector<MoeLora> moe_lora;  // per slot
     MlpShard mlp;
     std::vector<MlpLora> mlp_lora;  // per slot
   };
+
+  // The layer's attention share and its adapters' (constructor helpers, per attention kind).
+  void shard_gqa_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
+                       const ops::RopeTable& rope);
+  void shard_mla_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
+                       const ops::RopeTable& rope, const ops::RopeParams& rope_params);
 
   const model::Model& model_;
   ShardSpec shard_;

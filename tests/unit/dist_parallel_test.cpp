@@ -16,6 +16,7 @@
 #include "dist/communicator.h"
 #include "dist/parallel_attention.h"
 #include "dist/parallel_layers.h"
+#include "dist/parallel_mla.h"
 #include "dist/shard.h"
 #include "ops/attention/attention.h"
 #include "ops/linear/linear.h"
@@ -251,6 +252,172 @@ TEST(DistTensorParallel, GqaAttentionWithAdaptersEqualsTheUnshardedBlock) {
         shard_gqa(random_gqa(rng, 12, 4), {0, 6});
       },
       {"4 KV heads over 6 ranks"});
+}
+
+// ============================================================================ MLA, TP
+
+// A small DeepSeek-V3-style MLA block: 8 heads, nope 16, rope 8, dv 12, kv latent 24, and a query
+// latent of 20 (or q_proj when q_rank is 0); interleaved RoPE with a YaRN table as Kimi's.
+MlaWeights random_mla(std::mt19937_64& rng, int64_t q_rank) {
+  MlaWeights w;
+  const int64_t hidden = 32, heads = 8;
+  w.dims = {heads, 16, 8, 12, 24};
+  w.q_lora_rank = q_rank;
+  const int64_t qk = w.dims.qk_head_dim(), r = w.dims.kv_lora_rank;
+  auto scaled = [&](Shape shape, int64_t in) {
+    return test::random_normal(shape, rng, 1.0f / std::sqrt(static_cast<float>(in)));
+  };
+  if (q_rank > 0) {
+    w.q_a_proj = scaled({q_rank, hidden}, hidden);
+    w.q_a_layernorm = test::random_uniform({q_rank}, rng, 0.8f, 1.2f);
+    w.q_b_proj = scaled({heads * qk, q_rank}, q_rank);
+  } else {
+    w.q_proj = scaled({heads * qk, hidden}, hidden);
+  }
+  w.kv_a_proj_with_mqa = scaled({r + w.dims.qk_rope_head_dim, hidden}, hidden);
+  w.kv_a_layernorm = test::random_uniform({r}, rng, 0.8f, 1.2f);
+  w.kv_b_proj = scaled({heads * (w.dims.qk_nope_head_dim + w.dims.v_head_dim), r}, r);
+  w.o_proj = scaled({hidden, heads * w.dims.v_head_dim}, heads * w.dims.v_head_dim);
+  ops::RopeParams rope;
+  rope.type = ops::RopeType::kYarn;
+  rope.rotary_dim = w.dims.qk_rope_head_dim;
+  rope.theta = 50000.0;
+  rope.factor = 4.0;
+  rope.original_max_position_embeddings = 64;
+  w.rope = ops::make_rope_table(rope);
+  w.scale = 0.17f;
+  return w;
+}
+
+// The unsharded block written out with the operators, independently of src/dist, in the
+// un-absorbed form transformers computes (keys and values expanded by kv_b_proj and its LoRA).
+Tensor mla_unsharded(const Tensor& x, const std::vector<int32_t>& slot, const MlaWeights& w,
+                     const std::vector<MlaLora>& lora) {
+  const int64_t t = x.dim(0), heads = w.dims.num_heads, nope = w.dims.qk_nope_head_dim,
+                rope = w.dims.qk_rope_head_dim, dv = w.dims.v_head_dim, r = w.dims.kv_lora_rank;
+  auto proj = [&](const Tensor& in, const Tensor& weight, LoraFactors MlaLora::*member) {
+    Tensor y = ops::linear_ref(in, weight);
+    std::vector<const LoraFactors*> adapters;
+    for (const MlaLora& l : lora)
+      adapters.push_back((l.*member).defined() ? &(l.*member) : nullptr);
+    ops::lora_add_slots_ref(in, slot, adapters, y);
+    return y;
+  };
+  Tensor q;
+  if (w.q_lora_rank > 0) {
+    Tensor latent = proj(x, w.q_a_proj, &MlaLora::q_a_proj);
+    ops::rms_norm_inplace_ref(latent, w.q_a_layernorm, w.norm);
+    q = proj(latent, w.q_b_proj, &MlaLora::q_b_proj);
+  } else {
+    q = proj(x, w.q_proj, &MlaLora::q_proj);
+  }
+  q = q.reshape({t, heads, nope + rope});
+  const Tensor kv_a = proj(x, w.kv_a_proj_with_mqa, &MlaLora::kv_a_proj_with_mqa);
+  Tensor c_kv = Tensor::empty(DType::kF32, {t, r});
+  Tensor k_rope = Tensor::empty(DType::kF32, {t, rope});
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t j = 0; j < r + rope; ++j) {
+      const float value = kv_a.data<float>()[i * (r + rope) + j];
+      if (j < r)
+        c_kv.data<float>()[i * r + j] = value;
+      else
+        k_rope.data<float>()[i * rope + j - r] = value;
+    }
+  ops::rms_norm_inplace_ref(c_kv, w.kv_a_layernorm, w.norm);
+  const Tensor kv = proj(c_kv, w.kv_b_proj, &MlaLora::kv_b_proj);  // [T, n (nope + dv)]
+  Tensor k_nope = Tensor::empty(DType::kF32, {t, heads, nope});
+  Tensor v = Tensor::empty(DType::kF32, {t, heads, dv});
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < nope + dv; ++j) {
+        const float value = kv.data<float>()[(i * heads + h) * (nope + dv) + j];
+        if (j < nope)
+          k_nope.data<float>()[(i * heads + h) * nope + j] = value;
+        else
+          v.data<float>()[(i * heads + h) * dv + j - nope] = value;
+      }
+  std::vector<int64_t> positions(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = i;
+  ops::apply_rope_inplace_ref(q, positions, w.rope, {w.rope_style, nope});
+  ops::apply_rope_inplace_ref(k_rope, positions, w.rope, {w.rope_style, 0});
+  ops::MlaAttentionParams params;
+  params.dims = w.dims;
+  params.softmax_scale = w.scale;
+  const Tensor a = ops::mla_attention_ref(q, k_nope, k_rope, v, params).reshape({t, heads * dv});
+  return proj(a, w.o_proj, &MlaLora::o_proj);
+}
+
+// Heads split over 1, 2, 4 and 8 ranks, with and without the query latent, adapters on every
+// projection (the replicated latents' too) and on some, base tokens among them, in one batch.
+TEST(DistTensorParallel, MlaWithAdaptersEqualsTheUnshardedBlock) {
+  std::mt19937_64 rng(test::test_seed(517));
+  const int64_t hidden = 32, tokens = 9;
+  for (int64_t q_rank : {20, 0}) {
+    SCOPED_TRACE("q_lora_rank " + std::to_string(q_rank));
+    const MlaWeights w = random_mla(rng, q_rank);
+    const int64_t qk_rows = 8 * w.dims.qk_head_dim(), kv_rows = 8 * (16 + 12), r = 24;
+    MlaLora all;
+    if (q_rank > 0) {
+      all.q_a_proj = random_lora(rng, 1, 1, 4, hidden, q_rank, 0.7f);
+      all.q_b_proj = random_lora(rng, 1, 1, 3, q_rank, qk_rows, 1.1f);
+    } else {
+      all.q_proj = random_lora(rng, 1, 1, 4, hidden, qk_rows, 0.9f);
+    }
+    all.kv_a_proj_with_mqa = random_lora(rng, 1, 1, 5, hidden, r + 8, 0.8f);
+    all.kv_b_proj = random_lora(rng, 1, 1, 4, r, kv_rows, 1.2f);
+    all.o_proj = random_lora(rng, 1, 1, 6, 8 * 12, hidden, 0.6f);
+    MlaLora some;  // the split projections only
+    some.kv_b_proj = random_lora(rng, 1, 1, 2, r, kv_rows, 1.0f);
+    some.o_proj = random_lora(rng, 1, 1, 3, 8 * 12, hidden, 1.3f);
+    const std::vector<MlaLora> lora = {all, some};
+    const Tensor x = test::random_normal({tokens, hidden}, rng);
+    std::vector<int32_t> slot(tokens);
+    for (int64_t t = 0; t < tokens; ++t)
+      slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
+    const Tensor expected = mla_unsharded(x, slot, w, lora);
+    const Tensor base = mla_unsharded(x, std::vector<int32_t>(tokens, -1), w, lora);
+    ASSERT_GT(test::max_abs_diff(expected, base), 0.01) << "the adapters change the block";
+
+    for (int tp : {1, 2, 4, 8}) {
+      const std::vector<Tensor> outputs = on_ranks(tp, [&](Communicator& comm) {
+        const ShardSpec me{comm.rank(), comm.size()};
+        std::vector<MlaLora> mine;
+        for (const MlaLora& l : lora) mine.push_back(shard_mla_lora(l, w, me));
+        const MlaWeights shard = shard_mla(w, me);
+        EXPECT_EQ(shard.dims.num_heads, 8 / tp);
+        EXPECT_EQ(shard.kv_b_proj.dim(0), 8 / tp * (16 + 12));
+        EXPECT_EQ(shard.o_proj.dim(1), 8 / tp * 12);
+        if (q_rank > 0) {
+          EXPECT_EQ(shard.q_a_proj.shape(), w.q_a_proj.shape()) << "the query latent is replicated";
+        }
+        return mla_prefill_tp(x, slot, shard, mine, comm);
+      });
+      for (int rk = 0; rk < tp; ++rk) {
+        EXPECT_TRUE(bitwise_equal(outputs[static_cast<size_t>(rk)], outputs[0]))
+            << "tp " << tp << " rank " << rk;
+        EXPECT_TRUE(test::all_close(outputs[static_cast<size_t>(rk)], expected, kAtol, kRtol))
+            << "tp " << tp << " rank " << rk;
+      }
+      if (tp == 1) {
+        EXPECT_TRUE(bitwise_equal(outputs[0], expected));
+      }
+    }
+  }
+  const MlaWeights w = random_mla(rng, 20);
+  expect_error_mentions(
+      [&] {
+        shard_mla(w, {0, 3});
+      },
+      {"MLA heads", "8 is not divisible by 3"});
+  MlaWeights missing = shard_mla(w, {1, 2});
+  missing.kv_b_proj = w.kv_b_proj;  // all 8 heads' rows beside 4 local heads
+  expect_error_mentions(
+      [&] {
+        run_ranks(1, [&](Communicator& comm) {
+          mla_prefill_tp(test::random_normal({2, hidden}, rng), {-1, -1}, missing, {}, comm);
+        });
+      },
+      {"kv_b_proj (the local heads)", "expected [112, 24]", "got [224, 24]"});
 }
 
 // ============================================================================ MoE, EP

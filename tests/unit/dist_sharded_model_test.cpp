@@ -1,7 +1,9 @@
-// A whole model sharded over ranks (dist/sharded_model.h) against the CPU model on the Qwen3-MoE
-// parity fixture and its PEFT adapters of every layout: the logits of every position of a prompt,
-// on every rank, equal model::Model's up to float reassociation, for 1, 2 and 4 ranks (4 ranks:
-// one query head each, the 2 KV heads held by two ranks each) and both MoE combines.
+// A whole model sharded over ranks (dist/sharded_model.h) against the CPU model on the parity
+// fixtures and their PEFT adapters of every layout: the logits of every position of a prompt, on
+// every rank, equal model::Model's up to float reassociation, for 1, 2 and 4 ranks and both MoE
+// combines. Qwen3-MoE (GQA; 4 ranks: one query head each, the 2 KV heads held by two ranks each)
+// and DeepSeek-V3 (MLA with query and KV latents, grouped routing, a dense first layer and a shared
+// expert; 4 ranks: one head each).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -34,11 +36,13 @@ model::Model load_quiet(const fs::path& dir) {
 // Logits of several fp32 layers whose partial sums are added across ranks.
 constexpr float kAtol = 2e-4f, kRtol = 2e-4f;
 
-TEST(DistShardedModel, QwenLogitsEqualTheCpuModelWithEveryAdapterLayout) {
-  model::Model model = load_quiet(fixture("qwen3_moe") / "base");
-  const std::vector<std::string> adapters = {"lora_peft3d", "lora_shared_outer", "lora_per_expert"};
-  for (const std::string& a : adapters) model.load_adapter(a, fixture("qwen3_moe") / a);
-  std::mt19937_64 rng(test::test_seed(521));
+// The fixture `name` with `adapters` loaded: every slot's logits of one random prompt, sharded
+// over every configuration, against model::Model's.
+void expect_sharded_logits_match(const std::string& name, const std::vector<std::string>& adapters,
+                                 uint64_t seed) {
+  model::Model model = load_quiet(fixture(name) / "base");
+  for (const std::string& a : adapters) model.load_adapter(a, fixture(name) / a);
+  std::mt19937_64 rng(test::test_seed(seed));
   std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(model.vocab_size()) - 1);
   std::vector<int32_t> prompt(11);
   for (int32_t& t : prompt) t = id(rng);
@@ -86,14 +90,25 @@ TEST(DistShardedModel, QwenLogitsEqualTheCpuModelWithEveryAdapterLayout) {
   }
 }
 
+TEST(DistShardedModel, QwenLogitsEqualTheCpuModelWithEveryAdapterLayout) {
+  expect_sharded_logits_match("qwen3_moe", {"lora_peft3d", "lora_shared_outer", "lora_per_expert"},
+                              521);
+}
+
+// Adapters on the MLA projections (the replicated q_a / kv_a latents' and the split q_b / kv_b /
+// o_proj), the routed experts in both layouts, the dense first layer and the shared expert.
+TEST(DistShardedModel, DeepSeekV3MlaLogitsEqualTheCpuModelWithEveryAdapterLayout) {
+  expect_sharded_logits_match("deepseek_v3", {"lora_peft3d", "lora_per_expert", "lora_dense_shared"},
+                              523);
+}
+
 TEST(DistShardedModel, UnsupportedArchitecturesAndSplitsAreNamed) {
   const model::Model mla = load_quiet(fixture("deepseek_v3") / "base");
-  EXPECT_TRUE(test::contains(test::error_message(
-                                 [&] {
-                                   ShardedModel sharded(mla, {0, 2});
-                                 },
-                                 ErrorCode::kUnsupported),
-                             "MLA"));
+  // 4 MLA heads over 8 ranks.
+  EXPECT_TRUE(test::contains(test::error_message([&] {
+                               ShardedModel sharded(mla, {0, 8});
+                             }),
+                             "MLA heads"));
   const model::Model qwen = load_quiet(fixture("qwen3_moe") / "base");
   // 4 query heads over 3 ranks.
   EXPECT_TRUE(test::contains(test::error_message([&] {

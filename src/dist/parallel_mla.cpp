@@ -1,0 +1,143 @@
+// Tensor-parallel MLA on the CPU reference operators (parallel_mla.h).
+#include "dist/parallel_mla.h"
+
+#include <cstring>
+#include <numeric>
+#include <string>
+
+#include "core/error.h"
+#include "ops/linear/linear.h"
+#include "ops/lora/lora.h"
+
+namespace moelora::dist {
+
+namespace {
+
+using LoraMember = LoraFactors MlaLora::*;
+
+// y [T, out] = x W^T + the per-token LoRA deltas of member `m` of each slot's adapter.
+Tensor projection(const Tensor& x, const Tensor& w, const std::vector<int32_t>& slot,
+                  const std::vector<MlaLora>& lora, LoraMember m) {
+  Tensor y = ops::linear_ref(x, w);
+  std::vector<const LoraFactors*> adapters;
+  for (const MlaLora& l : lora) adapters.push_back(factors_or_null(l.*m));
+  ops::lora_add_slots_ref(x, slot, adapters, y);
+  return y;
+}
+
+// Columns [begin, begin + width) of each row of a [T, row] tensor, as a new [T, width] tensor.
+Tensor columns(const Tensor& t, int64_t begin, int64_t width) {
+  const int64_t rows = t.dim(0), row = t.dim(1);
+  Tensor out = Tensor::empty(DType::kF32, {rows, width});
+  for (int64_t i = 0; i < rows; ++i)
+    std::memcpy(out.data<float>() + i * width, t.data<float>() + i * row + begin,
+                sizeof(float) * static_cast<size_t>(width));
+  return out;
+}
+
+void check_weight(const Tensor& t, const Shape& shape, const char* name) {
+  MOELORA_CHECK(t.defined(), ErrorCode::kInvalidArgument, "MLA ", name, " is missing");
+  MOELORA_CHECK(t.shape() == shape, ErrorCode::kInvalidArgument, "MLA ", name, ": expected ",
+                shape_str(shape), ", got ", shape_str(t.shape()));
+}
+
+}  // namespace
+
+MlaWeights shard_mla(const MlaWeights& w, ShardSpec tp) {
+  const ShardRange heads = shard_range(w.dims.num_heads, tp, "MLA heads");
+  const int64_t qk = w.dims.qk_head_dim(), kv = w.dims.qk_nope_head_dim + w.dims.v_head_dim,
+                dv = w.dims.v_head_dim;
+  MlaWeights s = w;
+  s.dims.num_heads = heads.size();
+  if (w.q_lora_rank > 0)
+    s.q_b_proj = slice_dim(w.q_b_proj, 0, heads.begin * qk, heads.end * qk, "q_b_proj");
+  else
+    s.q_proj = slice_dim(w.q_proj, 0, heads.begin * qk, heads.end * qk, "q_proj");
+  s.kv_b_proj = slice_dim(w.kv_b_proj, 0, heads.begin * kv, heads.end * kv, "kv_b_proj");
+  s.o_proj = slice_dim(w.o_proj, 1, heads.begin * dv, heads.end * dv, "o_proj");
+  return s;
+}
+
+MlaLora shard_mla_lora(const MlaLora& lora, const MlaWeights& w, ShardSpec tp) {
+  const ShardRange heads = shard_range(w.dims.num_heads, tp, "MLA heads");
+  const int64_t qk = w.dims.qk_head_dim(), kv = w.dims.qk_nope_head_dim + w.dims.v_head_dim,
+                dv = w.dims.v_head_dim;
+  // B's rows of the rank's heads (B [Eb, out, R]), A whole.
+  auto column = [&](const LoraFactors& f, int64_t per_head, const char* what) {
+    if (!f.defined()) return f;
+    return LoraFactors{f.a.clone(),
+                       slice_dim(f.b, 1, heads.begin * per_head, heads.end * per_head,
+                                 std::string(what) + " lora B"),
+                       f.scaling};
+  };
+  auto whole = [](const LoraFactors& f) {
+    return f.defined() ? LoraFactors{f.a.clone(), f.b.clone(), f.scaling} : f;
+  };
+  MlaLora s;
+  s.q_a_proj = whole(lora.q_a_proj);
+  s.kv_a_proj_with_mqa = whole(lora.kv_a_proj_with_mqa);
+  s.q_proj = column(lora.q_proj, qk, "q_proj");
+  s.q_b_proj = column(lora.q_b_proj, qk, "q_b_proj");
+  s.kv_b_proj = column(lora.kv_b_proj, kv, "kv_b_proj");
+  if (lora.o_proj.defined()) {
+    s.o_proj = {slice_dim(lora.o_proj.a, 2, heads.begin * dv, heads.end * dv, "o_proj lora A"),
+                lora.o_proj.b.clone(), lora.o_proj.scaling};
+  }
+  return s;
+}
+
+Tensor mla_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const MlaWeights& shard,
+                      const std::vector<MlaLora>& lora, Communicator& comm) {
+  ops::detail::check_f32(x, 2, "MLA input x");
+  const ops::MlaDims& dims = shard.dims;
+  const int64_t tokens = x.dim(0), hidden = x.dim(1), heads = dims.num_heads,
+                nope = dims.qk_nope_head_dim, rope = dims.qk_rope_head_dim, dv = dims.v_head_dim,
+                rank = dims.kv_lora_rank, qk = dims.qk_head_dim();
+  if (shard.q_lora_rank > 0) {
+    check_weight(shard.q_a_proj, {shard.q_lora_rank, hidden}, "q_a_proj");
+    check_weight(shard.q_a_layernorm, {shard.q_lora_rank}, "q_a_layernorm");
+    check_weight(shard.q_b_proj, {heads * qk, shard.q_lora_rank}, "q_b_proj (the local heads)");
+  } else {
+    check_weight(shard.q_proj, {heads * qk, hidden}, "q_proj (the local heads)");
+  }
+  check_weight(shard.kv_a_proj_with_mqa, {rank + rope, hidden}, "kv_a_proj_with_mqa");
+  check_weight(shard.kv_a_layernorm, {rank}, "kv_a_layernorm");
+  check_weight(shard.kv_b_proj, {heads * (nope + dv), rank}, "kv_b_proj (the local heads)");
+  check_weight(shard.o_proj, {hidden, heads * dv}, "o_proj (the local heads)");
+
+  // Query of the local heads [T, h, nope + rope]; the latent (replicated) the same on every rank.
+  Tensor q;
+  if (shard.q_lora_rank > 0) {
+    Tensor q_latent = projection(x, shard.q_a_proj, slot, lora, &MlaLora::q_a_proj);
+    ops::rms_norm_inplace_ref(q_latent, shard.q_a_layernorm, shard.norm);
+    q = projection(q_latent, shard.q_b_proj, slot, lora, &MlaLora::q_b_proj);
+  } else {
+    q = projection(x, shard.q_proj, slot, lora, &MlaLora::q_proj);
+  }
+  q = q.reshape({tokens, heads, qk});
+  // Replicated [c_kv | k_rope] [T, r + rope]; the local heads' [k_nope | v] from kv_b_proj.
+  const Tensor kv_a =
+      projection(x, shard.kv_a_proj_with_mqa, slot, lora, &MlaLora::kv_a_proj_with_mqa);
+  Tensor c_kv = columns(kv_a, 0, rank);
+  Tensor k_rope = columns(kv_a, rank, rope);
+  ops::rms_norm_inplace_ref(c_kv, shard.kv_a_layernorm, shard.norm);
+  const Tensor kv = projection(c_kv, shard.kv_b_proj, slot, lora, &MlaLora::kv_b_proj)
+                        .reshape({tokens * heads, nope + dv});
+  const Tensor k_nope = columns(kv, 0, nope).reshape({tokens, heads, nope});
+  const Tensor v = columns(kv, nope, dv).reshape({tokens, heads, dv});
+  std::vector<int64_t> positions(static_cast<size_t>(tokens));
+  std::iota(positions.begin(), positions.end(), int64_t{0});
+  ops::apply_rope_inplace_ref(q, positions, shard.rope, {shard.rope_style, nope});
+  ops::apply_rope_inplace_ref(k_rope, positions, shard.rope, {shard.rope_style, 0});
+  ops::MlaAttentionParams params;
+  params.dims = dims;
+  params.softmax_scale = shard.scale;
+  const Tensor attended =
+      ops::mla_attention_ref(q, k_nope, k_rope, v, params).reshape({tokens, heads * dv});
+  // Row-parallel o_proj: this rank's partial sum of the base and its LoRA, reduced once.
+  Tensor out = projection(attended, shard.o_proj, slot, lora, &MlaLora::o_proj);
+  comm.all_reduce_sum({out.data<float>(), static_cast<size_t>(out.numel())});
+  return out;
+}
+
+}  // namespace moelora::dist
