@@ -1,13 +1,13 @@
 // Tensor-parallel GQA attention on the CPU reference operators (parallel_attention.h).
 #include "dist/parallel_attention.h"
 
+#include <cstring>
 #include <numeric>
 #include <string>
 
 #include "core/error.h"
+#include "dist/lora_projection.h"
 #include "ops/attention/attention.h"
-#include "ops/linear/linear.h"
-#include "ops/lora/lora.h"
 
 namespace moelora::dist {
 
@@ -36,26 +36,17 @@ HeadRange head_range(const GqaWeights& w, ShardSpec tp) {
   return r;
 }
 
-// y [T, out] = x W^T + per-token LoRA deltas of `pick(lora[slot])`.
-template <typename Pick>
-Tensor projection(const Tensor& x, const Tensor& w, const std::vector<int32_t>& slot,
-                  const std::vector<GqaLora>& lora, Pick pick) {
-  Tensor y = ops::linear_ref(x, w);
-  std::vector<const LoraFactors*> adapters;
-  for (const GqaLora& l : lora) adapters.push_back(factors_or_null(pick(l)));
-  ops::lora_add_slots_ref(x, slot, adapters, y);
-  return y;
-}
 
 }  // namespace
 
 GqaWeights shard_gqa(const GqaWeights& w, ShardSpec tp) {
   const HeadRange heads = head_range(w, tp);
   const int64_t d = w.head_dim;
+  const int64_t q_rows = d * (w.output_gate ? 2 : 1);  // q_proj rows per query head
   GqaWeights s = w;
   s.num_heads = heads.query.size();
   s.num_kv_heads = heads.kv.size();
-  s.q_proj = slice_dim(w.q_proj, 0, heads.query.begin * d, heads.query.end * d, "q_proj");
+  s.q_proj = slice_dim(w.q_proj, 0, heads.query.begin * q_rows, heads.query.end * q_rows, "q_proj");
   s.k_proj = slice_dim(w.k_proj, 0, heads.kv.begin * d, heads.kv.end * d, "k_proj");
   s.v_proj = slice_dim(w.v_proj, 0, heads.kv.begin * d, heads.kv.end * d, "v_proj");
   s.o_proj = slice_dim(w.o_proj, 1, heads.query.begin * d, heads.query.end * d, "o_proj");
@@ -65,15 +56,16 @@ GqaWeights shard_gqa(const GqaWeights& w, ShardSpec tp) {
 GqaLora shard_gqa_lora(const GqaLora& lora, const GqaWeights& w, ShardSpec tp) {
   const HeadRange heads = head_range(w, tp);
   const int64_t d = w.head_dim;
-  auto column = [&](const LoraFactors& f, ShardRange h, const char* what) {
+  auto column = [&](const LoraFactors& f, ShardRange h, int64_t rows, const char* what) {
     if (!f.defined()) return f;
-    return LoraFactors{f.a.clone(), slice_dim(f.b, 1, h.begin * d, h.end * d, std::string(what) + " lora B"),
+    return LoraFactors{f.a.clone(),
+                       slice_dim(f.b, 1, h.begin * rows, h.end * rows, std::string(what) + " lora B"),
                        f.scaling};
   };
   GqaLora s;
-  s.q = column(lora.q, heads.query, "q_proj");
-  s.k = column(lora.k, heads.kv, "k_proj");
-  s.v = column(lora.v, heads.kv, "v_proj");
+  s.q = column(lora.q, heads.query, d * (w.output_gate ? 2 : 1), "q_proj");
+  s.k = column(lora.k, heads.kv, d, "k_proj");
+  s.v = column(lora.v, heads.kv, d, "v_proj");
   if (lora.o.defined()) {
     s.o = {slice_dim(lora.o.a, 2, heads.query.begin * d, heads.query.end * d, "o_proj lora A"),
            lora.o.b.clone(), lora.o.scaling};
@@ -85,16 +77,28 @@ Tensor gqa_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const G
                       const std::vector<GqaLora>& lora, Communicator& comm) {
   ops::detail::check_f32(x, 2, "attention input x");
   const int64_t tokens = x.dim(0), d = shard.head_dim;
-  MOELORA_CHECK(shard.q_proj.defined() && shard.q_proj.dim(0) == shard.num_heads * d,
-                ErrorCode::kInvalidArgument, "attention q_proj: expected ", shard.num_heads * d,
-                " rows for ", shard.num_heads, " local heads of ", d, ", got ",
+  const int64_t q_rows = d * (shard.output_gate ? 2 : 1);
+  MOELORA_CHECK(shard.q_proj.defined() && shard.q_proj.dim(0) == shard.num_heads * q_rows,
+                ErrorCode::kInvalidArgument, "attention q_proj: expected ", shard.num_heads * q_rows,
+                " rows for ", shard.num_heads, " local heads of ", q_rows, ", got ",
                 shard.q_proj.defined() ? shape_str(shard.q_proj.shape()) : "undefined");
-  // Column-parallel projections of the local heads: [T, h, D].
-  Tensor q = projection(x, shard.q_proj, slot, lora, [](const GqaLora& l) -> const LoraFactors& { return l.q; })
-                 .reshape({tokens, shard.num_heads, d});
-  Tensor k = projection(x, shard.k_proj, slot, lora, [](const GqaLora& l) -> const LoraFactors& { return l.k; })
+  // Column-parallel projections of the local heads: [T, h, D] (and the gate [T, h D]).
+  const Tensor q_out = project_with_lora(x, shard.q_proj, slot, lora, &GqaLora::q);
+  Tensor q, gate;
+  if (shard.output_gate) {
+    q = Tensor::empty(DType::kF32, {tokens, shard.num_heads, d});
+    gate = Tensor::empty(DType::kF32, {tokens, shard.num_heads * d});
+    for (int64_t r = 0; r < tokens * shard.num_heads; ++r) {
+      std::memcpy(q.data<float>() + r * d, q_out.data<float>() + 2 * r * d, sizeof(float) * d);
+      std::memcpy(gate.data<float>() + r * d, q_out.data<float>() + (2 * r + 1) * d,
+                  sizeof(float) * d);
+    }
+  } else {
+    q = q_out.reshape({tokens, shard.num_heads, d});
+  }
+  Tensor k = project_with_lora(x, shard.k_proj, slot, lora, &GqaLora::k)
                  .reshape({tokens, shard.num_kv_heads, d});
-  const Tensor v = projection(x, shard.v_proj, slot, lora, [](const GqaLora& l) -> const LoraFactors& { return l.v; })
+  const Tensor v = project_with_lora(x, shard.v_proj, slot, lora, &GqaLora::v)
                        .reshape({tokens, shard.num_kv_heads, d});
   // Per-head norms and RoPE: each head on its own.
   if (shard.q_norm.defined()) ops::rms_norm_inplace_ref(q, shard.q_norm, shard.norm);
@@ -103,11 +107,15 @@ Tensor gqa_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const G
   std::iota(positions.begin(), positions.end(), int64_t{0});
   ops::apply_rope_inplace_ref(q, positions, shard.rope, shard.rope_apply);
   ops::apply_rope_inplace_ref(k, positions, shard.rope, shard.rope_apply);
-  const Tensor attended =
+  Tensor attended =
       ops::attention_ref(q, k, v, {shard.scale}).reshape({tokens, shard.num_heads * d});
+  if (gate.defined()) {
+    float* o = attended.data<float>();
+    const float* g = gate.data<float>();
+    for (int64_t i = 0; i < attended.numel(); ++i) o[i] *= ops::sigmoid_f32(g[i]);
+  }
   // Row-parallel o_proj: this rank's partial sum of the base and its LoRA, reduced once.
-  Tensor out = projection(attended, shard.o_proj, slot, lora,
-                          [](const GqaLora& l) -> const LoraFactors& { return l.o; });
+  Tensor out = project_with_lora(attended, shard.o_proj, slot, lora, &GqaLora::o);
   comm.all_reduce_sum({out.data<float>(), static_cast<size_t>(out.numel())});
   return out;
 }

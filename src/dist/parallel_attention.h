@@ -1,11 +1,13 @@
-// Grouped-query attention (Qwen3-MoE's, the full-attention layers of Qwen3.5 without the output
+// Grouped-query attention (Qwen3-MoE's, and Qwen3.5's full-attention layers with their output
 // gate) in tensor parallelism over n ranks, on the CPU reference operators and a Communicator.
 //
-//   q_proj [Hq D, H], k_proj / v_proj [Hkv D, H]: column-parallel by heads. Rank r holds query
+//   q_proj [Hq D, H] (with the output gate [Hq 2D, H], per head [q (D) | gate (D)]), k_proj /
+//     v_proj [Hkv D, H]: column-parallel by heads. Rank r holds query
 //     heads [r Hq / n, (r + 1) Hq / n) and the KV heads they read: Hkv / n of them when n divides
 //     Hkv, else (n a multiple of Hkv, more ranks than KV heads) the one KV head of its query heads,
 //     held alike by the n / Hkv ranks that share it (as vLLM replicates KV heads).
-//   q_norm / k_norm (per-head RMSNorm over D) and RoPE act per head: no communication.
+//   q_norm / k_norm (per-head RMSNorm over D), RoPE (all of D or its first rotary_dim) and the
+//   output gate (out * sigmoid(gate) per head, before o_proj) act per head: no communication.
 //   o_proj [H, Hq D]: row-parallel by the same query heads; one all-reduce of [T, H].
 //   LoRA: q / k / v B split like their rows (A whole), o A split like its columns (B whole).
 //
@@ -27,7 +29,8 @@ namespace moelora::dist {
 
 struct GqaWeights {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  Tensor q_proj, k_proj, v_proj, o_proj;  // F32 [Hq D, H], [Hkv D, H], [Hkv D, H], [H, Hq D]
+  bool output_gate = false;               // Qwen3.5: q_proj rows per head [q | gate]
+  Tensor q_proj, k_proj, v_proj, o_proj;  // F32 [Hq D (x2), H], [Hkv D, H], [Hkv D, H], [H, Hq D]
   Tensor q_norm, k_norm;                  // F32 [D] or undefined (no per-head norm)
   ops::RmsNormParams norm;
   ops::RopeTable rope;

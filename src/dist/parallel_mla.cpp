@@ -6,24 +6,11 @@
 #include <string>
 
 #include "core/error.h"
-#include "ops/linear/linear.h"
-#include "ops/lora/lora.h"
+#include "dist/lora_projection.h"
 
 namespace moelora::dist {
 
 namespace {
-
-using LoraMember = LoraFactors MlaLora::*;
-
-// y [T, out] = x W^T + the per-token LoRA deltas of member `m` of each slot's adapter.
-Tensor projection(const Tensor& x, const Tensor& w, const std::vector<int32_t>& slot,
-                  const std::vector<MlaLora>& lora, LoraMember m) {
-  Tensor y = ops::linear_ref(x, w);
-  std::vector<const LoraFactors*> adapters;
-  for (const MlaLora& l : lora) adapters.push_back(factors_or_null(l.*m));
-  ops::lora_add_slots_ref(x, slot, adapters, y);
-  return y;
-}
 
 // Columns [begin, begin + width) of each row of a [T, row] tensor, as a new [T, width] tensor.
 Tensor columns(const Tensor& t, int64_t begin, int64_t width) {
@@ -59,30 +46,19 @@ MlaWeights shard_mla(const MlaWeights& w, ShardSpec tp) {
 }
 
 MlaLora shard_mla_lora(const MlaLora& lora, const MlaWeights& w, ShardSpec tp) {
-  const ShardRange heads = shard_range(w.dims.num_heads, tp, "MLA heads");
-  const int64_t qk = w.dims.qk_head_dim(), kv = w.dims.qk_nope_head_dim + w.dims.v_head_dim,
-                dv = w.dims.v_head_dim;
-  // B's rows of the rank's heads (B [Eb, out, R]), A whole.
-  auto column = [&](const LoraFactors& f, int64_t per_head, const char* what) {
-    if (!f.defined()) return f;
-    return LoraFactors{f.a.clone(),
-                       slice_dim(f.b, 1, heads.begin * per_head, heads.end * per_head,
-                                 std::string(what) + " lora B"),
-                       f.scaling};
-  };
+  shard_range(w.dims.num_heads, tp, "MLA heads");  // the heads divide evenly
+  // Every split projection's rows (q_b / q_proj / kv_b) and o_proj's columns are the heads' blocks
+  // in head order, so an even split of them is the split by heads.
   auto whole = [](const LoraFactors& f) {
     return f.defined() ? LoraFactors{f.a.clone(), f.b.clone(), f.scaling} : f;
   };
   MlaLora s;
   s.q_a_proj = whole(lora.q_a_proj);
   s.kv_a_proj_with_mqa = whole(lora.kv_a_proj_with_mqa);
-  s.q_proj = column(lora.q_proj, qk, "q_proj");
-  s.q_b_proj = column(lora.q_b_proj, qk, "q_b_proj");
-  s.kv_b_proj = column(lora.kv_b_proj, kv, "kv_b_proj");
-  if (lora.o_proj.defined()) {
-    s.o_proj = {slice_dim(lora.o_proj.a, 2, heads.begin * dv, heads.end * dv, "o_proj lora A"),
-                lora.o_proj.b.clone(), lora.o_proj.scaling};
-  }
+  s.q_proj = shard_lora_column(lora.q_proj, tp, "q_proj");
+  s.q_b_proj = shard_lora_column(lora.q_b_proj, tp, "q_b_proj");
+  s.kv_b_proj = shard_lora_column(lora.kv_b_proj, tp, "kv_b_proj");
+  s.o_proj = shard_lora_row(lora.o_proj, tp, "o_proj");
   return s;
 }
 
@@ -108,20 +84,20 @@ Tensor mla_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
   // Query of the local heads [T, h, nope + rope]; the latent (replicated) the same on every rank.
   Tensor q;
   if (shard.q_lora_rank > 0) {
-    Tensor q_latent = projection(x, shard.q_a_proj, slot, lora, &MlaLora::q_a_proj);
+    Tensor q_latent = project_with_lora(x, shard.q_a_proj, slot, lora, &MlaLora::q_a_proj);
     ops::rms_norm_inplace_ref(q_latent, shard.q_a_layernorm, shard.norm);
-    q = projection(q_latent, shard.q_b_proj, slot, lora, &MlaLora::q_b_proj);
+    q = project_with_lora(q_latent, shard.q_b_proj, slot, lora, &MlaLora::q_b_proj);
   } else {
-    q = projection(x, shard.q_proj, slot, lora, &MlaLora::q_proj);
+    q = project_with_lora(x, shard.q_proj, slot, lora, &MlaLora::q_proj);
   }
   q = q.reshape({tokens, heads, qk});
   // Replicated [c_kv | k_rope] [T, r + rope]; the local heads' [k_nope | v] from kv_b_proj.
   const Tensor kv_a =
-      projection(x, shard.kv_a_proj_with_mqa, slot, lora, &MlaLora::kv_a_proj_with_mqa);
+      project_with_lora(x, shard.kv_a_proj_with_mqa, slot, lora, &MlaLora::kv_a_proj_with_mqa);
   Tensor c_kv = columns(kv_a, 0, rank);
   Tensor k_rope = columns(kv_a, rank, rope);
   ops::rms_norm_inplace_ref(c_kv, shard.kv_a_layernorm, shard.norm);
-  const Tensor kv = projection(c_kv, shard.kv_b_proj, slot, lora, &MlaLora::kv_b_proj)
+  const Tensor kv = project_with_lora(c_kv, shard.kv_b_proj, slot, lora, &MlaLora::kv_b_proj)
                         .reshape({tokens * heads, nope + dv});
   const Tensor k_nope = columns(kv, 0, nope).reshape({tokens, heads, nope});
   const Tensor v = columns(kv, nope, dv).reshape({tokens, heads, dv});
@@ -135,7 +111,7 @@ Tensor mla_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
   const Tensor attended =
       ops::mla_attention_ref(q, k_nope, k_rope, v, params).reshape({tokens, heads * dv});
   // Row-parallel o_proj: this rank's partial sum of the base and its LoRA, reduced once.
-  Tensor out = projection(attended, shard.o_proj, slot, lora, &MlaLora::o_proj);
+  Tensor out = project_with_lora(attended, shard.o_proj, slot, lora, &MlaLora::o_proj);
   comm.all_reduce_sum({out.data<float>(), static_cast<size_t>(out.numel())});
   return out;
 }

@@ -64,6 +64,35 @@ Tensor slice_dim(const Tensor& t, int dim, int64_t begin, int64_t end, const std
   return out;
 }
 
+Tensor slice_ranges(const Tensor& t, int dim, const std::vector<ShardRange>& ranges,
+                    const std::string& what) {
+  MOELORA_CHECK(!ranges.empty(), ErrorCode::kInvalidArgument, what, ": no ranges to slice");
+  std::vector<Tensor> parts;
+  int64_t total = 0;
+  for (const ShardRange& r : ranges) {
+    parts.push_back(slice_dim(t, dim, r.begin, r.end, what));
+    total += r.size();
+  }
+  // Each part as [outer, size, inner]; the result [outer, total, inner] takes them side by side.
+  int64_t outer = 1;
+  for (int d = 0; d < dim; ++d) outer *= t.dim(d);
+  Shape shape = t.shape();
+  shape[static_cast<size_t>(dim)] = total;
+  Tensor out = Tensor::empty(t.dtype(), shape);
+  auto* dst = static_cast<uint8_t*>(out.raw_data());
+  const size_t out_block = static_cast<size_t>(out.nbytes() / std::max<int64_t>(outer, 1));
+  size_t offset = 0;
+  for (const Tensor& part : parts) {
+    const size_t block = static_cast<size_t>(part.nbytes() / std::max<int64_t>(outer, 1));
+    const auto* src = static_cast<const uint8_t*>(part.raw_data());
+    for (int64_t o = 0; o < outer; ++o)
+      std::memcpy(dst + static_cast<size_t>(o) * out_block + offset,
+                  src + static_cast<size_t>(o) * block, block);
+    offset += block;
+  }
+  return out;
+}
+
 LoraFactors shard_lora_column(const LoraFactors& f, ShardSpec shard, const std::string& what) {
   if (!f.defined()) return f;
   return {f.a.clone(), shard_dim(f.b, 1, shard, what + " lora B"), f.scaling};

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/lora.h"
 #include "core/tensor.h"
@@ -48,6 +49,11 @@ Tensor shard_dim(const Tensor& t, int dim, ShardSpec shard, const std::string& w
 // Items [begin, end) of dimension `dim` of `t`, as a new contiguous tensor (a block that several
 // ranks hold alike, such as a KV head when there are more ranks than KV heads).
 Tensor slice_dim(const Tensor& t, int dim, int64_t begin, int64_t end, const std::string& what);
+
+// The items of several [begin, end) ranges of dimension `dim` of `t`, concatenated in order: the
+// share of a tensor whose rows are blocks laid end to end (Gated DeltaNet's [q | k | v] channels).
+Tensor slice_ranges(const Tensor& t, int dim, const std::vector<ShardRange>& ranges,
+                    const std::string& what);
 
 // LoRA factors of a column-parallel weight (B split on out), of a row-parallel weight (A split on
 // in), and of expert-parallel weights (per-expert factors split on experts, shared-outer whole).

@@ -27,9 +27,6 @@ LoraFactors owned(const LoraFactors* f) {
 ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options)
     : model_(model), shard_(shard), options_(options) {
   const io::ModelConfig& config = model.config();
-  MOELORA_CHECK(!config.attention_output_gate, ErrorCode::kUnsupported, "sharded model: ",
-                config.model_type,
-                " uses gated attention (Qwen3.5), which has no tensor-parallel split yet");
   norm_ = {config.rms_norm_eps, config.norm_style};
   const model::ModelWeightsF32& w = model.weights();
   const model::AdapterSet& adapters = model.adapters();
@@ -37,13 +34,13 @@ ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const Sha
   const ops::RopeTable rope = ops::make_rope_table(rope_params);
   for (int64_t l = 0; l < model.num_layers(); ++l) {
     const model::LayerWeightsF32& src = w.layers[static_cast<size_t>(l)];
-    MOELORA_CHECK(!src.is_linear_attention, ErrorCode::kUnsupported, "sharded model: layer ", l,
-                  " is a Gated DeltaNet layer, which has no tensor-parallel split yet");
     Layer layer;
     layer.input_layernorm = src.input_layernorm;
     layer.post_attention_layernorm = src.post_attention_layernorm;
 
-    if (config.use_mla)
+    if (src.is_linear_attention)
+      shard_gdn_layer(layer, src.linear_attn, l);
+    else if (config.use_mla)
       shard_mla_layer(layer, src.attention, l, rope, rope_params);
     else
       shard_gqa_layer(layer, src.attention, l, rope);
@@ -71,6 +68,7 @@ void ShardedModel::shard_gqa_layer(Layer& layer, const model::AttentionWeightsF3
   attention.num_heads = config.num_attention_heads;
   attention.num_kv_heads = config.num_key_value_heads;
   attention.head_dim = config.head_dim;
+  attention.output_gate = config.attention_output_gate;
   attention.q_proj = src.q_proj;
   attention.k_proj = src.k_proj;
   attention.v_proj = src.v_proj;
@@ -123,6 +121,33 @@ void ShardedModel::shard_mla_layer(Layer& layer, const model::AttentionWeightsF3
   }
 }
 
+void ShardedModel::shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src,
+                                   int64_t l) {
+  const model::AdapterSet& adapters = model_.adapters();
+  GdnLayer gdn;
+  gdn.shape = model::linear_attention_shape(model_.config());
+  gdn.weights.in_proj_qkv = src.in_proj_qkv;
+  gdn.weights.in_proj_z = src.in_proj_z;
+  gdn.weights.in_proj_b = src.in_proj_b;
+  gdn.weights.in_proj_a = src.in_proj_a;
+  gdn.weights.conv1d = src.conv1d;
+  gdn.weights.a_log = src.a_log;
+  gdn.weights.dt_bias = src.dt_bias;
+  gdn.weights.norm = src.norm;
+  gdn.weights.out_proj = src.out_proj;
+  layer.is_linear_attention = true;
+  layer.gdn = shard_gdn(gdn, shard_);
+  const auto qkv = adapters.target(l, &io::LayerLora::in_proj_qkv),
+             z = adapters.target(l, &io::LayerLora::in_proj_z),
+             b = adapters.target(l, &io::LayerLora::in_proj_b),
+             a = adapters.target(l, &io::LayerLora::in_proj_a),
+             out = adapters.target(l, &io::LayerLora::out_proj);
+  for (int32_t s = 0; s < adapters.size(); ++s) {
+    const GdnLora full{owned(qkv[s]), owned(z[s]), owned(b[s]), owned(a[s]), owned(out[s])};
+    layer.gdn_lora.push_back(shard_gdn_lora(full, gdn, shard_));
+  }
+}
+
 Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slot, Communicator& comm) const {
   MOELORA_CHECK(comm.size() == shard_.size && comm.rank() == shard_.rank, ErrorCode::kInvalidArgument,
                 "sharded model: cut for rank ", shard_.rank, " of ", shard_.size, " but run on rank ",
@@ -136,9 +161,12 @@ Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slo
   Tensor x = ops::embedding_ref(model_.weights().embed_tokens, tokens);  // [T, H]
   for (const Layer& layer : layers_) {
     Tensor h = ops::rms_norm_ref(x, layer.input_layernorm, norm_);
-    add_inplace(x, model_.config().use_mla
-                       ? mla_prefill_tp(h, slots, layer.mla, layer.mla_lora, comm)
-                       : gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm));
+    if (layer.is_linear_attention)
+      add_inplace(x, gdn_prefill_tp(h, slots, layer.gdn, layer.gdn_lora, comm));
+    else if (model_.config().use_mla)
+      add_inplace(x, mla_prefill_tp(h, slots, layer.mla, layer.mla_lora, comm));
+    else
+      add_inplace(x, gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm));
     h = ops::rms_norm_ref(x, layer.post_attention_layernorm, norm_);
     add_inplace(x, layer.is_moe
                        ? moe_forward_ep(h, slots, layer.moe, layer.moe_lora, options_.moe_combine, comm)

@@ -4,16 +4,16 @@
 //
 // Split (n ranks, one group for TP and EP as the anchor serves Qwen3.5 TP4 / EP4):
 //   embedding, norms, router: whole on every rank;
-//   attention: GQA heads tensor parallel (parallel_attention.h), MLA heads tensor parallel with
-//     the query and KV latents replicated (parallel_mla.h);
+//   attention: GQA heads tensor parallel, Qwen3.5's output gate with its heads
+//     (parallel_attention.h), MLA heads tensor parallel with the query and KV latents replicated
+//     (parallel_mla.h), Gated DeltaNet key and value heads tensor parallel (parallel_gdn.h);
 //   dense MLP layers and the shared expert: tensor parallel; routed experts: expert parallel with
 //   the pair rows combined exactly (MoeCombine::kPairRows) or per-rank partial sums;
 //   lm_head: vocab parallel (rows [r V / n, (r + 1) V / n)), logits all-gathered.
 // Every adapter slot of the model is cut to the rank's share at construction.
 //
-// Supported: Qwen3-MoE (GQA without the output gate) and DeepSeek-V3 / Kimi-K2 (MLA), with their
-// MoE and dense layers. Qwen3.5's gated attention and Gated DeltaNet layers are kUnsupported by
-// name.
+// Supported: Qwen3-MoE (GQA), Qwen3.5-MoE (gated GQA and Gated DeltaNet layers) and DeepSeek-V3 /
+// Kimi-K2 (MLA), with their MoE and dense layers.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +23,7 @@
 #include "core/tensor.h"
 #include "dist/communicator.h"
 #include "dist/parallel_attention.h"
+#include "dist/parallel_gdn.h"
 #include "dist/parallel_layers.h"
 #include "dist/parallel_mla.h"
 #include "dist/shard.h"
@@ -55,6 +56,9 @@ class ShardedModel {
     std::vector<GqaLora> attention_lora;  // per slot
     MlaWeights mla;                       // MLA models (use_mla)
     std::vector<MlaLora> mla_lora;        // per slot
+    bool is_linear_attention = false;     // Qwen3.5 Gated DeltaNet layer
+    GdnLayer gdn;
+    std::vector<GdnLora> gdn_lora;  // per slot
     bool is_moe = false;
     MoeShard moe;
     std::vector<MoeLora> moe_lora;  // per slot
@@ -67,6 +71,7 @@ class ShardedModel {
                        const ops::RopeTable& rope);
   void shard_mla_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
                        const ops::RopeTable& rope, const ops::RopeParams& rope_params);
+  void shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src, int64_t l);
 
   const model::Model& model_;
   ShardSpec shard_;

@@ -15,10 +15,12 @@
 
 #include "dist/communicator.h"
 #include "dist/parallel_attention.h"
+#include "dist/parallel_gdn.h"
 #include "dist/parallel_layers.h"
 #include "dist/parallel_mla.h"
 #include "dist/shard.h"
 #include "ops/attention/attention.h"
+#include "ops/gdn/gdn.h"
 #include "ops/linear/linear.h"
 #include "ops/lora/lora.h"
 #include "ops/moe/moe.h"
@@ -154,23 +156,27 @@ TEST(DistTensorParallel, MlpWithAdaptersEqualsTheUnshardedMlp) {
 
 // ============================================================================ GQA attention, TP
 
-GqaWeights random_gqa(std::mt19937_64& rng, int64_t heads, int64_t kv_heads) {
+// Qwen3.5's full attention when `gated`: q_proj rows per head [q | gate], RoPE on the first quarter
+// of each head, (1 + w) norms.
+GqaWeights random_gqa(std::mt19937_64& rng, int64_t heads, int64_t kv_heads, bool gated = false) {
   GqaWeights w;
   const int64_t hidden = 32, d = 16;
   w.num_heads = heads;
   w.num_kv_heads = kv_heads;
   w.head_dim = d;
+  w.output_gate = gated;
   const float sh = 1.0f / std::sqrt(static_cast<float>(hidden));
-  w.q_proj = test::random_normal({heads * d, hidden}, rng, sh);
+  w.q_proj = test::random_normal({heads * d * (gated ? 2 : 1), hidden}, rng, sh);
   w.k_proj = test::random_normal({kv_heads * d, hidden}, rng, sh);
   w.v_proj = test::random_normal({kv_heads * d, hidden}, rng, sh);
   w.o_proj = test::random_normal({hidden, heads * d}, rng, 1.0f / std::sqrt(float(heads * d)));
   w.q_norm = test::random_uniform({d}, rng, 0.8f, 1.2f);
   w.k_norm = test::random_uniform({d}, rng, 0.8f, 1.2f);
   ops::RopeParams rope;
-  rope.rotary_dim = d;
+  rope.rotary_dim = gated ? d / 4 : d;
   rope.theta = 10000.0;
   w.rope = ops::make_rope_table(rope);
+  if (gated) w.norm.style = NormStyle::kOnePlusWeight;
   return w;
 }
 
@@ -186,7 +192,15 @@ Tensor gqa_unsharded(const Tensor& x, const std::vector<int32_t>& slot, const Gq
     ops::lora_add_slots_ref(in, slot, adapters, y);
     return y;
   };
-  Tensor q = proj(x, w.q_proj, &GqaLora::q).reshape({t, w.num_heads, d});
+  const Tensor q_out = proj(x, w.q_proj, &GqaLora::q);
+  Tensor q = Tensor::empty(DType::kF32, {t, w.num_heads, d});
+  Tensor gate = Tensor::empty(DType::kF32, {t, w.num_heads, d});
+  const int64_t per_head = w.output_gate ? 2 * d : d;
+  for (int64_t i = 0; i < t * w.num_heads; ++i)
+    for (int64_t j = 0; j < d; ++j) {
+      q.data<float>()[i * d + j] = q_out.data<float>()[i * per_head + j];
+      if (w.output_gate) gate.data<float>()[i * d + j] = q_out.data<float>()[i * per_head + d + j];
+    }
   Tensor k = proj(x, w.k_proj, &GqaLora::k).reshape({t, w.num_kv_heads, d});
   Tensor v = proj(x, w.v_proj, &GqaLora::v).reshape({t, w.num_kv_heads, d});
   ops::rms_norm_inplace_ref(q, w.q_norm, w.norm);
@@ -195,23 +209,31 @@ Tensor gqa_unsharded(const Tensor& x, const std::vector<int32_t>& slot, const Gq
   for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = i;
   ops::apply_rope_inplace_ref(q, positions, w.rope, {});
   ops::apply_rope_inplace_ref(k, positions, w.rope, {});
-  const Tensor a = ops::attention_ref(q, k, v, {}).reshape({t, w.num_heads * d});
+  Tensor a = ops::attention_ref(q, k, v, {}).reshape({t, w.num_heads * d});
+  if (w.output_gate)
+    for (int64_t i = 0; i < a.numel(); ++i)
+      a.data<float>()[i] *= 1.0f / (1.0f + std::exp(-gate.data<float>()[i]));
   return proj(a, w.o_proj, &GqaLora::o);
 }
 
 // Heads split over 1, 2 and 4 ranks (KV heads split too) and over 8 ranks (more ranks than the 4
 // KV heads: each KV head on two ranks), adapters on q / k / v / o in one mixed batch.
-TEST(DistTensorParallel, GqaAttentionWithAdaptersEqualsTheUnshardedBlock) {
-  std::mt19937_64 rng(test::test_seed(513));
-  const GqaWeights w = random_gqa(rng, 8, 4);
-  const int64_t hidden = 32, qd = 8 * 16, kvd = 4 * 16;
+// Qwen3-MoE's attention and Qwen3.5's gated one (q_proj rows [q | gate] per head, partial RoPE).
+class DistGqaTensorParallel : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DistGqaTensorParallel, AttentionWithAdaptersEqualsTheUnshardedBlock) {
+  const bool gated = GetParam();
+  std::mt19937_64 rng(test::test_seed(gated ? 514 : 513));
+  const GqaWeights w = random_gqa(rng, 8, 4, gated);
+  const int64_t hidden = 32, qd = 8 * 16 * (gated ? 2 : 1), kvd = 4 * 16;
   GqaLora all{
       random_lora(rng, 1, 1, 4, hidden, qd, 0.8f), random_lora(rng, 1, 1, 3, hidden, kvd, 0.9f),
-      random_lora(rng, 1, 1, 5, hidden, kvd, 1.1f), random_lora(rng, 1, 1, 4, qd, hidden, 1.2f)};
+      random_lora(rng, 1, 1, 5, hidden, kvd, 1.1f),
+      random_lora(rng, 1, 1, 4, 8 * 16, hidden, 1.2f)};
   GqaLora q_and_o{random_lora(rng, 1, 1, 2, hidden, qd, 1.0f),
                   {},
                   {},
-                  random_lora(rng, 1, 1, 6, qd, hidden, 0.6f)};
+                  random_lora(rng, 1, 1, 6, 8 * 16, hidden, 0.6f)};
   const std::vector<GqaLora> lora = {all, q_and_o};
   const int64_t tokens = 10;
   const Tensor x = test::random_normal({tokens, hidden}, rng);
@@ -253,6 +275,11 @@ TEST(DistTensorParallel, GqaAttentionWithAdaptersEqualsTheUnshardedBlock) {
       },
       {"4 KV heads over 6 ranks"});
 }
+
+INSTANTIATE_TEST_SUITE_P(DistTensorParallel, DistGqaTensorParallel, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("GatedQwen35") : std::string("Qwen3");
+                         });
 
 // ============================================================================ MLA, TP
 
@@ -418,6 +445,100 @@ TEST(DistTensorParallel, MlaWithAdaptersEqualsTheUnshardedBlock) {
         });
       },
       {"kv_b_proj (the local heads)", "expected [112, 24]", "got [224, 24]"});
+}
+
+// ============================================================================ Gated DeltaNet, TP
+
+// A small Qwen3.5 linear-attention layer: 4 key heads of 8, 8 value heads of 6, conv kernel 4.
+GdnLayer random_gdn(std::mt19937_64& rng) {
+  GdnLayer l;
+  l.shape = {32, 4, 8, 8, 6, 4, 1e-6};
+  const ops::GdnShape& s = l.shape;
+  const float sh = 1.0f / std::sqrt(static_cast<float>(s.hidden));
+  l.weights.in_proj_qkv = test::random_normal({s.conv_dim(), s.hidden}, rng, sh);
+  l.weights.in_proj_z = test::random_normal({s.value_dim(), s.hidden}, rng, sh);
+  l.weights.in_proj_b = test::random_normal({s.num_v_heads, s.hidden}, rng, sh);
+  l.weights.in_proj_a = test::random_normal({s.num_v_heads, s.hidden}, rng, sh);
+  l.weights.conv1d = test::random_normal({s.conv_dim(), s.conv_kernel}, rng, 0.5f);
+  l.weights.a_log = test::random_uniform({s.num_v_heads}, rng, -1.0f, 0.5f);
+  l.weights.dt_bias = test::random_uniform({s.num_v_heads}, rng, -0.5f, 0.5f);
+  l.weights.norm = test::random_uniform({s.head_v_dim}, rng, 0.8f, 1.2f);
+  l.weights.out_proj =
+      test::random_normal({s.hidden, s.value_dim()}, rng, 1.0f / std::sqrt(float(s.value_dim())));
+  return l;
+}
+
+// The unsharded layer written out with the operators, independently of src/dist.
+Tensor gdn_unsharded(const Tensor& x, const std::vector<int32_t>& slot, const GdnLayer& l,
+                     const std::vector<GdnLora>& lora) {
+  auto proj = [&](const Tensor& in, const Tensor& weight, LoraFactors GdnLora::*member) {
+    Tensor y = ops::linear_ref(in, weight);
+    std::vector<const LoraFactors*> adapters;
+    for (const GdnLora& a : lora)
+      adapters.push_back((a.*member).defined() ? &(a.*member) : nullptr);
+    ops::lora_add_slots_ref(in, slot, adapters, y);
+    return y;
+  };
+  ops::GdnState state = ops::GdnState::zeros(l.shape);
+  const Tensor mixed = ops::gdn_mix_ref(
+      proj(x, l.weights.in_proj_qkv, &GdnLora::in_proj_qkv),
+      proj(x, l.weights.in_proj_z, &GdnLora::in_proj_z),
+      proj(x, l.weights.in_proj_b, &GdnLora::in_proj_b),
+      proj(x, l.weights.in_proj_a, &GdnLora::in_proj_a), l.weights, l.shape, state, true);
+  return proj(mixed, l.weights.out_proj, &GdnLora::out_proj);
+}
+
+// Key and value heads split over 1, 2 and 4 ranks, adapters on all five projections and on some,
+// base tokens among them; the base tokens alone also against the whole-layer reference.
+TEST(DistTensorParallel, GatedDeltaNetWithAdaptersEqualsTheUnshardedLayer) {
+  std::mt19937_64 rng(test::test_seed(519));
+  const GdnLayer l = random_gdn(rng);
+  const ops::GdnShape& s = l.shape;
+  const int64_t h = s.hidden, nv = s.num_v_heads, vd = s.value_dim();
+  GdnLora all{random_lora(rng, 1, 1, 4, h, s.conv_dim(), 0.9f),
+              random_lora(rng, 1, 1, 3, h, vd, 1.1f), random_lora(rng, 1, 1, 2, h, nv, 1.3f),
+              random_lora(rng, 1, 1, 5, h, nv, 0.7f), random_lora(rng, 1, 1, 4, vd, h, 1.2f)};
+  GdnLora qkv_and_out{random_lora(rng, 1, 1, 6, h, s.conv_dim(), 1.0f), {}, {}, {},
+                      random_lora(rng, 1, 1, 3, vd, h, 0.8f)};
+  const std::vector<GdnLora> lora = {all, qkv_and_out};
+  const int64_t tokens = 11;  // the chunked rule over part of a chunk, the conv past its width
+  const Tensor x = test::random_normal({tokens, h}, rng);
+  std::vector<int32_t> slot(tokens);
+  for (int64_t t = 0; t < tokens; ++t)
+    slot[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3) - 1;
+  const std::vector<int32_t> base_slots(tokens, -1);
+  const Tensor expected = gdn_unsharded(x, slot, l, lora);
+  const Tensor base = gdn_unsharded(x, base_slots, l, lora);
+  ASSERT_GT(test::max_abs_diff(expected, base), 0.01) << "the adapters change the layer";
+  ops::GdnState whole_state = ops::GdnState::zeros(s);
+  const Tensor whole_layer = ops::gdn_forward_ref(x, l.weights, s, whole_state, true);
+  ASSERT_TRUE(test::all_close(base, whole_layer, kAtol, kRtol)) << "the test's layer is the op's";
+
+  for (int tp : {1, 2, 4}) {
+    std::vector<Tensor> with_lora(static_cast<size_t>(tp)), base_only(static_cast<size_t>(tp));
+    run_ranks(tp, [&](Communicator& comm) {
+      const ShardSpec me{comm.rank(), comm.size()};
+      std::vector<GdnLora> mine;
+      for (const GdnLora& a : lora) mine.push_back(shard_gdn_lora(a, l, me));
+      const GdnLayer shard = shard_gdn(l, me);
+      EXPECT_EQ(shard.shape.num_k_heads, 4 / tp);
+      EXPECT_EQ(shard.shape.num_v_heads, 8 / tp);
+      EXPECT_EQ(shard.weights.in_proj_qkv.dim(0), shard.shape.conv_dim());
+      EXPECT_EQ(shard.weights.out_proj.dim(1), shard.shape.value_dim());
+      const auto r = static_cast<size_t>(comm.rank());
+      with_lora[r] = gdn_prefill_tp(x, slot, shard, mine, comm);
+      base_only[r] = gdn_prefill_tp(x, base_slots, shard, mine, comm);
+    });
+    for (int r = 0; r < tp; ++r) {
+      const auto i = static_cast<size_t>(r);
+      EXPECT_TRUE(bitwise_equal(with_lora[i], with_lora[0])) << "tp " << tp << " rank " << r;
+      EXPECT_TRUE(test::all_close(with_lora[i], expected, kAtol, kRtol)) << "tp " << tp << " rank " << r;
+      EXPECT_TRUE(test::all_close(base_only[i], whole_layer, kAtol, kRtol))
+          << "tp " << tp << " rank " << r << ", base tokens";
+    }
+  }
+  expect_error_mentions([&] { shard_gdn(l, {0, 8}); },
+                        {"Gated DeltaNet key heads", "4 is not divisible by 8"});
 }
 
 // ============================================================================ MoE, EP

@@ -1,9 +1,9 @@
 // A whole model sharded over ranks (dist/sharded_model.h) against the CPU model on the parity
 // fixtures and their PEFT adapters of every layout: the logits of every position of a prompt, on
 // every rank, equal model::Model's up to float reassociation, for 1, 2 and 4 ranks and both MoE
-// combines. Qwen3-MoE (GQA; 4 ranks: one query head each, the 2 KV heads held by two ranks each)
-// and DeepSeek-V3 (MLA with query and KV latents, grouped routing, a dense first layer and a shared
-// expert; 4 ranks: one head each).
+// combines. Qwen3-MoE (GQA; 4 ranks: one query head each, the 2 KV heads held by two ranks each),
+// DeepSeek-V3 (MLA with query and KV latents, grouped routing, a dense first layer and a shared
+// expert; 4 ranks: one head each) and Qwen3.5-MoE (Gated DeltaNet and gated attention; 2 ranks).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -39,7 +39,7 @@ constexpr float kAtol = 2e-4f, kRtol = 2e-4f;
 // The fixture `name` with `adapters` loaded: every slot's logits of one random prompt, sharded
 // over every configuration, against model::Model's.
 void expect_sharded_logits_match(const std::string& name, const std::vector<std::string>& adapters,
-                                 uint64_t seed) {
+                                 uint64_t seed, int max_ranks = 4) {
   model::Model model = load_quiet(fixture(name) / "base");
   for (const std::string& a : adapters) model.load_adapter(a, fixture(name) / a);
   std::mt19937_64 rng(test::test_seed(seed));
@@ -68,6 +68,7 @@ void expect_sharded_logits_match(const std::string& name, const std::vector<std:
       {4, {MoeCombine::kPartialSums, SharedExpertSplit::kReplicated}},
   };
   for (const Config& c : configs) {
+    if (c.ranks > max_ranks) continue;
     std::vector<std::vector<Tensor>> logits(static_cast<size_t>(c.ranks));
     run_ranks(c.ranks, [&](Communicator& comm) {
       const ShardedModel sharded(model, {comm.rank(), comm.size()}, c.options);
@@ -102,6 +103,13 @@ TEST(DistShardedModel, DeepSeekV3MlaLogitsEqualTheCpuModelWithEveryAdapterLayout
                               523);
 }
 
+// Gated DeltaNet layers (adapters on in_proj_qkv / z / b / a and out_proj), gated full attention
+// with partial RoPE and (1 + w) norms, the sigmoid-gated shared expert.
+TEST(DistShardedModel, Qwen35LogitsEqualTheCpuModelWithEveryAdapterLayout) {
+  // 2 linear key heads: at most 2 ranks
+  expect_sharded_logits_match("qwen3_5_moe", {"lora_all", "lora_linear"}, 525, 2);
+}
+
 TEST(DistShardedModel, UnsupportedArchitecturesAndSplitsAreNamed) {
   const model::Model mla = load_quiet(fixture("deepseek_v3") / "base");
   // 4 MLA heads over 8 ranks.
@@ -109,6 +117,12 @@ TEST(DistShardedModel, UnsupportedArchitecturesAndSplitsAreNamed) {
                                ShardedModel sharded(mla, {0, 8});
                              }),
                              "MLA heads"));
+  const model::Model qwen35 = load_quiet(fixture("qwen3_5_moe") / "base");
+  // 2 linear-attention key heads over 4 ranks.
+  EXPECT_TRUE(test::contains(test::error_message([&] {
+                               ShardedModel sharded(qwen35, {0, 4});
+                             }),
+                             "Gated DeltaNet key heads"));
   const model::Model qwen = load_quiet(fixture("qwen3_moe") / "base");
   // 4 query heads over 3 ranks.
   EXPECT_TRUE(test::contains(test::error_message([&] {

@@ -1,0 +1,97 @@
+// Tensor-parallel Gated DeltaNet on the CPU reference operators (parallel_gdn.h).
+#include "dist/parallel_gdn.h"
+
+#include <string>
+
+#include "core/error.h"
+#include "dist/lora_projection.h"
+
+namespace moelora::dist {
+
+namespace {
+
+// The rank's key and value heads.
+struct HeadRanges {
+  ShardRange key, value;
+};
+
+HeadRanges head_ranges(const ops::GdnShape& shape, ShardSpec tp) {
+  return {shard_range(shape.num_k_heads, tp, "Gated DeltaNet key heads"),
+          shard_range(shape.num_v_heads, tp, "Gated DeltaNet value heads")};
+}
+
+// The rank's [q | k | v] channels of the conv_dim ones, in the same block order.
+std::vector<ShardRange> qkv_channels(const ops::GdnShape& shape, const HeadRanges& h) {
+  const int64_t dk = shape.head_k_dim, dv = shape.head_v_dim, key_dim = shape.key_dim();
+  return {{h.key.begin * dk, h.key.end * dk},
+          {key_dim + h.key.begin * dk, key_dim + h.key.end * dk},
+          {2 * key_dim + h.value.begin * dv, 2 * key_dim + h.value.end * dv}};
+}
+
+
+}  // namespace
+
+GdnLayer shard_gdn(const GdnLayer& layer, ShardSpec tp) {
+  const ops::GdnShape& shape = layer.shape;
+  const ops::GdnWeights& w = layer.weights;
+  const HeadRanges h = head_ranges(shape, tp);
+  const int64_t dv = shape.head_v_dim;
+  const std::vector<ShardRange> channels = qkv_channels(shape, h);
+  GdnLayer s;
+  s.shape = shape;
+  s.shape.num_k_heads = h.key.size();
+  s.shape.num_v_heads = h.value.size();
+  s.weights.in_proj_qkv = slice_ranges(w.in_proj_qkv, 0, channels, "in_proj_qkv");
+  s.weights.conv1d = slice_ranges(w.conv1d, 0, channels, "conv1d");
+  s.weights.in_proj_z = slice_dim(w.in_proj_z, 0, h.value.begin * dv, h.value.end * dv, "in_proj_z");
+  s.weights.in_proj_b = slice_dim(w.in_proj_b, 0, h.value.begin, h.value.end, "in_proj_b");
+  s.weights.in_proj_a = slice_dim(w.in_proj_a, 0, h.value.begin, h.value.end, "in_proj_a");
+  s.weights.a_log = slice_dim(w.a_log, 0, h.value.begin, h.value.end, "A_log");
+  s.weights.dt_bias = slice_dim(w.dt_bias, 0, h.value.begin, h.value.end, "dt_bias");
+  s.weights.norm = w.norm.clone();
+  s.weights.out_proj = slice_dim(w.out_proj, 1, h.value.begin * dv, h.value.end * dv, "out_proj");
+  return s;
+}
+
+GdnLora shard_gdn_lora(const GdnLora& lora, const GdnLayer& layer, ShardSpec tp) {
+  const HeadRanges h = head_ranges(layer.shape, tp);
+  GdnLora s;
+  // in_proj_qkv's rows are three blocks: B gets the rank's rows of each (A whole).
+  if (lora.in_proj_qkv.defined()) {
+    s.in_proj_qkv = {lora.in_proj_qkv.a.clone(),
+                     slice_ranges(lora.in_proj_qkv.b, 1, qkv_channels(layer.shape, h),
+                                  "in_proj_qkv lora B"),
+                     lora.in_proj_qkv.scaling};
+  }
+  // z / b / a rows and out_proj's columns go by value heads in head order: even splits.
+  s.in_proj_z = shard_lora_column(lora.in_proj_z, tp, "in_proj_z");
+  s.in_proj_b = shard_lora_column(lora.in_proj_b, tp, "in_proj_b");
+  s.in_proj_a = shard_lora_column(lora.in_proj_a, tp, "in_proj_a");
+  s.out_proj = shard_lora_row(lora.out_proj, tp, "out_proj");
+  return s;
+}
+
+Tensor gdn_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const GdnLayer& shard,
+                      const std::vector<GdnLora>& lora, Communicator& comm) {
+  ops::detail::check_f32(x, 2, "Gated DeltaNet input x");
+  const ops::GdnShape& shape = shard.shape;
+  const ops::GdnWeights& w = shard.weights;
+  MOELORA_CHECK(w.in_proj_qkv.defined() && w.in_proj_qkv.dim(0) == shape.conv_dim(),
+                ErrorCode::kInvalidArgument, "Gated DeltaNet in_proj_qkv: expected ",
+                shape.conv_dim(), " rows for ", shape.num_k_heads, " key and ", shape.num_v_heads,
+                " value heads, got ",
+                w.in_proj_qkv.defined() ? shape_str(w.in_proj_qkv.shape()) : "undefined");
+  // Column-parallel projections of the local heads, then the rule on them from a zero state.
+  const Tensor qkv = project_with_lora(x, w.in_proj_qkv, slot, lora, &GdnLora::in_proj_qkv);
+  const Tensor z = project_with_lora(x, w.in_proj_z, slot, lora, &GdnLora::in_proj_z);
+  const Tensor b = project_with_lora(x, w.in_proj_b, slot, lora, &GdnLora::in_proj_b);
+  const Tensor a = project_with_lora(x, w.in_proj_a, slot, lora, &GdnLora::in_proj_a);
+  ops::GdnState state = ops::GdnState::zeros(shape);
+  const Tensor mixed = ops::gdn_mix_ref(qkv, z, b, a, w, shape, state, /*chunked=*/x.dim(0) > 1);
+  // Row-parallel out_proj: this rank's partial sum of the base and its LoRA, reduced once.
+  Tensor out = project_with_lora(mixed, w.out_proj, slot, lora, &GdnLora::out_proj);
+  comm.all_reduce_sum({out.data<float>(), static_cast<size_t>(out.numel())});
+  return out;
+}
+
+}  // namespace moelora::dist
