@@ -2,6 +2,7 @@
 #include "dist/parallel_gdn.h"
 
 #include <string>
+#include <tuple>
 
 #include "core/error.h"
 #include "dist/lora_projection.h"
@@ -9,6 +10,34 @@
 namespace moelora::dist {
 
 namespace {
+
+// Every weight of `layer` against its shape (the whole layer or a rank's share), F32.
+void check_gdn_layer(const GdnLayer& layer, const char* which) {
+  const ops::GdnShape& s = layer.shape;
+  const ops::GdnWeights& w = layer.weights;
+  MOELORA_CHECK(s.hidden > 0 && s.num_k_heads > 0 && s.num_v_heads > 0 && s.head_k_dim > 0 &&
+                    s.head_v_dim > 0 && s.conv_kernel >= 1 && s.num_v_heads % s.num_k_heads == 0,
+                ErrorCode::kInvalidArgument, "Gated DeltaNet (", which, "): hidden ", s.hidden,
+                ", ", s.num_k_heads, " key heads of ", s.head_k_dim, ", ", s.num_v_heads,
+                " value heads of ", s.head_v_dim, " (a multiple of the key heads), conv kernel ",
+                s.conv_kernel, ": every size must be positive");
+  const int64_t h = s.hidden, nv = s.num_v_heads, vd = s.value_dim();
+  for (const auto& [t, shape, name] :
+       {std::tuple{&w.in_proj_qkv, Shape{s.conv_dim(), h}, "in_proj_qkv"},
+        std::tuple{&w.in_proj_z, Shape{vd, h}, "in_proj_z"},
+        std::tuple{&w.in_proj_b, Shape{nv, h}, "in_proj_b"},
+        std::tuple{&w.in_proj_a, Shape{nv, h}, "in_proj_a"},
+        std::tuple{&w.conv1d, Shape{s.conv_dim(), s.conv_kernel}, "conv1d"},
+        std::tuple{&w.a_log, Shape{nv}, "A_log"}, std::tuple{&w.dt_bias, Shape{nv}, "dt_bias"},
+        std::tuple{&w.norm, Shape{s.head_v_dim}, "norm"},
+        std::tuple{&w.out_proj, Shape{h, vd}, "out_proj"}}) {
+    MOELORA_CHECK(t->defined() && t->dtype() == DType::kF32 && t->shape() == shape,
+                  ErrorCode::kInvalidArgument, "Gated DeltaNet (", which, ") ", name,
+                  ": expected F32 ", shape_str(shape), ", got ",
+                  t->defined() ? std::string(dtype_name(t->dtype())) + " " + shape_str(t->shape())
+                               : std::string("undefined"));
+  }
+}
 
 // The rank's key and value heads.
 struct HeadRanges {
@@ -32,6 +61,7 @@ std::vector<ShardRange> qkv_channels(const ops::GdnShape& shape, const HeadRange
 }  // namespace
 
 GdnLayer shard_gdn(const GdnLayer& layer, ShardSpec tp) {
+  check_gdn_layer(layer, "the whole layer");
   const ops::GdnShape& shape = layer.shape;
   const ops::GdnWeights& w = layer.weights;
   const HeadRanges h = head_ranges(shape, tp);
@@ -74,13 +104,12 @@ GdnLora shard_gdn_lora(const GdnLora& lora, const GdnLayer& layer, ShardSpec tp)
 Tensor gdn_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const GdnLayer& shard,
                       const std::vector<GdnLora>& lora, Communicator& comm) {
   ops::detail::check_f32(x, 2, "Gated DeltaNet input x");
+  check_gdn_layer(shard, "the rank's share");
+  MOELORA_CHECK(x.dim(1) == shard.shape.hidden, ErrorCode::kInvalidArgument,
+                "Gated DeltaNet input x: expected ", shard.shape.hidden, " columns, got ",
+                shape_str(x.shape()));
   const ops::GdnShape& shape = shard.shape;
   const ops::GdnWeights& w = shard.weights;
-  MOELORA_CHECK(w.in_proj_qkv.defined() && w.in_proj_qkv.dim(0) == shape.conv_dim(),
-                ErrorCode::kInvalidArgument, "Gated DeltaNet in_proj_qkv: expected ",
-                shape.conv_dim(), " rows for ", shape.num_k_heads, " key and ", shape.num_v_heads,
-                " value heads, got ",
-                w.in_proj_qkv.defined() ? shape_str(w.in_proj_qkv.shape()) : "undefined");
   // Column-parallel projections of the local heads, then the rule on them from a zero state.
   const Tensor qkv = project_with_lora(x, w.in_proj_qkv, slot, lora, &GdnLora::in_proj_qkv);
   const Tensor z = project_with_lora(x, w.in_proj_z, slot, lora, &GdnLora::in_proj_z);

@@ -3,7 +3,6 @@
 
 #include <cstring>
 #include <numeric>
-#include <string>
 
 #include "core/error.h"
 #include "dist/lora_projection.h"
@@ -22,15 +21,47 @@ Tensor columns(const Tensor& t, int64_t begin, int64_t width) {
   return out;
 }
 
-void check_weight(const Tensor& t, const Shape& shape, const char* name) {
-  MOELORA_CHECK(t.defined(), ErrorCode::kInvalidArgument, "MLA ", name, " is missing");
-  MOELORA_CHECK(t.shape() == shape, ErrorCode::kInvalidArgument, "MLA ", name, ": expected ",
-                shape_str(shape), ", got ", shape_str(t.shape()));
+void check_weight(const Tensor& t, const Shape& shape, const char* which, const char* name) {
+  MOELORA_CHECK(t.defined(), ErrorCode::kInvalidArgument, "MLA (", which, ") ", name,
+                " is missing");
+  MOELORA_CHECK(t.dtype() == DType::kF32 && t.shape() == shape, ErrorCode::kInvalidArgument,
+                "MLA (", which, ") ", name, ": expected F32 ", shape_str(shape), ", got ",
+                dtype_name(t.dtype()), " ", shape_str(t.shape()));
+}
+
+// Every weight of `w` against its dims (the whole block or a rank's share of heads); the hidden
+// size is o_proj's rows.
+void check_mla_weights(const MlaWeights& w, const char* which) {
+  const ops::MlaDims& d = w.dims;
+  MOELORA_CHECK(d.num_heads > 0 && d.qk_nope_head_dim > 0 && d.qk_rope_head_dim > 0 &&
+                    d.v_head_dim > 0 && d.kv_lora_rank > 0 && w.q_lora_rank >= 0,
+                ErrorCode::kInvalidArgument, "MLA (", which, "): ", d.num_heads, " heads, nope ",
+                d.qk_nope_head_dim, ", rope ", d.qk_rope_head_dim, ", dv ", d.v_head_dim,
+                ", kv_lora_rank ", d.kv_lora_rank, ": every size must be positive");
+  MOELORA_CHECK(w.o_proj.defined() && w.o_proj.ndim() == 2, ErrorCode::kInvalidArgument, "MLA (",
+                which, ") o_proj: expected F32 [hidden, ", d.num_heads * d.v_head_dim, "], got ",
+                w.o_proj.defined() ? shape_str(w.o_proj.shape()) : "undefined");
+  const int64_t hidden = w.o_proj.dim(0), heads = d.num_heads, qk = d.qk_head_dim(),
+                rank = d.kv_lora_rank;
+  if (w.q_lora_rank > 0) {
+    check_weight(w.q_a_proj, {w.q_lora_rank, hidden}, which, "q_a_proj");
+    check_weight(w.q_a_layernorm, {w.q_lora_rank}, which, "q_a_layernorm");
+    check_weight(w.q_b_proj, {heads * qk, w.q_lora_rank}, which, "q_b_proj");
+  } else {
+    check_weight(w.q_proj, {heads * qk, hidden}, which, "q_proj");
+  }
+  check_weight(w.kv_a_proj_with_mqa, {rank + d.qk_rope_head_dim, hidden}, which,
+               "kv_a_proj_with_mqa");
+  check_weight(w.kv_a_layernorm, {rank}, which, "kv_a_layernorm");
+  check_weight(w.kv_b_proj, {heads * (d.qk_nope_head_dim + d.v_head_dim), rank}, which,
+               "kv_b_proj");
+  check_weight(w.o_proj, {hidden, heads * d.v_head_dim}, which, "o_proj");
 }
 
 }  // namespace
 
 MlaWeights shard_mla(const MlaWeights& w, ShardSpec tp) {
+  check_mla_weights(w, "the whole block");
   const ShardRange heads = shard_range(w.dims.num_heads, tp, "MLA heads");
   const int64_t qk = w.dims.qk_head_dim(), kv = w.dims.qk_nope_head_dim + w.dims.v_head_dim,
                 dv = w.dims.v_head_dim;
@@ -69,17 +100,9 @@ Tensor mla_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
   const int64_t tokens = x.dim(0), hidden = x.dim(1), heads = dims.num_heads,
                 nope = dims.qk_nope_head_dim, rope = dims.qk_rope_head_dim, dv = dims.v_head_dim,
                 rank = dims.kv_lora_rank, qk = dims.qk_head_dim();
-  if (shard.q_lora_rank > 0) {
-    check_weight(shard.q_a_proj, {shard.q_lora_rank, hidden}, "q_a_proj");
-    check_weight(shard.q_a_layernorm, {shard.q_lora_rank}, "q_a_layernorm");
-    check_weight(shard.q_b_proj, {heads * qk, shard.q_lora_rank}, "q_b_proj (the local heads)");
-  } else {
-    check_weight(shard.q_proj, {heads * qk, hidden}, "q_proj (the local heads)");
-  }
-  check_weight(shard.kv_a_proj_with_mqa, {rank + rope, hidden}, "kv_a_proj_with_mqa");
-  check_weight(shard.kv_a_layernorm, {rank}, "kv_a_layernorm");
-  check_weight(shard.kv_b_proj, {heads * (nope + dv), rank}, "kv_b_proj (the local heads)");
-  check_weight(shard.o_proj, {hidden, heads * dv}, "o_proj (the local heads)");
+  check_mla_weights(shard, "the rank's heads");
+  MOELORA_CHECK(shard.o_proj.dim(0) == hidden, ErrorCode::kInvalidArgument,
+                "MLA input x: expected ", shard.o_proj.dim(0), " columns, got ", shape_str(x.shape()));
 
   // Query of the local heads [T, h, nope + rope]; the latent (replicated) the same on every rank.
   Tensor q;

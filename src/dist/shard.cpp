@@ -67,6 +67,9 @@ Tensor slice_dim(const Tensor& t, int dim, int64_t begin, int64_t end, const std
 Tensor slice_ranges(const Tensor& t, int dim, const std::vector<ShardRange>& ranges,
                     const std::string& what) {
   MOELORA_CHECK(!ranges.empty(), ErrorCode::kInvalidArgument, what, ": no ranges to slice");
+  for (const ShardRange& r : ranges)
+    MOELORA_CHECK(r.size() > 0, ErrorCode::kInvalidArgument, what, ": an empty range [", r.begin,
+                  ", ", r.end, ") among the blocks to slice (a block of zero heads?)");
   std::vector<Tensor> parts;
   int64_t total = 0;
   for (const ShardRange& r : ranges) {

@@ -39,8 +39,8 @@ struct ShardedModelOptions {
 class ShardedModel {
  public:
   // Rank `shard.rank` of `shard.size`: cuts its share of `model`'s weights and of every adapter
-  // slot of model.adapters(). kUnsupported for an architecture it cannot split (named), and
-  // kInvalidArgument naming the tensor when n does not divide a split dimension.
+  // slot of model.adapters(). kInvalidArgument naming the tensor (or the heads) when n does not
+  // divide a split dimension.
   ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options = {});
 
   ShardSpec shard() const { return shard_; }

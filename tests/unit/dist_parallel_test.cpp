@@ -84,6 +84,16 @@ TEST(DistShard, RangesAndDimensionBlocks) {
       {"mlp gate weight", "6 is not divisible by 4"});
   expect_error_mentions([&] { shard_dim(t, 3, {0, 2}, "x"); }, {"cannot split dimension 3"});
   expect_error_mentions([&] { shard_range(8, {4, 4}, "moe experts"); }, {"rank 4 of 4"});
+  // Rows 0, 4..5 of dimension 1 of [2, 6, 3], concatenated: the blocks side by side per outer item.
+  const Tensor r = slice_ranges(t, 1, {{0, 1}, {4, 6}}, "qkv");
+  ASSERT_EQ(r.shape(), (Shape{2, 3, 3}));
+  const std::vector<float> expected_ranges = {0,  1,  2,  12, 13, 14, 15, 16, 17,
+                                              18, 19, 20, 30, 31, 32, 33, 34, 35};
+  EXPECT_EQ(std::vector<float>(r.data<float>(), r.data<float>() + 18), expected_ranges);
+  expect_error_mentions([&] { slice_ranges(t, 1, {{0, 1}, {3, 3}}, "conv1d"); },
+                        {"conv1d", "an empty range [3, 3)"});
+  expect_error_mentions([&] { slice_ranges(t, 1, {{4, 7}}, "in_proj_qkv"); },
+                        {"in_proj_qkv", "items [4, 7) of dimension 1"});
 }
 
 TEST(DistShard, LoraFollowsTheBaseWeightsSplit) {
@@ -415,8 +425,9 @@ TEST(DistTensorParallel, MlaWithAdaptersEqualsTheUnshardedBlock) {
         EXPECT_EQ(shard.kv_b_proj.dim(0), 8 / tp * (16 + 12));
         EXPECT_EQ(shard.o_proj.dim(1), 8 / tp * 12);
         if (q_rank > 0) {
-          EXPECT_EQ(shard.q_a_proj.shape(), w.q_a_proj.shape()) << "the query latent is replicated";
+          EXPECT_TRUE(bitwise_equal(shard.q_a_proj, w.q_a_proj)) << "the query latent is whole";
         }
+        EXPECT_TRUE(bitwise_equal(shard.kv_a_proj_with_mqa, w.kv_a_proj_with_mqa));
         return mla_prefill_tp(x, slot, shard, mine, comm);
       });
       for (int rk = 0; rk < tp; ++rk) {
@@ -436,15 +447,19 @@ TEST(DistTensorParallel, MlaWithAdaptersEqualsTheUnshardedBlock) {
         shard_mla(w, {0, 3});
       },
       {"MLA heads", "8 is not divisible by 3"});
-  MlaWeights missing = shard_mla(w, {1, 2});
-  missing.kv_b_proj = w.kv_b_proj;  // all 8 heads' rows beside 4 local heads
+  MlaWeights mismatched = shard_mla(w, {1, 2});
+  mismatched.kv_b_proj = w.kv_b_proj;  // all 8 heads' rows beside 4 local heads
   expect_error_mentions(
       [&] {
         run_ranks(1, [&](Communicator& comm) {
-          mla_prefill_tp(test::random_normal({2, hidden}, rng), {-1, -1}, missing, {}, comm);
+          mla_prefill_tp(test::random_normal({2, hidden}, rng), {-1, -1}, mismatched, {}, comm);
         });
       },
-      {"kv_b_proj (the local heads)", "expected [112, 24]", "got [224, 24]"});
+      {"MLA (the rank's heads) kv_b_proj", "expected F32 [112, 24]", "got F32 [224, 24]"});
+  MlaWeights extra_rows = w;  // a whole block whose q_b_proj has a head too many
+  extra_rows.q_b_proj = test::random_normal({9 * w.dims.qk_head_dim(), 20}, rng);
+  expect_error_mentions([&] { shard_mla(extra_rows, {0, 2}); },
+                        {"MLA (the whole block) q_b_proj", "expected F32 [192, 20]"});
 }
 
 // ============================================================================ Gated DeltaNet, TP
@@ -539,6 +554,20 @@ TEST(DistTensorParallel, GatedDeltaNetWithAdaptersEqualsTheUnshardedLayer) {
   }
   expect_error_mentions([&] { shard_gdn(l, {0, 8}); },
                         {"Gated DeltaNet key heads", "4 is not divisible by 8"});
+  GdnLayer extra_rows = l;  // in_proj_qkv with a channel too many is not cut short
+  extra_rows.weights.in_proj_qkv = test::random_normal({s.conv_dim() + 1, h}, rng);
+  expect_error_mentions([&] { shard_gdn(extra_rows, {0, 2}); },
+                        {"Gated DeltaNet (the whole layer) in_proj_qkv", "expected F32 [112, 32]",
+                         "got F32 [113, 32]"});
+  GdnLayer no_norm = shard_gdn(l, {0, 2});
+  no_norm.weights.norm = Tensor();
+  expect_error_mentions(
+      [&] {
+        run_ranks(1, [&](Communicator& comm) {
+          gdn_prefill_tp(x, base_slots, no_norm, {}, comm);
+        });
+      },
+      {"Gated DeltaNet (the rank's share) norm", "undefined"});
 }
 
 // ============================================================================ MoE, EP

@@ -110,7 +110,7 @@ TEST(DistShardedModel, Qwen35LogitsEqualTheCpuModelWithEveryAdapterLayout) {
   expect_sharded_logits_match("qwen3_5_moe", {"lora_all", "lora_linear"}, 525, 2);
 }
 
-TEST(DistShardedModel, UnsupportedArchitecturesAndSplitsAreNamed) {
+TEST(DistShardedModel, SplitsThatDoNotDivideAreNamed) {
   const model::Model mla = load_quiet(fixture("deepseek_v3") / "base");
   // 4 MLA heads over 8 ranks.
   EXPECT_TRUE(test::contains(test::error_message([&] {
