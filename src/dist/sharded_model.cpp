@@ -1,7 +1,9 @@
 // A model's share on one rank and its sharded prefill (sharded_model.h).
 #include "dist/sharded_model.h"
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "ops/embedding/embedding.h"
@@ -32,6 +34,9 @@ ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const Sha
   const model::AdapterSet& adapters = model.adapters();
   const ops::RopeParams rope_params = model::rope_params(config);
   const ops::RopeTable rope = ops::make_rope_table(rope_params);
+  const bool data_parallel = options.attention == AttentionSplit::kDataParallel;
+  const ShardSpec heads = data_parallel ? ShardSpec{0, 1} : shard;
+  if (data_parallel) solo_ = std::make_unique<InProcessGroup>(1);
   for (int64_t l = 0; l < model.num_layers(); ++l) {
     const model::LayerWeightsF32& src = w.layers[static_cast<size_t>(l)];
     Layer layer;
@@ -39,11 +44,11 @@ ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const Sha
     layer.post_attention_layernorm = src.post_attention_layernorm;
 
     if (src.is_linear_attention)
-      shard_gdn_layer(layer, src.linear_attn, l);
+      shard_gdn_layer(layer, src.linear_attn, l, heads);
     else if (config.use_mla)
-      shard_mla_layer(layer, src.attention, l, rope, rope_params);
+      shard_mla_layer(layer, src.attention, l, rope, rope_params, heads);
     else
-      shard_gqa_layer(layer, src.attention, l, rope);
+      shard_gqa_layer(layer, src.attention, l, rope, heads);
 
     layer.is_moe = src.is_moe;
     if (src.is_moe) {
@@ -61,7 +66,7 @@ ShardedModel::ShardedModel(const model::Model& model, ShardSpec shard, const Sha
 }
 
 void ShardedModel::shard_gqa_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
-                                   const ops::RopeTable& rope) {
+                                   const ops::RopeTable& rope, ShardSpec heads) {
   const io::ModelConfig& config = model_.config();
   const model::AdapterSet& adapters = model_.adapters();
   GqaWeights attention;
@@ -78,17 +83,18 @@ void ShardedModel::shard_gqa_layer(Layer& layer, const model::AttentionWeightsF3
   attention.norm = norm_;
   attention.rope = rope;
   attention.rope_apply = {config.rope_style, 0};
-  layer.attention = shard_gqa(attention, shard_);
+  layer.attention = shard_gqa(attention, heads);
   const auto q = adapters.target(l, &io::LayerLora::q_proj), k = adapters.target(l, &io::LayerLora::k_proj),
              v = adapters.target(l, &io::LayerLora::v_proj), o = adapters.target(l, &io::LayerLora::o_proj);
   for (int32_t s = 0; s < adapters.size(); ++s) {
     const GqaLora full{owned(q[s]), owned(k[s]), owned(v[s]), owned(o[s])};
-    layer.attention_lora.push_back(shard_gqa_lora(full, attention, shard_));
+    layer.attention_lora.push_back(shard_gqa_lora(full, attention, heads));
   }
 }
 
 void ShardedModel::shard_mla_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
-                                   const ops::RopeTable& rope, const ops::RopeParams& rope_params) {
+                                   const ops::RopeTable& rope, const ops::RopeParams& rope_params,
+                                   ShardSpec heads) {
   const io::ModelConfig& config = model_.config();
   const model::AdapterSet& adapters = model_.adapters();
   MlaWeights mla;
@@ -107,7 +113,7 @@ void ShardedModel::shard_mla_layer(Layer& layer, const model::AttentionWeightsF3
   mla.rope = rope;
   mla.rope_style = config.rope_style;
   mla.scale = static_cast<float>(ops::mla_softmax_scale(config.qk_head_dim(), rope_params));
-  layer.mla = shard_mla(mla, shard_);
+  layer.mla = shard_mla(mla, heads);
   const auto q = adapters.target(l, &io::LayerLora::q_proj),
              q_a = adapters.target(l, &io::LayerLora::q_a_proj),
              q_b = adapters.target(l, &io::LayerLora::q_b_proj),
@@ -117,12 +123,12 @@ void ShardedModel::shard_mla_layer(Layer& layer, const model::AttentionWeightsF3
   for (int32_t s = 0; s < adapters.size(); ++s) {
     const MlaLora full{owned(q[s]),    owned(q_a[s]),  owned(q_b[s]),
                        owned(kv_a[s]), owned(kv_b[s]), owned(o[s])};
-    layer.mla_lora.push_back(shard_mla_lora(full, mla, shard_));
+    layer.mla_lora.push_back(shard_mla_lora(full, mla, heads));
   }
 }
 
 void ShardedModel::shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src,
-                                   int64_t l) {
+                                   int64_t l, ShardSpec heads) {
   const model::AdapterSet& adapters = model_.adapters();
   GdnLayer gdn;
   gdn.shape = model::linear_attention_shape(model_.config());
@@ -136,7 +142,7 @@ void ShardedModel::shard_gdn_layer(Layer& layer, const model::LinearAttentionWei
   gdn.weights.norm = src.norm;
   gdn.weights.out_proj = src.out_proj;
   layer.is_linear_attention = true;
-  layer.gdn = shard_gdn(gdn, shard_);
+  layer.gdn = shard_gdn(gdn, heads);
   const auto qkv = adapters.target(l, &io::LayerLora::in_proj_qkv),
              z = adapters.target(l, &io::LayerLora::in_proj_z),
              b = adapters.target(l, &io::LayerLora::in_proj_b),
@@ -144,33 +150,68 @@ void ShardedModel::shard_gdn_layer(Layer& layer, const model::LinearAttentionWei
              out = adapters.target(l, &io::LayerLora::out_proj);
   for (int32_t s = 0; s < adapters.size(); ++s) {
     const GdnLora full{owned(qkv[s]), owned(z[s]), owned(b[s]), owned(a[s]), owned(out[s])};
-    layer.gdn_lora.push_back(shard_gdn_lora(full, gdn, shard_));
+    layer.gdn_lora.push_back(shard_gdn_lora(full, gdn, heads));
   }
 }
 
-Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slot, Communicator& comm) const {
+Tensor ShardedModel::attention(const Layer& layer, const Tensor& h,
+                               const std::vector<int32_t>& slots, Communicator& comm) const {
+  if (layer.is_linear_attention) return gdn_prefill_tp(h, slots, layer.gdn, layer.gdn_lora, comm);
+  if (model_.config().use_mla) return mla_prefill_tp(h, slots, layer.mla, layer.mla_lora, comm);
+  return gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm);
+}
+
+Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slot,
+                                    Communicator& comm) const {
+  return prefill_batch_logits({std::vector<int32_t>(tokens.begin(), tokens.end())}, {slot}, comm)
+      .front();
+}
+
+std::vector<Tensor> ShardedModel::prefill_batch_logits(
+    const std::vector<std::vector<int32_t>>& prompts, const std::vector<int32_t>& slots,
+    Communicator& comm) const {
   MOELORA_CHECK(comm.size() == shard_.size && comm.rank() == shard_.rank, ErrorCode::kInvalidArgument,
                 "sharded model: cut for rank ", shard_.rank, " of ", shard_.size, " but run on rank ",
                 comm.rank(), " of ", comm.size());
-  MOELORA_CHECK(!tokens.empty(), ErrorCode::kInvalidArgument, "sharded model: the prompt is empty");
-  MOELORA_CHECK(slot >= -1 && slot < model_.adapters().size(), ErrorCode::kOutOfRange,
-                "sharded model: adapter slot ", slot, " is not -1 (base) or in [0, ",
-                model_.adapters().size(), ")");
-  const int64_t count = static_cast<int64_t>(tokens.size());
-  const std::vector<int32_t> slots(tokens.size(), slot);
-  Tensor x = ops::embedding_ref(model_.weights().embed_tokens, tokens);  // [T, H]
+  MOELORA_CHECK(!prompts.empty() && prompts.size() == slots.size(), ErrorCode::kInvalidArgument,
+                "sharded model: ", prompts.size(), " prompts with ", slots.size(),
+                " adapter slots (one slot per prompt, at least one prompt)");
+  // Rows [offset[i], offset[i + 1]) of the batch are prompt i's tokens.
+  std::vector<int64_t> offset = {0};
+  std::vector<int32_t> all_tokens, token_slots;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    MOELORA_CHECK(!prompts[i].empty(), ErrorCode::kInvalidArgument, "sharded model: prompt ", i,
+                  " is empty");
+    MOELORA_CHECK(slots[i] >= -1 && slots[i] < model_.adapters().size(), ErrorCode::kOutOfRange,
+                  "sharded model: prompt ", i, ": adapter slot ", slots[i],
+                  " is not -1 (base) or in [0, ", model_.adapters().size(), ")");
+    all_tokens.insert(all_tokens.end(), prompts[i].begin(), prompts[i].end());
+    token_slots.insert(token_slots.end(), prompts[i].size(), slots[i]);
+    offset.push_back(static_cast<int64_t>(all_tokens.size()));
+  }
+  const int64_t count = offset.back(), hidden = model_.config().hidden_size;
+  const bool data_parallel = options_.attention == AttentionSplit::kDataParallel;
+  Tensor x = ops::embedding_ref(model_.weights().embed_tokens, all_tokens);  // [T, H]
   for (const Layer& layer : layers_) {
-    Tensor h = ops::rms_norm_ref(x, layer.input_layernorm, norm_);
-    if (layer.is_linear_attention)
-      add_inplace(x, gdn_prefill_tp(h, slots, layer.gdn, layer.gdn_lora, comm));
-    else if (model_.config().use_mla)
-      add_inplace(x, mla_prefill_tp(h, slots, layer.mla, layer.mla_lora, comm));
-    else
-      add_inplace(x, gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm));
-    h = ops::rms_norm_ref(x, layer.post_attention_layernorm, norm_);
-    add_inplace(x, layer.is_moe
-                       ? moe_forward_ep(h, slots, layer.moe, layer.moe_lora, options_.moe_combine, comm)
-                       : mlp_forward_tp(h, slots, layer.mlp, layer.mlp_lora, comm));
+    const Tensor h = ops::rms_norm_ref(x, layer.input_layernorm, norm_);
+    // Attention per prompt (its positions start at 0): every prompt on every rank by heads, or
+    // each prompt on its own rank whole, the others' rows left zero and filled by the all-reduce.
+    Tensor attended = Tensor::zeros(DType::kF32, {count, hidden});
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      if (data_parallel && static_cast<int>(i % static_cast<size_t>(comm.size())) != comm.rank())
+        continue;
+      const std::vector<int32_t> prompt_slots(prompts[i].size(), slots[i]);
+      const Tensor out = attention(layer, h.slice0(offset[i], offset[i + 1]).clone(),
+                                   prompt_slots, data_parallel ? solo_->rank(0) : comm);
+      std::copy_n(out.data<float>(), out.numel(), attended.data<float>() + offset[i] * hidden);
+    }
+    if (data_parallel)
+      comm.all_reduce_sum({attended.data<float>(), static_cast<size_t>(attended.numel())});
+    add_inplace(x, attended);
+    const Tensor h2 = ops::rms_norm_ref(x, layer.post_attention_layernorm, norm_);
+    add_inplace(x, layer.is_moe ? moe_forward_ep(h2, token_slots, layer.moe, layer.moe_lora,
+                                                 options_.moe_combine, comm)
+                                : mlp_forward_tp(h2, token_slots, layer.mlp, layer.mlp_lora, comm));
   }
   ops::rms_norm_inplace_ref(x, model_.weights().final_norm, norm_);
   // Vocab-parallel head: this rank's [T, V / n] columns, gathered rank-major to [n, T, V / n].
@@ -179,11 +220,16 @@ Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slo
   Tensor gathered = Tensor::empty(DType::kF32, {ranks, count, per});
   comm.all_gather({local.data<float>(), static_cast<size_t>(local.numel())},
                   {gathered.data<float>(), static_cast<size_t>(gathered.numel())});
-  Tensor logits = Tensor::empty(DType::kF32, {count, ranks * per});
-  for (int64_t r = 0; r < ranks; ++r)
-    for (int64_t t = 0; t < count; ++t)
-      std::copy_n(gathered.data<float>() + (r * count + t) * per, per,
-                  logits.data<float>() + t * ranks * per + r * per);
+  std::vector<Tensor> logits;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int64_t rows = offset[i + 1] - offset[i];
+    Tensor prompt_logits = Tensor::empty(DType::kF32, {rows, ranks * per});
+    for (int64_t r = 0; r < ranks; ++r)
+      for (int64_t t = 0; t < rows; ++t)
+        std::copy_n(gathered.data<float>() + (r * count + offset[i] + t) * per, per,
+                    prompt_logits.data<float>() + t * ranks * per + r * per);
+    logits.push_back(std::move(prompt_logits));
+  }
   return logits;
 }
 

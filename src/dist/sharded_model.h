@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -31,9 +32,20 @@
 
 namespace moelora::dist {
 
+// How the attention layers use the ranks.
+//   kTensorParallel: heads split (parallel_attention.h / parallel_mla.h / parallel_gdn.h); every
+//     rank works on every sequence.
+//   kDataParallel: every rank holds the whole attention and its adapters and attends only its own
+//     sequences (sequence i on rank i % n, as SGLang's DP attention places requests); the rows are
+//     all-reduced (each has one nonzero contribution, so exactly) before the MoE / MLP, which
+//     stays expert / tensor parallel over all tokens. For models whose heads are too few to split
+//     over the ranks (Qwen3.5's 2 linear-attention key heads at TP4, MLA at TP8 and beyond).
+enum class AttentionSplit { kTensorParallel, kDataParallel };
+
 struct ShardedModelOptions {
   MoeCombine moe_combine = MoeCombine::kPairRows;
   SharedExpertSplit shared_expert = SharedExpertSplit::kTensorParallel;
+  AttentionSplit attention = AttentionSplit::kTensorParallel;
 };
 
 class ShardedModel {
@@ -48,6 +60,12 @@ class ShardedModel {
   // Logits F32 [T, V] of every position of one sequence's prompt (positions 0 .. T-1) with
   // adapter `slot` (-1 = base), on every rank. comm must be the group the shares were cut for.
   Tensor prefill_logits(std::span<const int32_t> tokens, int32_t slot, Communicator& comm) const;
+
+  // One batch of prompts (each from position 0, with its own adapter slot): logits F32 [T_i, V]
+  // of every prompt, on every rank; the MoE and MLP layers see all the batch's tokens at once.
+  std::vector<Tensor> prefill_batch_logits(const std::vector<std::vector<int32_t>>& prompts,
+                                           const std::vector<int32_t>& slots,
+                                           Communicator& comm) const;
 
  private:
   struct Layer {
@@ -66,16 +84,25 @@ class ShardedModel {
     std::vector<MlpLora> mlp_lora;  // per slot
   };
 
-  // The layer's attention share and its adapters' (constructor helpers, per attention kind).
+  // The layer's attention share and its adapters' (constructor helpers, per attention kind), cut
+  // for `heads`: this rank of the group (tensor parallel) or the whole (data parallel).
   void shard_gqa_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
-                       const ops::RopeTable& rope);
+                       const ops::RopeTable& rope, ShardSpec heads);
   void shard_mla_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
-                       const ops::RopeTable& rope, const ops::RopeParams& rope_params);
-  void shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src, int64_t l);
+                       const ops::RopeTable& rope, const ops::RopeParams& rope_params,
+                       ShardSpec heads);
+  void shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src, int64_t l,
+                       ShardSpec heads);
+  // out [T, H] of the layer's attention on one sequence's rows h [T, H] (positions from 0).
+  Tensor attention(const Layer& layer, const Tensor& h, const std::vector<int32_t>& slots,
+                   Communicator& comm) const;
 
   const model::Model& model_;
   ShardSpec shard_;
   ShardedModelOptions options_;
+  // Data-parallel attention runs the whole attention: its row-parallel reductions are over this
+  // rank alone (a group of one).
+  std::unique_ptr<InProcessGroup> solo_;
   ops::RmsNormParams norm_;
   std::vector<Layer> layers_;
   Tensor lm_head_;  // F32 [V / n, H]

@@ -11,6 +11,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dist/communicator.h"
@@ -108,6 +109,73 @@ TEST(DistShardedModel, DeepSeekV3MlaLogitsEqualTheCpuModelWithEveryAdapterLayout
 TEST(DistShardedModel, Qwen35LogitsEqualTheCpuModelWithEveryAdapterLayout) {
   // 2 linear key heads: at most 2 ranks
   expect_sharded_logits_match("qwen3_5_moe", {"lora_all", "lora_linear"}, 525, 2);
+}
+
+// A batch of prompts of different lengths and adapters (one base) through one forward: the
+// logits of each prompt equal model::Model's of that prompt alone, with the attention tensor
+// parallel and data parallel (each prompt attended on its own rank, the MoE over the whole
+// batch), on ranks the heads could not be split over too.
+void expect_batch_logits_match(const std::string& name, const std::vector<std::string>& adapters,
+                               uint64_t seed, const std::vector<std::pair<int, AttentionSplit>>& runs) {
+  model::Model model = load_quiet(fixture(name) / "base");
+  for (const std::string& a : adapters) model.load_adapter(a, fixture(name) / a);
+  std::mt19937_64 rng(test::test_seed(seed));
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(model.vocab_size()) - 1);
+  const std::vector<size_t> lengths = {7, 3, 10, 5, 1};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int32_t> slots;
+  std::vector<Tensor> expected;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    prompts.emplace_back(lengths[i]);
+    for (int32_t& t : prompts.back()) t = id(rng);
+    slots.push_back(static_cast<int32_t>(i % (adapters.size() + 1)) - 1);
+    model::Sequence seq = model.new_sequence(slots.back());
+    expected.push_back(model.forward(seq, prompts.back()));
+  }
+  for (const auto& [ranks, split] : runs) {
+    std::vector<std::vector<Tensor>> logits(static_cast<size_t>(ranks));
+    run_ranks(ranks, [&](Communicator& comm) {
+      ShardedModelOptions options;
+      options.attention = split;
+      const ShardedModel sharded(model, {comm.rank(), comm.size()}, options);
+      logits[static_cast<size_t>(comm.rank())] = sharded.prefill_batch_logits(prompts, slots, comm);
+    });
+    for (int r = 0; r < ranks; ++r)
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        const Tensor& got = logits[static_cast<size_t>(r)][i];
+        const std::string label =
+            std::to_string(ranks) + " ranks, " +
+            (split == AttentionSplit::kDataParallel ? "data" : "tensor") +
+            "-parallel attention, rank " + std::to_string(r) + ", prompt " + std::to_string(i);
+        EXPECT_TRUE(test::all_close(got, expected[i], kAtol, kRtol)) << label;
+        EXPECT_EQ(std::memcmp(got.raw_data(), logits[0][i].raw_data(), got.nbytes()), 0)
+            << label << ": differs from rank 0";
+      }
+  }
+}
+
+TEST(DistShardedModel, BatchWithDataOrTensorParallelAttentionEqualsTheCpuModel) {
+  {
+    SCOPED_TRACE("qwen3_moe");
+    expect_batch_logits_match("qwen3_moe", {"lora_peft3d", "lora_per_expert"}, 527,
+                              {{2, AttentionSplit::kTensorParallel},
+                               {2, AttentionSplit::kDataParallel},
+                               {4, AttentionSplit::kDataParallel}});
+  }
+  {
+    // 2 linear-attention key heads: tensor parallel up to 2 ranks, data parallel on 4 (and 8:
+    // more ranks than prompts, some attend nothing).
+    SCOPED_TRACE("qwen3_5_moe");
+    expect_batch_logits_match("qwen3_5_moe", {"lora_all"}, 529,
+                              {{2, AttentionSplit::kTensorParallel},
+                               {4, AttentionSplit::kDataParallel},
+                               {8, AttentionSplit::kDataParallel}});
+  }
+  {
+    SCOPED_TRACE("deepseek_v3");
+    expect_batch_logits_match("deepseek_v3", {"lora_peft3d"}, 531,
+                              {{4, AttentionSplit::kDataParallel}});
+  }
 }
 
 TEST(DistShardedModel, SplitsThatDoNotDivideAreNamed) {
