@@ -179,5 +179,32 @@ TEST(CheckpointKimiK25, PublishedNvfp4LayoutLoadsThroughTheLanguageModelPrefix) 
   EXPECT_THAT(w.ignored_tensors, ::testing::UnorderedElementsAreArray(published.vision_names));
 }
 
+// What `moelora inspect` tells a user about the published export: the text model under its
+// language_model. prefix, the routed experts as NVFP4, and the vision tensors counted as ignored
+// with the reason (table and JSON).
+TEST(CheckpointKimiK25, InspectNamesTheIgnoredVisionTensorsAndTheNvfp4Experts) {
+  test::TempDir tmp;
+  const PublishedKimi published = write_published_kimi(tmp.path());
+  const std::string dir = "'" + tmp.path().string() + "'";
+  const test::CommandResult table = test::run_moelora("inspect " + dir);
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  for (const char* fact :
+       {"3 tensors not used by the kimi_k2 text model",
+        "2 vision_tower.*: outside the text model (vision tower / projector)",
+        "1 mm_projector.*: outside the text model (vision tower / projector)", "nvfp4",
+        "check            ok"}) {
+    EXPECT_THAT(table.output, ::testing::HasSubstr(fact)) << table.output;
+  }
+  const test::CommandResult as_json = test::run_moelora("inspect --json " + dir);
+  ASSERT_EQ(as_json.exit_code, 0) << as_json.output;
+  const json j = json::parse(as_json.output);
+  EXPECT_EQ(j["ignored_tensors"]["count"], published.vision_names.size());
+  ASSERT_EQ(j["ignored_tensors"]["groups"].size(), 2u);
+  EXPECT_EQ(j["ignored_tensors"]["groups"][0]["tensors"], "mm_projector.*");  // in name order
+  EXPECT_EQ(j["ignored_tensors"]["groups"][1]["tensors"], "vision_tower.*");
+  EXPECT_EQ(j["ignored_tensors"]["groups"][1]["count"], 2);
+  EXPECT_EQ(j["check"], "ok");
+}
+
 }  // namespace
 }  // namespace moelora::io
