@@ -75,6 +75,12 @@ GqaLora shard_gqa_lora(const GqaLora& lora, const GqaWeights& w, ShardSpec tp) {
 
 Tensor gqa_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const GqaWeights& shard,
                       const std::vector<GqaLora>& lora, Communicator& comm) {
+  GqaCache cache;
+  return gqa_forward_tp(x, slot, shard, lora, cache, comm);
+}
+
+Tensor gqa_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const GqaWeights& shard,
+                      const std::vector<GqaLora>& lora, GqaCache& cache, Communicator& comm) {
   ops::detail::check_f32(x, 2, "attention input x");
   const int64_t tokens = x.dim(0), d = shard.head_dim;
   const int64_t q_rows = d * (shard.output_gate ? 2 : 1);
@@ -104,11 +110,16 @@ Tensor gqa_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const G
   if (shard.q_norm.defined()) ops::rms_norm_inplace_ref(q, shard.q_norm, shard.norm);
   if (shard.k_norm.defined()) ops::rms_norm_inplace_ref(k, shard.k_norm, shard.norm);
   std::vector<int64_t> positions(static_cast<size_t>(tokens));
-  std::iota(positions.begin(), positions.end(), int64_t{0});
+  std::iota(positions.begin(), positions.end(), cache.size());
   ops::apply_rope_inplace_ref(q, positions, shard.rope, shard.rope_apply);
   ops::apply_rope_inplace_ref(k, positions, shard.rope, shard.rope_apply);
+  if (!cache.kv) cache.kv.emplace(shard.num_kv_heads, d, d);
+  MOELORA_CHECK(cache.kv->num_kv_heads() == shard.num_kv_heads, ErrorCode::kInvalidArgument,
+                "attention cache: holds ", cache.kv->num_kv_heads(), " KV heads, the shard ",
+                shard.num_kv_heads);
+  cache.kv->append(k, v);
   Tensor attended =
-      ops::attention_ref(q, k, v, {shard.scale}).reshape({tokens, shard.num_heads * d});
+      ops::attention_ref(q, *cache.kv, {shard.scale}).reshape({tokens, shard.num_heads * d});
   if (gate.defined()) {
     float* o = attended.data<float>();
     const float* g = gate.data<float>();

@@ -11,17 +11,19 @@
 //   o_proj [H, Hq D]: row-parallel by the same query heads; one all-reduce of [T, H].
 //   LoRA: q / k / v B split like their rows (A whole), o A split like its columns (B whole).
 //
-// One sequence's prefill (positions 0 .. T-1, a causal mask), enough to check the arithmetic; the
-// engine's paged decode reuses the same split.
+// A sequence's tokens in steps (a prefill, then decode steps) against a per-rank cache of its local
+// KV heads; the engine's paged decode reuses the same split.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/lora.h"
 #include "core/tensor.h"
 #include "dist/communicator.h"
 #include "dist/shard.h"
+#include "ops/attention/attention.h"
 #include "ops/norm/norm.h"
 #include "ops/rope/rope.h"
 
@@ -47,8 +49,19 @@ struct GqaLora {
 GqaWeights shard_gqa(const GqaWeights& w, ShardSpec tp);
 GqaLora shard_gqa_lora(const GqaLora& lora, const GqaWeights& w, ShardSpec tp);
 
-// out [T, H] on every rank: attention of the sequence x [T, H] (replicated) with per-token slots
-// (-1 = base). With a group of one rank and the whole weights it is the unsharded block.
+// One sequence's attention state on this rank: K and V of its local KV heads at every position
+// so far (empty until the first call).
+struct GqaCache {
+  std::optional<ops::KvCacheRef> kv;
+  int64_t size() const { return kv ? kv->size() : 0; }
+};
+
+// out [T, H] on every rank: attention of the sequence's next T tokens x [T, H] (replicated; their
+// positions follow the cache's) with per-token slots (-1 = base); their K / V join the cache. With
+// a group of one rank and the whole weights it is the unsharded block.
+Tensor gqa_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const GqaWeights& shard,
+                      const std::vector<GqaLora>& lora, GqaCache& cache, Communicator& comm);
+// A sequence's first T tokens (positions 0 .. T-1) from an empty cache.
 Tensor gqa_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const GqaWeights& shard,
                       const std::vector<GqaLora>& lora, Communicator& comm);
 

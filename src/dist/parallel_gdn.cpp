@@ -103,6 +103,12 @@ GdnLora shard_gdn_lora(const GdnLora& lora, const GdnLayer& layer, ShardSpec tp)
 
 Tensor gdn_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const GdnLayer& shard,
                       const std::vector<GdnLora>& lora, Communicator& comm) {
+  GdnCache cache;
+  return gdn_forward_tp(x, slot, shard, lora, cache, comm);
+}
+
+Tensor gdn_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const GdnLayer& shard,
+                      const std::vector<GdnLora>& lora, GdnCache& cache, Communicator& comm) {
   ops::detail::check_f32(x, 2, "Gated DeltaNet input x");
   check_gdn_layer(shard, "the rank's share");
   MOELORA_CHECK(x.dim(1) == shard.shape.hidden, ErrorCode::kInvalidArgument,
@@ -115,8 +121,12 @@ Tensor gdn_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const G
   const Tensor z = project_with_lora(x, w.in_proj_z, slot, lora, &GdnLora::in_proj_z);
   const Tensor b = project_with_lora(x, w.in_proj_b, slot, lora, &GdnLora::in_proj_b);
   const Tensor a = project_with_lora(x, w.in_proj_a, slot, lora, &GdnLora::in_proj_a);
-  ops::GdnState state = ops::GdnState::zeros(shape);
-  const Tensor mixed = ops::gdn_mix_ref(qkv, z, b, a, w, shape, state, /*chunked=*/x.dim(0) > 1);
+  if (!cache.state) cache.state = ops::GdnState::zeros(shape);
+  MOELORA_CHECK(cache.state->recurrent.dim(0) == shape.num_v_heads, ErrorCode::kInvalidArgument,
+                "Gated DeltaNet cache: holds ", cache.state->recurrent.dim(0),
+                " value heads' state, the share has ", shape.num_v_heads);
+  const Tensor mixed =
+      ops::gdn_mix_ref(qkv, z, b, a, w, shape, *cache.state, /*chunked=*/x.dim(0) > 1);
   // Row-parallel out_proj: this rank's partial sum of the base and its LoRA, reduced once.
   Tensor out = project_with_lora(mixed, w.out_proj, slot, lora, &GdnLora::out_proj);
   comm.all_reduce_sum({out.data<float>(), static_cast<size_t>(out.numel())});

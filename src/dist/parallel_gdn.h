@@ -13,11 +13,12 @@
 //   LoRA: B of in_proj_qkv / z / b / a split like their rows (A whole), A of out_proj split like
 //   its columns (B whole).
 //
-// One sequence's prefill from a zero state (chunked for more than one token, as the CPU model),
-// enough to check the arithmetic; each rank's conv and recurrent state hold its heads only.
+// A sequence's tokens in steps (a prefill, then decode steps); each rank's conv and recurrent
+// state hold its heads only, so no step communicates inside the layer but out_proj's all-reduce.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/lora.h"
@@ -43,9 +44,18 @@ struct GdnLora {
 GdnLayer shard_gdn(const GdnLayer& layer, ShardSpec tp);
 GdnLora shard_gdn_lora(const GdnLora& lora, const GdnLayer& layer, ShardSpec tp);
 
-// out [T, H] on every rank: the layer over the sequence x [T, H] (replicated) from a zero state,
-// with per-token slots (-1 = base). With a group of one rank and the whole layer it is the
-// unsharded layer.
+// One sequence's state on this rank: the conv and recurrent state of the local heads (zeros
+// until the first call).
+struct GdnCache {
+  std::optional<ops::GdnState> state;
+};
+
+// out [T, H] on every rank: the layer over the sequence's next T tokens x [T, H] (replicated),
+// chunked for more than one token and recurrent for one, as the CPU model; the state advances.
+// With a group of one rank and the whole layer it is the unsharded layer.
+Tensor gdn_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const GdnLayer& shard,
+                      const std::vector<GdnLora>& lora, GdnCache& cache, Communicator& comm);
+// A sequence's first T tokens from a zero state.
 Tensor gdn_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const GdnLayer& shard,
                       const std::vector<GdnLora>& lora, Communicator& comm);
 

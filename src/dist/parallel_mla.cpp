@@ -95,6 +95,12 @@ MlaLora shard_mla_lora(const MlaLora& lora, const MlaWeights& w, ShardSpec tp) {
 
 Tensor mla_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const MlaWeights& shard,
                       const std::vector<MlaLora>& lora, Communicator& comm) {
+  MlaCache cache;
+  return mla_forward_tp(x, slot, shard, lora, cache, comm);
+}
+
+Tensor mla_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const MlaWeights& shard,
+                      const std::vector<MlaLora>& lora, MlaCache& cache, Communicator& comm) {
   ops::detail::check_f32(x, 2, "MLA input x");
   const ops::MlaDims& dims = shard.dims;
   const int64_t tokens = x.dim(0), hidden = x.dim(1), heads = dims.num_heads,
@@ -125,14 +131,29 @@ Tensor mla_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
   const Tensor k_nope = columns(kv, 0, nope).reshape({tokens, heads, nope});
   const Tensor v = columns(kv, nope, dv).reshape({tokens, heads, dv});
   std::vector<int64_t> positions(static_cast<size_t>(tokens));
-  std::iota(positions.begin(), positions.end(), int64_t{0});
+  std::iota(positions.begin(), positions.end(), cache.size);
   ops::apply_rope_inplace_ref(q, positions, shard.rope, {shard.rope_style, nope});
   ops::apply_rope_inplace_ref(k_rope, positions, shard.rope, {shard.rope_style, 0});
+  auto append = [](std::vector<float>& rows, const Tensor& t) {
+    rows.insert(rows.end(), t.data<float>(), t.data<float>() + t.numel());
+  };
+  append(cache.k_nope, k_nope);
+  append(cache.k_rope, k_rope);
+  append(cache.v, v);
+  cache.size += tokens;
+  MOELORA_CHECK(static_cast<int64_t>(cache.k_nope.size()) == cache.size * heads * nope,
+                ErrorCode::kInvalidArgument, "MLA cache: ", cache.k_nope.size(),
+                " k_nope values for ", cache.size, " positions of ", heads, " heads of ", nope,
+                " (a cache filled with another share of heads?)");
   ops::MlaAttentionParams params;
   params.dims = dims;
   params.softmax_scale = shard.scale;
+  const int64_t s = cache.size;
   const Tensor attended =
-      ops::mla_attention_ref(q, k_nope, k_rope, v, params).reshape({tokens, heads * dv});
+      ops::mla_attention_ref(q, Tensor::from_f32(cache.k_nope, {s, heads, nope}),
+                             Tensor::from_f32(cache.k_rope, {s, rope}),
+                             Tensor::from_f32(cache.v, {s, heads, dv}), params)
+          .reshape({tokens, heads * dv});
   // Row-parallel o_proj: this rank's partial sum of the base and its LoRA, reduced once.
   Tensor out = project_with_lora(attended, shard.o_proj, slot, lora, &MlaLora::o_proj);
   comm.all_reduce_sum({out.data<float>(), static_cast<size_t>(out.numel())});

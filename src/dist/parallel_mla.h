@@ -12,8 +12,8 @@
 //     like its rows (A whole); on o_proj A split like its columns (B whole), its partial sums
 //     reduced with the base output's.
 //
-// As SGLang and vLLM split it for Kimi-K2.5 at TP8 (64 heads, 8 a rank). One sequence's prefill
-// (positions 0 .. T-1, causal), enough to check the arithmetic.
+// As SGLang and vLLM split it for Kimi-K2.5 at TP8 (64 heads, 8 a rank). A sequence's tokens in
+// steps (a prefill, then decode steps) against a per-rank cache of its local heads.
 #pragma once
 
 #include <cstdint>
@@ -53,8 +53,19 @@ struct MlaLora {
 MlaWeights shard_mla(const MlaWeights& w, ShardSpec tp);
 MlaLora shard_mla_lora(const MlaLora& lora, const MlaWeights& w, ShardSpec tp);
 
-// out [T, H] on every rank: MLA of the sequence x [T, H] (replicated) with per-token slots
-// (-1 = base). With a group of one rank and the whole weights it is the unsharded block.
+// One sequence's MLA state on this rank, per position so far: k_nope [S, h, nope] and v [S, h, dv]
+// of the local heads, and the rotated shared k_rope [S, rope] (as the CPU model caches them).
+struct MlaCache {
+  std::vector<float> k_nope, k_rope, v;
+  int64_t size = 0;
+};
+
+// out [T, H] on every rank: MLA of the sequence's next T tokens x [T, H] (replicated; positions
+// follow the cache's) with per-token slots (-1 = base); their keys and values join the cache.
+// With a group of one rank and the whole weights it is the unsharded block.
+Tensor mla_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const MlaWeights& shard,
+                      const std::vector<MlaLora>& lora, MlaCache& cache, Communicator& comm);
+// A sequence's first T tokens (positions 0 .. T-1) from an empty cache.
 Tensor mla_prefill_tp(const Tensor& x, const std::vector<int32_t>& slot, const MlaWeights& shard,
                       const std::vector<MlaLora>& lora, Communicator& comm);
 

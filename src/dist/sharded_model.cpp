@@ -155,10 +155,26 @@ void ShardedModel::shard_gdn_layer(Layer& layer, const model::LinearAttentionWei
 }
 
 Tensor ShardedModel::attention(const Layer& layer, const Tensor& h,
-                               const std::vector<int32_t>& slots, Communicator& comm) const {
-  if (layer.is_linear_attention) return gdn_prefill_tp(h, slots, layer.gdn, layer.gdn_lora, comm);
-  if (model_.config().use_mla) return mla_prefill_tp(h, slots, layer.mla, layer.mla_lora, comm);
-  return gqa_prefill_tp(h, slots, layer.attention, layer.attention_lora, comm);
+                               const std::vector<int32_t>& slots,
+                               ShardedSequence::LayerCache& cache, Communicator& comm) const {
+  if (layer.is_linear_attention)
+    return gdn_forward_tp(h, slots, layer.gdn, layer.gdn_lora, cache.gdn, comm);
+  if (model_.config().use_mla)
+    return mla_forward_tp(h, slots, layer.mla, layer.mla_lora, cache.mla, comm);
+  return gqa_forward_tp(h, slots, layer.attention, layer.attention_lora, cache.gqa, comm);
+}
+
+ShardedSequence ShardedModel::new_sequence(int32_t slot, int owner) const {
+  MOELORA_CHECK(slot >= -1 && slot < model_.adapters().size(), ErrorCode::kOutOfRange,
+                "sharded model: adapter slot ", slot, " is not -1 (base) or in [0, ",
+                model_.adapters().size(), ")");
+  MOELORA_CHECK(owner >= 0 && owner < shard_.size, ErrorCode::kInvalidArgument,
+                "sharded model: owner rank ", owner, " is not a rank of ", shard_.size);
+  ShardedSequence seq;
+  seq.slot_ = slot;
+  seq.owner_ = owner;
+  seq.layers_.resize(layers_.size());
+  return seq;
 }
 
 Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slot,
@@ -170,39 +186,53 @@ Tensor ShardedModel::prefill_logits(std::span<const int32_t> tokens, int32_t slo
 std::vector<Tensor> ShardedModel::prefill_batch_logits(
     const std::vector<std::vector<int32_t>>& prompts, const std::vector<int32_t>& slots,
     Communicator& comm) const {
+  MOELORA_CHECK(prompts.size() == slots.size(), ErrorCode::kInvalidArgument, "sharded model: ",
+                prompts.size(), " prompts with ", slots.size(), " adapter slots (one per prompt)");
+  std::vector<ShardedSequence> sequences;
+  std::vector<ShardedSequence*> batch;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    sequences.push_back(new_sequence(slots[i], static_cast<int>(i % static_cast<size_t>(shard_.size))));
+  for (ShardedSequence& seq : sequences) batch.push_back(&seq);
+  return forward(batch, prompts, comm);
+}
+
+std::vector<Tensor> ShardedModel::forward(const std::vector<ShardedSequence*>& sequences,
+                                          const std::vector<std::vector<int32_t>>& tokens,
+                                          Communicator& comm) const {
   MOELORA_CHECK(comm.size() == shard_.size && comm.rank() == shard_.rank, ErrorCode::kInvalidArgument,
                 "sharded model: cut for rank ", shard_.rank, " of ", shard_.size, " but run on rank ",
                 comm.rank(), " of ", comm.size());
-  MOELORA_CHECK(!prompts.empty() && prompts.size() == slots.size(), ErrorCode::kInvalidArgument,
-                "sharded model: ", prompts.size(), " prompts with ", slots.size(),
-                " adapter slots (one slot per prompt, at least one prompt)");
-  // Rows [offset[i], offset[i + 1]) of the batch are prompt i's tokens.
+  MOELORA_CHECK(!sequences.empty() && sequences.size() == tokens.size(), ErrorCode::kInvalidArgument,
+                "sharded model: ", sequences.size(), " sequences with ", tokens.size(),
+                " token lists (one list per sequence, at least one sequence)");
+  // Rows [offset[i], offset[i + 1]) of the batch are sequence i's new tokens.
   std::vector<int64_t> offset = {0};
   std::vector<int32_t> all_tokens, token_slots;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    MOELORA_CHECK(!prompts[i].empty(), ErrorCode::kInvalidArgument, "sharded model: prompt ", i,
-                  " is empty");
-    MOELORA_CHECK(slots[i] >= -1 && slots[i] < model_.adapters().size(), ErrorCode::kOutOfRange,
-                  "sharded model: prompt ", i, ": adapter slot ", slots[i],
-                  " is not -1 (base) or in [0, ", model_.adapters().size(), ")");
-    all_tokens.insert(all_tokens.end(), prompts[i].begin(), prompts[i].end());
-    token_slots.insert(token_slots.end(), prompts[i].size(), slots[i]);
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    MOELORA_CHECK(sequences[i] != nullptr && sequences[i]->layers_.size() == layers_.size(),
+                  ErrorCode::kInvalidArgument, "sharded model: sequence ", i,
+                  " was not made by this model's new_sequence");
+    MOELORA_CHECK(!tokens[i].empty(), ErrorCode::kInvalidArgument, "sharded model: sequence ", i,
+                  " has no new tokens");
+    all_tokens.insert(all_tokens.end(), tokens[i].begin(), tokens[i].end());
+    token_slots.insert(token_slots.end(), tokens[i].size(), sequences[i]->slot());
     offset.push_back(static_cast<int64_t>(all_tokens.size()));
   }
   const int64_t count = offset.back(), hidden = model_.config().hidden_size;
   const bool data_parallel = options_.attention == AttentionSplit::kDataParallel;
   Tensor x = ops::embedding_ref(model_.weights().embed_tokens, all_tokens);  // [T, H]
-  for (const Layer& layer : layers_) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& layer = layers_[l];
     const Tensor h = ops::rms_norm_ref(x, layer.input_layernorm, norm_);
-    // Attention per prompt (its positions start at 0): every prompt on every rank by heads, or
-    // each prompt on its own rank whole, the others' rows left zero and filled by the all-reduce.
+    // Attention per sequence against its cache: every sequence on every rank by heads, or each on
+    // its owner rank whole, the others' rows left zero and filled by the all-reduce.
     Tensor attended = Tensor::zeros(DType::kF32, {count, hidden});
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      if (data_parallel && static_cast<int>(i % static_cast<size_t>(comm.size())) != comm.rank())
-        continue;
-      const std::vector<int32_t> prompt_slots(prompts[i].size(), slots[i]);
-      const Tensor out = attention(layer, h.slice0(offset[i], offset[i + 1]).clone(),
-                                   prompt_slots, data_parallel ? solo_->rank(0) : comm);
+    for (size_t i = 0; i < sequences.size(); ++i) {
+      ShardedSequence& seq = *sequences[i];
+      if (data_parallel && seq.owner() != comm.rank()) continue;
+      const std::vector<int32_t> slots(tokens[i].size(), seq.slot());
+      const Tensor out = attention(layer, h.slice0(offset[i], offset[i + 1]).clone(), slots,
+                                   seq.layers_[l], data_parallel ? solo_->rank(0) : comm);
       std::copy_n(out.data<float>(), out.numel(), attended.data<float>() + offset[i] * hidden);
     }
     if (data_parallel)
@@ -213,6 +243,8 @@ std::vector<Tensor> ShardedModel::prefill_batch_logits(
                                                  options_.moe_combine, comm)
                                 : mlp_forward_tp(h2, token_slots, layer.mlp, layer.mlp_lora, comm));
   }
+  for (size_t i = 0; i < sequences.size(); ++i)
+    sequences[i]->length_ += static_cast<int64_t>(tokens[i].size());
   ops::rms_norm_inplace_ref(x, model_.weights().final_norm, norm_);
   // Vocab-parallel head: this rank's [T, V / n] columns, gathered rank-major to [n, T, V / n].
   const Tensor local = ops::linear_ref(x, lm_head_);
@@ -221,14 +253,14 @@ std::vector<Tensor> ShardedModel::prefill_batch_logits(
   comm.all_gather({local.data<float>(), static_cast<size_t>(local.numel())},
                   {gathered.data<float>(), static_cast<size_t>(gathered.numel())});
   std::vector<Tensor> logits;
-  for (size_t i = 0; i < prompts.size(); ++i) {
+  for (size_t i = 0; i < sequences.size(); ++i) {
     const int64_t rows = offset[i + 1] - offset[i];
-    Tensor prompt_logits = Tensor::empty(DType::kF32, {rows, ranks * per});
+    Tensor sequence_logits = Tensor::empty(DType::kF32, {rows, ranks * per});
     for (int64_t r = 0; r < ranks; ++r)
       for (int64_t t = 0; t < rows; ++t)
         std::copy_n(gathered.data<float>() + (r * count + offset[i] + t) * per, per,
-                    prompt_logits.data<float>() + t * ranks * per + r * per);
-    logits.push_back(std::move(prompt_logits));
+                    sequence_logits.data<float>() + t * ranks * per + r * per);
+    logits.push_back(std::move(sequence_logits));
   }
   return logits;
 }

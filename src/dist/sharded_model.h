@@ -48,6 +48,28 @@ struct ShardedModelOptions {
   AttentionSplit attention = AttentionSplit::kTensorParallel;
 };
 
+// One sequence on one rank: its adapter slot and, per layer, the cache of that layer's attention
+// kind (the rank's heads; under data-parallel attention the whole attention, on the sequence's
+// owner rank only). Made by ShardedModel::new_sequence, advanced by ShardedModel::forward.
+class ShardedSequence {
+ public:
+  int32_t slot() const { return slot_; }
+  int owner() const { return owner_; }       // the rank that attends it under DP attention
+  int64_t length() const { return length_; }  // positions so far
+
+ private:
+  friend class ShardedModel;
+  struct LayerCache {
+    GqaCache gqa;
+    MlaCache mla;
+    GdnCache gdn;
+  };
+  int32_t slot_ = -1;
+  int owner_ = 0;
+  int64_t length_ = 0;
+  std::vector<LayerCache> layers_;
+};
+
 class ShardedModel {
  public:
   // Rank `shard.rank` of `shard.size`: cuts its share of `model`'s weights and of every adapter
@@ -66,6 +88,15 @@ class ShardedModel {
   std::vector<Tensor> prefill_batch_logits(const std::vector<std::vector<int32_t>>& prompts,
                                            const std::vector<int32_t>& slots,
                                            Communicator& comm) const;
+
+  // A new sequence with adapter `slot` (-1 = base), attended on rank `owner` under data-parallel
+  // attention (every rank makes it, with the same owner).
+  ShardedSequence new_sequence(int32_t slot, int owner = 0) const;
+  // The next tokens of each sequence (a prompt, a decode step's one token, or any mix) through
+  // the model in one batch: logits F32 [T_i, V] of each, on every rank; the caches advance.
+  std::vector<Tensor> forward(const std::vector<ShardedSequence*>& sequences,
+                              const std::vector<std::vector<int32_t>>& tokens,
+                              Communicator& comm) const;
 
  private:
   struct Layer {
@@ -93,9 +124,9 @@ class ShardedModel {
                        ShardSpec heads);
   void shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src, int64_t l,
                        ShardSpec heads);
-  // out [T, H] of the layer's attention on one sequence's rows h [T, H] (positions from 0).
+  // out [T, H] of the layer's attention on one sequence's next rows h [T, H], against its cache.
   Tensor attention(const Layer& layer, const Tensor& h, const std::vector<int32_t>& slots,
-                   Communicator& comm) const;
+                   ShardedSequence::LayerCache& cache, Communicator& comm) const;
 
   const model::Model& model_;
   ShardSpec shard_;

@@ -6,6 +6,7 @@
 // expert; 4 ranks: one head each) and Qwen3.5-MoE (Gated DeltaNet and gated attention; 2 ranks).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -175,6 +176,90 @@ TEST(DistShardedModel, BatchWithDataOrTensorParallelAttentionEqualsTheCpuModel) 
     SCOPED_TRACE("deepseek_v3");
     expect_batch_logits_match("deepseek_v3", {"lora_peft3d"}, 531,
                               {{4, AttentionSplit::kDataParallel}});
+  }
+}
+
+// The index of the largest value of the last row of logits [T, V].
+int32_t greedy_token(const Tensor& logits) {
+  const int64_t v = logits.dim(1);
+  const float* row = logits.data<float>() + (logits.dim(0) - 1) * v;
+  return static_cast<int32_t>(std::max_element(row, row + v) - row);
+}
+
+// Decoding through the per-rank caches: two sequences (an adapter and the base; prompts of 6 and 3
+// tokens) prefilled in one batch, then five steps of one token each for both, fed the CPU model's
+// greedy tokens; every step's logits equal the CPU model's continuing each sequence alone, and the
+// sharded model's own greedy picks are the same tokens.
+void expect_decode_matches(const std::string& name, const std::string& adapter, uint64_t seed,
+                           const std::vector<std::pair<int, AttentionSplit>>& runs) {
+  model::Model model = load_quiet(fixture(name) / "base");
+  model.load_adapter(adapter, fixture(name) / adapter);
+  std::mt19937_64 rng(test::test_seed(seed));
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(model.vocab_size()) - 1);
+  const std::vector<int32_t> slots = {0, -1};
+  std::vector<std::vector<int32_t>> prompts = {std::vector<int32_t>(6), std::vector<int32_t>(3)};
+  for (auto& p : prompts)
+    for (int32_t& t : p) t = id(rng);
+  constexpr int kSteps = 5;
+  // expected[i][0] = the prompt's logits, expected[i][s] = step s's; fed[i][s] = the token of step s
+  std::vector<std::vector<Tensor>> expected(2);
+  std::vector<std::vector<int32_t>> fed(2);
+  for (size_t i = 0; i < 2; ++i) {
+    model::Sequence seq = model.new_sequence(slots[i]);
+    expected[i].push_back(model.forward(seq, prompts[i]));
+    for (int step = 1; step <= kSteps; ++step) {
+      fed[i].push_back(greedy_token(expected[i].back()));
+      expected[i].push_back(model.forward(seq, std::vector<int32_t>{fed[i].back()}));
+    }
+  }
+  for (const auto& [ranks, split] : runs) {
+    const std::string label = std::to_string(ranks) + " ranks, " +
+                              (split == AttentionSplit::kDataParallel ? "data" : "tensor") +
+                              "-parallel attention";
+    std::vector<std::vector<std::vector<Tensor>>> got(static_cast<size_t>(ranks));
+    run_ranks(ranks, [&](Communicator& comm) {
+      ShardedModelOptions options;
+      options.attention = split;
+      const ShardedModel sharded(model, {comm.rank(), comm.size()}, options);
+      ShardedSequence a = sharded.new_sequence(slots[0], 0);
+      ShardedSequence b = sharded.new_sequence(slots[1], comm.size() - 1);
+      auto& mine = got[static_cast<size_t>(comm.rank())];
+      mine.push_back(sharded.forward({&a, &b}, prompts, comm));
+      for (int step = 0; step < kSteps; ++step)
+        mine.push_back(sharded.forward({&a, &b}, {{fed[0][step]}, {fed[1][step]}}, comm));
+      EXPECT_EQ(a.length(), 6 + kSteps);
+      EXPECT_EQ(b.length(), 3 + kSteps);
+    });
+    for (int r = 0; r < ranks; ++r)
+      for (int step = 0; step <= kSteps; ++step)
+        for (size_t i = 0; i < 2; ++i) {
+          const Tensor& logits = got[static_cast<size_t>(r)][static_cast<size_t>(step)][i];
+          const std::string where = label + ", rank " + std::to_string(r) + ", sequence " +
+                                    std::to_string(i) + ", step " + std::to_string(step);
+          EXPECT_TRUE(test::all_close(logits, expected[i][static_cast<size_t>(step)], kAtol, kRtol))
+              << where;
+          if (step < kSteps) {
+            EXPECT_EQ(greedy_token(logits), fed[i][static_cast<size_t>(step)]) << where;
+          }
+        }
+  }
+}
+
+TEST(DistShardedModel, DecodeStepsThroughTheCachesEqualTheCpuModel) {
+  {
+    SCOPED_TRACE("qwen3_moe");
+    expect_decode_matches("qwen3_moe", "lora_per_expert", 533,
+                          {{2, AttentionSplit::kTensorParallel}, {4, AttentionSplit::kDataParallel}});
+  }
+  {
+    SCOPED_TRACE("qwen3_5_moe: Gated DeltaNet state and gated attention's KV");
+    expect_decode_matches("qwen3_5_moe", "lora_all", 535,
+                          {{2, AttentionSplit::kTensorParallel}, {4, AttentionSplit::kDataParallel}});
+  }
+  {
+    SCOPED_TRACE("deepseek_v3: MLA caches");
+    expect_decode_matches("deepseek_v3", "lora_peft3d", 537,
+                          {{4, AttentionSplit::kTensorParallel}, {2, AttentionSplit::kDataParallel}});
   }
 }
 
