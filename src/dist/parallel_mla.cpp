@@ -134,6 +134,11 @@ Tensor mla_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
   std::iota(positions.begin(), positions.end(), cache.size);
   ops::apply_rope_inplace_ref(q, positions, shard.rope, {shard.rope_style, nope});
   ops::apply_rope_inplace_ref(k_rope, positions, shard.rope, {shard.rope_style, 0});
+  MOELORA_CHECK(static_cast<int64_t>(cache.k_nope.size()) == cache.size * heads * nope &&
+                    static_cast<int64_t>(cache.v.size()) == cache.size * heads * dv,
+                ErrorCode::kInvalidArgument, "MLA cache: ", cache.k_nope.size(),
+                " k_nope values for ", cache.size, " positions of ", heads, " heads of ", nope,
+                " (a cache filled with another share of heads?)");
   auto append = [](std::vector<float>& rows, const Tensor& t) {
     rows.insert(rows.end(), t.data<float>(), t.data<float>() + t.numel());
   };
@@ -141,10 +146,6 @@ Tensor mla_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
   append(cache.k_rope, k_rope);
   append(cache.v, v);
   cache.size += tokens;
-  MOELORA_CHECK(static_cast<int64_t>(cache.k_nope.size()) == cache.size * heads * nope,
-                ErrorCode::kInvalidArgument, "MLA cache: ", cache.k_nope.size(),
-                " k_nope values for ", cache.size, " positions of ", heads, " heads of ", nope,
-                " (a cache filled with another share of heads?)");
   ops::MlaAttentionParams params;
   params.dims = dims;
   params.softmax_scale = shard.scale;

@@ -171,6 +171,7 @@ ShardedSequence ShardedModel::new_sequence(int32_t slot, int owner) const {
   MOELORA_CHECK(owner >= 0 && owner < shard_.size, ErrorCode::kInvalidArgument,
                 "sharded model: owner rank ", owner, " is not a rank of ", shard_.size);
   ShardedSequence seq;
+  seq.model_ = this;
   seq.slot_ = slot;
   seq.owner_ = owner;
   seq.layers_.resize(layers_.size());
@@ -209,9 +210,12 @@ std::vector<Tensor> ShardedModel::forward(const std::vector<ShardedSequence*>& s
   std::vector<int64_t> offset = {0};
   std::vector<int32_t> all_tokens, token_slots;
   for (size_t i = 0; i < sequences.size(); ++i) {
-    MOELORA_CHECK(sequences[i] != nullptr && sequences[i]->layers_.size() == layers_.size(),
+    MOELORA_CHECK(sequences[i] != nullptr && sequences[i]->model_ == this,
                   ErrorCode::kInvalidArgument, "sharded model: sequence ", i,
-                  " was not made by this model's new_sequence");
+                  " was not made by this rank's model (new_sequence)");
+    MOELORA_CHECK(!sequences[i]->broken_, ErrorCode::kInvalidArgument, "sharded model: sequence ",
+                  i, " is broken: an earlier step failed part-way through its layers; start a new "
+                  "sequence");
     MOELORA_CHECK(!tokens[i].empty(), ErrorCode::kInvalidArgument, "sharded model: sequence ", i,
                   " has no new tokens");
     all_tokens.insert(all_tokens.end(), tokens[i].begin(), tokens[i].end());
@@ -220,6 +224,8 @@ std::vector<Tensor> ShardedModel::forward(const std::vector<ShardedSequence*>& s
   }
   const int64_t count = offset.back(), hidden = model_.config().hidden_size;
   const bool data_parallel = options_.attention == AttentionSplit::kDataParallel;
+  // Broken until every layer has taken the step (an exception leaves it so).
+  for (ShardedSequence* seq : sequences) seq->broken_ = true;
   Tensor x = ops::embedding_ref(model_.weights().embed_tokens, all_tokens);  // [T, H]
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
@@ -243,8 +249,10 @@ std::vector<Tensor> ShardedModel::forward(const std::vector<ShardedSequence*>& s
                                                  options_.moe_combine, comm)
                                 : mlp_forward_tp(h2, token_slots, layer.mlp, layer.mlp_lora, comm));
   }
-  for (size_t i = 0; i < sequences.size(); ++i)
+  for (size_t i = 0; i < sequences.size(); ++i) {
     sequences[i]->length_ += static_cast<int64_t>(tokens[i].size());
+    sequences[i]->broken_ = false;
+  }
   ops::rms_norm_inplace_ref(x, model_.weights().final_norm, norm_);
   // Vocab-parallel head: this rank's [T, V / n] columns, gathered rank-major to [n, T, V / n].
   const Tensor local = ops::linear_ref(x, lm_head_);

@@ -64,9 +64,11 @@ class ShardedSequence {
     MlaCache mla;
     GdnCache gdn;
   };
+  const void* model_ = nullptr;  // the ShardedModel that made it
   int32_t slot_ = -1;
   int owner_ = 0;
   int64_t length_ = 0;
+  bool broken_ = false;  // a step failed part-way: the layers' caches disagree
   std::vector<LayerCache> layers_;
 };
 
@@ -93,7 +95,10 @@ class ShardedModel {
   // attention (every rank makes it, with the same owner).
   ShardedSequence new_sequence(int32_t slot, int owner = 0) const;
   // The next tokens of each sequence (a prompt, a decode step's one token, or any mix) through
-  // the model in one batch: logits F32 [T_i, V] of each, on every rank; the caches advance.
+  // the model in one batch: logits F32 [T_i, V] of each, on every rank; the caches advance. Every
+  // rank passes its own copies of the same sequences (made with the same owners) in the same
+  // order. A sequence whose step threw part-way is refused afterwards (its layers' caches
+  // disagree): start a new one.
   std::vector<Tensor> forward(const std::vector<ShardedSequence*>& sequences,
                               const std::vector<std::vector<int32_t>>& tokens,
                               Communicator& comm) const;

@@ -31,7 +31,9 @@
 
 namespace moelora::dist {
 
-// A fresh NCCL unique id (ncclGetUniqueId) as 256 lowercase hex digits.
+// A fresh NCCL unique id (ncclGetUniqueId) as 256 lowercase hex digits. Rank 0's process makes
+// it; NCCL keeps a bootstrap listener for it until the group forms (for the process's lifetime if
+// it never does).
 std::string nccl_new_unique_id();
 
 class NcclCommunicator {
@@ -67,7 +69,8 @@ class NcclCommunicator {
   void synchronize(cudaStream_t stream);
 
   // ncclCommAbort: queued and later collectives of this rank fail; every later call throws with
-  // `reason`. The first abort wins.
+  // `reason`. The first abort wins. Like every member, called from the thread that uses the
+  // communicator (a watchdog on another thread would race with a call in progress).
   void abort(const std::string& reason);
   bool aborted() const { return !abort_reason_.empty(); }
 

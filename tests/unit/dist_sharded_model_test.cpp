@@ -201,15 +201,18 @@ void expect_decode_matches(const std::string& name, const std::string& adapter, 
   for (auto& p : prompts)
     for (int32_t& t : p) t = id(rng);
   constexpr int kSteps = 5;
-  // expected[i][0] = the prompt's logits, expected[i][s] = step s's; fed[i][s] = the token of step s
+  // expected[i][0] = the prompt's logits, expected[i][s] = step s's; fed[i][s - 1] = the tokens of
+  // step s: one greedy token, and in a last step two tokens for the first sequence (a multi-token
+  // continuation beside the other's one-token step).
   std::vector<std::vector<Tensor>> expected(2);
-  std::vector<std::vector<int32_t>> fed(2);
+  std::vector<std::vector<std::vector<int32_t>>> fed(2);
   for (size_t i = 0; i < 2; ++i) {
     model::Sequence seq = model.new_sequence(slots[i]);
     expected[i].push_back(model.forward(seq, prompts[i]));
-    for (int step = 1; step <= kSteps; ++step) {
-      fed[i].push_back(greedy_token(expected[i].back()));
-      expected[i].push_back(model.forward(seq, std::vector<int32_t>{fed[i].back()}));
+    for (int step = 1; step <= kSteps + 1; ++step) {
+      fed[i].push_back({greedy_token(expected[i].back())});
+      if (step == kSteps + 1 && i == 0) fed[i].back().push_back(id(rng));
+      expected[i].push_back(model.forward(seq, fed[i].back()));
     }
   }
   for (const auto& [ranks, split] : runs) {
@@ -225,21 +228,23 @@ void expect_decode_matches(const std::string& name, const std::string& adapter, 
       ShardedSequence b = sharded.new_sequence(slots[1], comm.size() - 1);
       auto& mine = got[static_cast<size_t>(comm.rank())];
       mine.push_back(sharded.forward({&a, &b}, prompts, comm));
-      for (int step = 0; step < kSteps; ++step)
-        mine.push_back(sharded.forward({&a, &b}, {{fed[0][step]}, {fed[1][step]}}, comm));
-      EXPECT_EQ(a.length(), 6 + kSteps);
-      EXPECT_EQ(b.length(), 3 + kSteps);
+      for (int step = 0; step <= kSteps; ++step)
+        mine.push_back(sharded.forward({&a, &b}, {fed[0][step], fed[1][step]}, comm));
+      EXPECT_EQ(a.length(), 6 + kSteps + 2);
+      EXPECT_EQ(b.length(), 3 + kSteps + 1);
     });
     for (int r = 0; r < ranks; ++r)
-      for (int step = 0; step <= kSteps; ++step)
+      for (int step = 0; step <= kSteps + 1; ++step)
         for (size_t i = 0; i < 2; ++i) {
-          const Tensor& logits = got[static_cast<size_t>(r)][static_cast<size_t>(step)][i];
+          const auto at = static_cast<size_t>(step);
+          const Tensor& logits = got[static_cast<size_t>(r)][at][i];
           const std::string where = label + ", rank " + std::to_string(r) + ", sequence " +
                                     std::to_string(i) + ", step " + std::to_string(step);
-          EXPECT_TRUE(test::all_close(logits, expected[i][static_cast<size_t>(step)], kAtol, kRtol))
-              << where;
-          if (step < kSteps) {
-            EXPECT_EQ(greedy_token(logits), fed[i][static_cast<size_t>(step)]) << where;
+          EXPECT_TRUE(test::all_close(logits, expected[i][at], kAtol, kRtol)) << where;
+          EXPECT_EQ(std::memcmp(logits.raw_data(), got[0][at][i].raw_data(), logits.nbytes()), 0)
+              << where << ": differs from rank 0";
+          if (step <= kSteps) {
+            EXPECT_EQ(greedy_token(logits), fed[i][at].front()) << where;
           }
         }
   }
@@ -261,6 +266,30 @@ TEST(DistShardedModel, DecodeStepsThroughTheCachesEqualTheCpuModel) {
     expect_decode_matches("deepseek_v3", "lora_peft3d", 537,
                           {{4, AttentionSplit::kTensorParallel}, {2, AttentionSplit::kDataParallel}});
   }
+}
+
+// Sequences are tied to the rank's model that made them, need new tokens, and a step that threw
+// part-way leaves them refused rather than silently inconsistent.
+TEST(DistShardedModel, SequenceMisuseIsNamed) {
+  const model::Model model = load_quiet(fixture("qwen3_moe") / "base");
+  run_ranks(1, [&](Communicator& comm) {
+    const ShardedModel sharded(model, {0, 1}), other(model, {0, 1});
+    ShardedSequence seq = sharded.new_sequence(-1);
+    ShardedSequence foreign = other.new_sequence(-1);
+    auto expect_error = [](const std::function<void()>& fn, const std::string& part) {
+      const std::string message = test::error_message(fn);
+      EXPECT_TRUE(test::contains(message, part)) << "'" << part << "' not in: " << message;
+    };
+    expect_error([&] { sharded.forward({&foreign}, {{1, 2}}, comm); },
+                 "sequence 0 was not made by this rank's model");
+    expect_error([&] { sharded.forward({&seq}, {{}}, comm); }, "sequence 0 has no new tokens");
+    expect_error([&] { sharded.new_sequence(5); }, "adapter slot 5");
+    expect_error([&] { sharded.new_sequence(-1, 1); }, "owner rank 1 is not a rank of 1");
+    const int32_t beyond_vocab = static_cast<int32_t>(model.vocab_size());
+    test::error_message([&] { sharded.forward({&seq}, {{1, beyond_vocab}}, comm); });
+    expect_error([&] { sharded.forward({&seq}, {{1, 2}}, comm); }, "sequence 0 is broken");
+    EXPECT_EQ(seq.length(), 0);
+  });
 }
 
 TEST(DistShardedModel, SplitsThatDoNotDivideAreNamed) {
