@@ -1,7 +1,6 @@
 // Tensor-parallel GQA attention on the CPU reference operators (parallel_attention.h).
 #include "dist/parallel_attention.h"
 
-#include <cstring>
 #include <numeric>
 #include <string>
 
@@ -91,14 +90,10 @@ Tensor gqa_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const G
   // Column-parallel projections of the local heads: [T, h, D] (and the gate [T, h D]).
   const Tensor q_out = project_with_lora(x, shard.q_proj, slot, lora, &GqaLora::q);
   Tensor q, gate;
-  if (shard.output_gate) {
-    q = Tensor::empty(DType::kF32, {tokens, shard.num_heads, d});
-    gate = Tensor::empty(DType::kF32, {tokens, shard.num_heads * d});
-    for (int64_t r = 0; r < tokens * shard.num_heads; ++r) {
-      std::memcpy(q.data<float>() + r * d, q_out.data<float>() + 2 * r * d, sizeof(float) * d);
-      std::memcpy(gate.data<float>() + r * d, q_out.data<float>() + (2 * r + 1) * d,
-                  sizeof(float) * d);
-    }
+  if (shard.output_gate) {  // per head [q | gate]: the two halves of [T h, 2D]
+    const Tensor per_head = q_out.reshape({tokens * shard.num_heads, 2 * d});
+    q = slice_dim(per_head, 1, 0, d, "attention q").reshape({tokens, shard.num_heads, d});
+    gate = slice_dim(per_head, 1, d, 2 * d, "attention gate").reshape({tokens, shard.num_heads * d});
   } else {
     q = q_out.reshape({tokens, shard.num_heads, d});
   }

@@ -1,7 +1,6 @@
 // Tensor-parallel MLA on the CPU reference operators (parallel_mla.h).
 #include "dist/parallel_mla.h"
 
-#include <cstring>
 #include <numeric>
 
 #include "core/error.h"
@@ -10,16 +9,6 @@
 namespace moelora::dist {
 
 namespace {
-
-// Columns [begin, begin + width) of each row of a [T, row] tensor, as a new [T, width] tensor.
-Tensor columns(const Tensor& t, int64_t begin, int64_t width) {
-  const int64_t rows = t.dim(0), row = t.dim(1);
-  Tensor out = Tensor::empty(DType::kF32, {rows, width});
-  for (int64_t i = 0; i < rows; ++i)
-    std::memcpy(out.data<float>() + i * width, t.data<float>() + i * row + begin,
-                sizeof(float) * static_cast<size_t>(width));
-  return out;
-}
 
 void check_weight(const Tensor& t, const Shape& shape, const char* which, const char* name) {
   MOELORA_CHECK(t.defined(), ErrorCode::kInvalidArgument, "MLA (", which, ") ", name,
@@ -123,13 +112,13 @@ Tensor mla_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
   // Replicated [c_kv | k_rope] [T, r + rope]; the local heads' [k_nope | v] from kv_b_proj.
   const Tensor kv_a =
       project_with_lora(x, shard.kv_a_proj_with_mqa, slot, lora, &MlaLora::kv_a_proj_with_mqa);
-  Tensor c_kv = columns(kv_a, 0, rank);
-  Tensor k_rope = columns(kv_a, rank, rope);
+  Tensor c_kv = slice_dim(kv_a, 1, 0, rank, "MLA c_kv");
+  Tensor k_rope = slice_dim(kv_a, 1, rank, rank + rope, "MLA k_rope");
   ops::rms_norm_inplace_ref(c_kv, shard.kv_a_layernorm, shard.norm);
   const Tensor kv = project_with_lora(c_kv, shard.kv_b_proj, slot, lora, &MlaLora::kv_b_proj)
                         .reshape({tokens * heads, nope + dv});
-  const Tensor k_nope = columns(kv, 0, nope).reshape({tokens, heads, nope});
-  const Tensor v = columns(kv, nope, dv).reshape({tokens, heads, dv});
+  const Tensor k_nope = slice_dim(kv, 1, 0, nope, "MLA k_nope").reshape({tokens, heads, nope});
+  const Tensor v = slice_dim(kv, 1, nope, nope + dv, "MLA v").reshape({tokens, heads, dv});
   std::vector<int64_t> positions(static_cast<size_t>(tokens));
   std::iota(positions.begin(), positions.end(), cache.size);
   ops::apply_rope_inplace_ref(q, positions, shard.rope, {shard.rope_style, nope});
