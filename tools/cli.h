@@ -23,6 +23,10 @@ struct Subcommand {
 
 std::vector<Subcommand>& registry();
 
+// The arguments this process was started with (argv[0] first), for a command that starts copies
+// of itself (`moelora serve --tp N` starts one process per rank).
+std::vector<std::string>& command_line();
+
 struct Registrar {
   Registrar(std::string name, std::string description, int order, SetupFn setup) {
     registry().push_back({std::move(name), std::move(description), order, std::move(setup)});

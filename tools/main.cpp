@@ -17,6 +17,11 @@ std::vector<Subcommand>& registry() {
   return r;
 }
 
+std::vector<std::string>& command_line() {
+  static std::vector<std::string> args;
+  return args;
+}
+
 void run_subcommand(const std::string& name, std::vector<std::string> args) {
   for (const Subcommand& sub : registry()) {
     if (sub.name != name) continue;
@@ -76,6 +81,7 @@ int main(int argc, char** argv) {
       "Loads Hugging Face checkpoints (bf16, FP8 block-scaled, NVFP4) and PEFT adapters; runs\n"
       "Qwen3-MoE and DeepSeek-V3 / Kimi models on the CPU reference backend (and on Hopper GPUs).\n"
       "Run `moelora <command> --help` for the options of one command."};
+  cli::command_line().assign(argv, argv + argc);
   app.require_subcommand(1);
   app.fallthrough(false);
 

@@ -9,7 +9,10 @@
 // script that started it with --port 0 can read the port; stops cleanly on SIGINT / SIGTERM.
 #include <signal.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -22,6 +25,7 @@
 #include "io/hf_config.h"
 #include "model/model_setup.h"
 #include "moelora/engine.h"
+#include "serve_parallel.h"
 #include "synth.h"
 
 #if MOELORA_WITH_HTTP
@@ -67,6 +71,7 @@ struct ServeArgs {
   int64_t random_adapter_rank = 16;
   int64_t layers = 0;
   std::string tokenizer_dir;
+  moelora::tools::ParallelArgs parallel;
 };
 
 #if MOELORA_WITH_HTTP
@@ -78,6 +83,34 @@ sigset_t stop_signals() {
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   return set;
+}
+
+// The engine's options from the command line (every rank computes the same).
+moelora::EngineOptions engine_options_of(const ServeArgs& a,
+                                         const std::vector<moelora::model::AdapterSpec>& specs) {
+  moelora::EngineOptions options;
+  options.model_dir = a.model_dir;
+  options.device = a.device.empty() ? moelora::default_device() : a.device;
+  options.max_running = a.max_running;
+  options.max_batch_tokens = a.max_batch_tokens;
+  options.max_loras_per_batch = a.max_loras_per_batch;
+  options.adapter_slots = a.adapter_slots > 0 ? a.adapter_slots : a.max_loras_per_batch;
+  // The slot pool is sized for max_lora_rank on every expert of every layer (with 128 experts
+  // and 48 layers, 8 slots of rank 64 are ~300 GB): take the adapters' own rank unless told.
+  int64_t rank = a.max_lora_rank;
+  if (rank <= 0) {
+    rank = std::max<int64_t>(16, moelora::tools::adapter_rank_bound(specs));
+    if (a.random_adapters > 0) rank = std::max(rank, a.random_adapter_rank);
+  }
+  options.max_lora_rank = rank;
+  options.host_adapter_cache = a.max_cpu_loras;
+  options.max_seq_len = a.max_seq_len;
+  options.gpu_memory_fraction = a.gpu_memory_fraction;
+  options.cuda_graphs = !a.no_cuda_graphs;
+  options.show_progress = true;
+  options.random_weights = a.random_weights;
+  options.max_layers = a.layers;
+  return options;
 }
 
 int run_serve(const ServeArgs& args) {
@@ -109,6 +142,20 @@ int run_serve(const ServeArgs& args) {
     a.model_dir = dir.string();
     if (a.served_model_name.empty()) a.served_model_name = a.preset;
   }
+  {
+    const std::string device = a.device.empty() ? moelora::default_device() : a.device;
+    moelora::tools::check_parallel_args(a.parallel, device);
+    MOELORA_CHECK(a.parallel.tp == 1 || !a.random_weights, ErrorCode::kUnsupported,
+                  "moelora serve: --random-weights draws weights on one GPU; --tp ", a.parallel.tp,
+                  " runs a checkpoint folder (--model) on the CPU backend");
+  }
+  if (a.parallel.launcher()) return moelora::tools::launch_serve_ranks(a.parallel);
+  std::vector<moelora::model::AdapterSpec> specs;
+  for (const std::string& spec_text : a.adapters)
+    specs.push_back(moelora::model::parse_adapter_spec(spec_text));
+  moelora::EngineOptions options = engine_options_of(a, specs);
+  if (a.parallel.worker()) return moelora::tools::run_worker_rank(a.parallel, options);
+
   // Block the stop signals in every thread this process starts from here on.
   sigset_t signals = stop_signals();
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
@@ -142,32 +189,10 @@ int run_serve(const ServeArgs& args) {
     }
   }
 
-  moelora::EngineOptions options;
-  options.model_dir = a.model_dir;
-  options.device = a.device.empty() ? moelora::default_device() : a.device;
-  options.max_running = a.max_running;
-  options.max_batch_tokens = a.max_batch_tokens;
-  options.max_loras_per_batch = a.max_loras_per_batch;
-  options.adapter_slots = a.adapter_slots > 0 ? a.adapter_slots : a.max_loras_per_batch;
-  // The slot pool is sized for max_lora_rank on every expert of every layer (with 128 experts
-  // and 48 layers, 8 slots of rank 64 are ~300 GB): take the adapters' own rank unless told.
-  std::vector<moelora::model::AdapterSpec> specs;
-  for (const std::string& spec_text : a.adapters)
-    specs.push_back(moelora::model::parse_adapter_spec(spec_text));
-  int64_t rank = a.max_lora_rank;
-  if (rank <= 0) {
-    rank = std::max<int64_t>(16, moelora::tools::adapter_rank_bound(specs));
-    if (a.random_adapters > 0) rank = std::max(rank, a.random_adapter_rank);
-  }
-  options.max_lora_rank = rank;
-  options.host_adapter_cache = a.max_cpu_loras;
-  options.max_seq_len = a.max_seq_len;
-  options.gpu_memory_fraction = a.gpu_memory_fraction;
-  options.cuda_graphs = !a.no_cuda_graphs;
-  options.show_progress = true;
-  options.random_weights = a.random_weights;
-  options.max_layers = a.layers;
-  auto engine = moelora::Engine::create(options);
+  auto engine = a.parallel.rank0()
+                    ? moelora::Engine::create(
+                          moelora::tools::make_rank0_executor(a.parallel, options), options)
+                    : moelora::Engine::create(options);
   if (!engine.is_ok()) throw moelora::Error(engine.status().code(), engine.status().message());
   for (const moelora::model::AdapterSpec& spec : specs) {
     moelora::Status s = engine.value()->register_adapter(spec.name, spec.dir);
@@ -200,6 +225,16 @@ int run_serve(const ServeArgs& args) {
   so.http_threads = a.http_threads;
   so.limits.max_n = a.max_n;
   so.max_queued_requests = a.max_queued_requests;
+  // Rank 0 of a multi-process job ends when its engine stops (a lost rank breaks the group), so
+  // the launcher ends the job instead of a server that answers 503 forever.
+  std::atomic<bool> engine_failed{false};
+  if (a.parallel.rank0()) {
+    so.on_engine_failure = [&engine_failed](const std::string& message) {
+      std::fprintf(stderr, "moelora serve: the engine stopped: %s\n", message.c_str());
+      engine_failed = true;
+      kill(getpid(), SIGTERM);  // taken by the watcher below, which shuts the server down
+    };
+  }
   auto created = moelora::server::Server::create(std::move(engine.value()), std::move(*tokenizer),
                                                  std::move(chat_template), so);
   if (!created.is_ok()) throw moelora::Error(created.status().code(), created.status().message());
@@ -229,7 +264,7 @@ int run_serve(const ServeArgs& args) {
   pthread_kill(watcher.native_handle(), SIGTERM);
   watcher.join();
   server.shutdown();
-  return 0;
+  return engine_failed ? 1 : 0;
 }
 #endif
 
@@ -315,6 +350,7 @@ MOELORA_SUBCOMMAND(
       app.add_option("--layers", a->layers, "benchmarks: run only the first N decoder layers");
       app.add_option("--tokenizer", a->tokenizer_dir,
                      "with --preset: the folder whose tokenizer files to serve with");
+      moelora::tools::add_parallel_options(app, a->parallel);
       return [a]() -> int {
 #if MOELORA_WITH_HTTP
         return run_serve(*a);

@@ -28,156 +28,17 @@
 #include <utility>
 
 #include "core/error.h"
+#include "dist/collective_rules.h"
 
 namespace moelora::dist {
-namespace detail {
-
-enum class Op { kAllReduceSum, kAllGather, kReduceScatterSum, kAllToAllV, kBroadcast, kBarrier };
-
-// What one rank passed to one collective. The pointers are into the caller's buffers and stay
-// valid until the collective's depart step.
-struct Call {
-  Op op = Op::kBarrier;
-  const float* send = nullptr;  // (send_count) read by other ranks
-  size_t send_count = 0;
-  float* recv = nullptr;  // (recv_count) written by this rank only
-  size_t recv_count = 0;
-  std::span<const int64_t> send_counts;  // (group size) all_to_all_v only
-  std::span<const int64_t> recv_counts;  // (group size) all_to_all_v only
-  int root = 0;                          // broadcast only
-  std::string local_error;  // what is wrong with this rank's own arguments; "" when nothing
-};
-
-}  // namespace detail
 
 namespace {
 
 using detail::Call;
 using detail::Op;
+using detail::op_name;
+using detail::rank_list;
 using ::moelora::detail::concat;
-
-const char* op_name(Op op) {
-  switch (op) {
-    case Op::kAllReduceSum: return "all_reduce_sum";
-    case Op::kAllGather: return "all_gather";
-    case Op::kReduceScatterSum: return "reduce_scatter_sum";
-    case Op::kAllToAllV: return "all_to_all_v";
-    case Op::kBroadcast: return "broadcast";
-    case Op::kBarrier: return "barrier";
-  }
-  return "unknown collective";
-}
-
-bool overlap(const float* a, size_t a_count, const float* b, size_t b_count) {
-  if (a_count == 0 || b_count == 0) return false;
-  const std::less<const float*> before;
-  return before(a, b + b_count) && before(b, a + a_count);
-}
-
-Call make_call(Op op, std::span<const float> send, std::span<float> recv) {
-  Call call;
-  call.op = op;
-  call.send = send.data();
-  call.send_count = send.size();
-  call.recv = recv.data();
-  call.recv_count = recv.size();
-  return call;
-}
-
-// "ranks 1, 3" / "rank 2": the ranks r with selected[r] == want.
-std::string rank_list(const std::vector<char>& selected, bool want) {
-  std::string names;
-  int count = 0;
-  for (size_t r = 0; r < selected.size(); ++r) {
-    if (static_cast<bool>(selected[r]) != want) continue;
-    names += (count++ ? ", " : "") + std::to_string(r);
-  }
-  return (count == 1 ? "rank " : "ranks ") + names;
-}
-
-// Checks the calls of collective #seq against each other: the first disagreement as a message,
-// "" when they agree. Every rank throws this one message, so all ranks report the same problem.
-std::string check_calls(const std::vector<Call>& calls, uint64_t seq) {
-  const int size = static_cast<int>(calls.size());
-  const Call& first = calls[0];
-  const char* name = op_name(first.op);
-  for (int r = 1; r < size; ++r) {
-    if (calls[r].op != first.op) {
-      return concat("collective #", seq, ": rank ", r, " called ", op_name(calls[r].op),
-                    ", expected ", name, " as called by rank 0 (every rank must call the same",
-                    " collectives in the same order)");
-    }
-  }
-  for (int r = 0; r < size; ++r) {
-    if (!calls[r].local_error.empty()) {
-      return concat(name, " at collective #", seq, ": rank ", r, ": ", calls[r].local_error);
-    }
-  }
-  // The first rank whose `what` differs from rank 0's.
-  auto same_on_all = [&](const char* what, auto value_of) -> std::string {
-    for (int r = 1; r < size; ++r) {
-      if (value_of(calls[r]) != value_of(first)) {
-        return concat(name, " at collective #", seq, ": rank ", r, " has ", what, " ",
-                      value_of(calls[r]), ", expected ", value_of(first), " as on rank 0");
-      }
-    }
-    return "";
-  };
-  auto send_count = [](const Call& c) { return c.send_count; };
-  switch (first.op) {
-    case Op::kAllReduceSum: return same_on_all("count", send_count);
-    case Op::kAllGather: return same_on_all("send count", send_count);
-    case Op::kReduceScatterSum:
-      return same_on_all("recv count", [](const Call& c) { return c.recv_count; });
-    case Op::kBroadcast: {
-      std::string error = same_on_all("root", [](const Call& c) { return c.root; });
-      return error.empty() ? same_on_all("count", send_count) : error;
-    }
-    case Op::kAllToAllV:
-      for (int from = 0; from < size; ++from) {
-        for (int to = 0; to < size; ++to) {
-          const int64_t sent = calls[from].send_counts[to];
-          const int64_t expected = calls[to].recv_counts[from];
-          if (sent == expected) continue;
-          return concat(name, " at collective #", seq, ": rank ", from, " sends ", sent,
-                        " floats to rank ", to, " but rank ", to, " expects ", expected,
-                        " from rank ", from, " (send_counts[", to, "] on rank ", from,
-                        " must equal recv_counts[", from, "] on rank ", to, ")");
-        }
-      }
-      return "";
-    case Op::kBarrier: return "";
-  }
-  return "";
-}
-
-// all_to_all_v's own arguments: one count per rank, none negative, sums within the buffers.
-std::string check_counts(const char* what, std::span<const int64_t> counts, int size,
-                         size_t buffer_size, const char* buffer) {
-  if (counts.size() != static_cast<size_t>(size)) {
-    return concat(what, " has ", counts.size(), " entries, expected one per rank (", size, ")");
-  }
-  uint64_t total = 0;
-  for (int r = 0; r < size; ++r) {
-    if (counts[r] < 0) return concat(what, "[", r, "] is ", counts[r], ", expected >= 0");
-    total += static_cast<uint64_t>(counts[r]);
-    if (total > buffer_size) {
-      return concat(what, "[0..", r, "] sum to ", total, " floats but ", buffer, " has only ",
-                    buffer_size);
-    }
-  }
-  return "";
-}
-
-// out (count) = sum over ranks r of calls[r].send[offset, offset + count), in rank order.
-void sum_in_rank_order(const std::vector<Call>& calls, size_t offset, size_t count,
-                       std::vector<float>& out) {
-  out.assign(calls[0].send + offset, calls[0].send + offset + count);
-  for (size_t r = 1; r < calls.size(); ++r) {
-    const float* in = calls[r].send + offset;
-    for (size_t i = 0; i < count; ++i) out[i] += in[i];
-  }
-}
 
 }  // namespace
 
@@ -210,90 +71,45 @@ class InProcessGroup::Rank final : public Communicator {
   bool failed_from_remote_abort() const { return failed_from_remote_abort_.load(); }
 
   void all_reduce_sum(std::span<float> inout) override {
-    Call call = make_call(Op::kAllReduceSum, inout, inout);
-    run(std::move(call), [&](const std::vector<Call>& calls) {
-      sum_in_rank_order(calls, 0, inout.size(), scratch_);
+    // Into scratch first: other ranks read inout until every rank has departed.
+    run(detail::all_reduce_call(inout), [&](const std::vector<Call>& calls) {
+      scratch_.resize(inout.size());
+      detail::collective_result(calls, rank_, scratch_.data());
     });
     std::copy_n(scratch_.begin(), inout.size(), inout.begin());
   }
 
   void all_gather(std::span<const float> send, std::span<float> recv) override {
-    Call call = make_call(Op::kAllGather, send, recv);
-    const size_t count = send.size();
-    if (recv.size() != size_t(size()) * count) {
-      call.local_error = concat("recv has ", recv.size(), " floats, expected size ", size(),
-                                " x send ", count, " = ", size_t(size()) * count);
-    } else if (send.data() != recv.data() + size_t(rank_) * count &&
-               overlap(send.data(), count, recv.data(), recv.size())) {
-      call.local_error =
-          "send overlaps recv (the only allowed overlap is in place: send == recv"
-          " + rank * send.size())";
-    }
-    run(std::move(call), [&](const std::vector<Call>& calls) {
-      for (int r = 0; r < size(); ++r) {
-        float* block = recv.data() + size_t(r) * count;  // (count)
-        if (calls[r].send != block) std::copy_n(calls[r].send, count, block);
-      }
+    run(detail::all_gather_call(send, recv, rank_, size()), [&](const std::vector<Call>& calls) {
+      detail::collective_result(calls, rank_, recv.data());
     });
   }
 
   void reduce_scatter_sum(std::span<const float> send, std::span<float> recv) override {
-    Call call = make_call(Op::kReduceScatterSum, send, recv);
-    const size_t count = recv.size();
-    if (send.size() != size_t(size()) * count) {
-      call.local_error = concat("send has ", send.size(), " floats, expected size ", size(),
-                                " x recv ", count, " = ", size_t(size()) * count);
-    } else if (recv.data() != send.data() + size_t(rank_) * count &&
-               overlap(send.data(), send.size(), recv.data(), count)) {
-      call.local_error =
-          "recv overlaps send (the only allowed overlap is in place: recv == send"
-          " + rank * recv.size())";
-    }
-    run(std::move(call), [&](const std::vector<Call>& calls) {
-      sum_in_rank_order(calls, size_t(rank_) * count, count, scratch_);
-    });
-    std::copy_n(scratch_.begin(), count, recv.begin());
+    run(detail::reduce_scatter_call(send, recv, rank_, size()),
+        [&](const std::vector<Call>& calls) {
+          scratch_.resize(recv.size());
+          detail::collective_result(calls, rank_, scratch_.data());
+        });
+    std::copy_n(scratch_.begin(), recv.size(), recv.begin());
   }
 
   void all_to_all_v(std::span<const float> send, std::span<const int64_t> send_counts,
                     std::span<float> recv, std::span<const int64_t> recv_counts) override {
-    Call call = make_call(Op::kAllToAllV, send, recv);
-    call.send_counts = send_counts;
-    call.recv_counts = recv_counts;
-    call.local_error = check_counts("send_counts", send_counts, size(), send.size(), "send");
-    if (call.local_error.empty()) {
-      call.local_error = check_counts("recv_counts", recv_counts, size(), recv.size(), "recv");
-    }
-    if (call.local_error.empty() && overlap(send.data(), send.size(), recv.data(), recv.size())) {
-      call.local_error = "send overlaps recv";
-    }
-    run(std::move(call), [&](const std::vector<Call>& calls) {
-      size_t recv_offset = 0;
-      for (int from = 0; from < size(); ++from) {
-        const Call& sender = calls[from];
-        size_t send_offset = 0;  // where the sender's block for this rank starts
-        for (int r = 0; r < rank_; ++r) send_offset += size_t(sender.send_counts[r]);
-        const size_t count = size_t(recv_counts[from]);
-        std::copy_n(sender.send + send_offset, count, recv.data() + recv_offset);
-        recv_offset += count;
-      }
-    });
+    run(detail::all_to_all_call(send, send_counts, recv, recv_counts, size()),
+        [&](const std::vector<Call>& calls) {
+          detail::collective_result(calls, rank_, recv.data());
+        });
   }
 
   void broadcast(std::span<float> buf, int root) override {
-    Call call = make_call(Op::kBroadcast, buf, buf);
-    call.root = root;
-    if (root < 0 || root >= size()) {
-      call.local_error = concat("root ", root, " is out of range [0, ", size(), ")");
-    }
-    run(std::move(call), [&](const std::vector<Call>& calls) {
-      // Only the root's buffer is read, and the root does not write it.
-      if (rank_ != root) std::copy_n(calls[root].send, buf.size(), buf.data());
+    run(detail::broadcast_call(buf, root, size()), [&](const std::vector<Call>& calls) {
+      detail::collective_result(calls, rank_, buf.data());
     });
   }
 
   void barrier() override {
-    run(make_call(Op::kBarrier, {}, {}), [](const std::vector<Call>&) {});
+    run(detail::barrier_call(), [](const std::vector<Call>&) {});
   }
 
   void abort(const std::string& reason) override {
@@ -320,7 +136,7 @@ class InProcessGroup::Rank final : public Communicator {
     group.calls[rank_] = std::move(call);
     group.has_arrived[rank_] = 1;
     if (++group.arrived == group.size) {
-      group.verdict = check_calls(group.calls, seq);
+      group.verdict = detail::check_calls(group.calls, seq);
       group.changed.notify_all();
     } else {
       const auto deadline = std::chrono::steady_clock::now() + group.timeout;

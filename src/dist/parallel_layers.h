@@ -3,9 +3,9 @@
 // threads (dist/communicator.h).
 //
 // Dense SwiGLU MLP (and the MoE shared expert), tensor parallel over n ranks:
-//   gate / up column-parallel (rows [r I / n, (r + 1) I / n)), down row-parallel (the same columns);
-//   rank r computes the full MLP on its I / n intermediate channels with its LoRA shares (B of
-//   gate / up split, A of down split; shard.h), which gives a partial sum of the output; one
+//   gate / up column-parallel (rows [r I / n, (r + 1) I / n)), down row-parallel (the same
+//   columns); rank r computes the full MLP on its I / n intermediate channels with its LoRA shares
+//   (B of gate / up split, A of down split; shard.h), which gives a partial sum of the output; one
 //   all-reduce adds the partial sums of the base and of the deltas together.
 //
 // MoE routed experts, expert parallel over n ranks, activations replicated (every rank holds
@@ -56,7 +56,8 @@ Tensor mlp_forward_tp(const Tensor& x, const std::vector<int32_t>& slot, const M
 
 // ---------------------------------------------------------------------------- MoE, EP
 
-enum class MoeCombine { kPairRows, kPartialSums };
+// kDispatch: moe_forward_dispatch, each rank with only its own tokens (data-parallel attention).
+enum class MoeCombine { kPairRows, kPartialSums, kDispatch };
 enum class SharedExpertSplit { kReplicated, kTensorParallel };
 
 // One rank's share of an MoE layer. params keep the whole layer's E (routing covers all experts).
@@ -88,5 +89,24 @@ MoeLora shard_moe_lora(const ops::MoeLoraRef& lora, const ops::MoeParams& params
 // out [T, H] on every rank: the layer of x [T, H] (replicated) with per-token slots.
 Tensor moe_forward_ep(const Tensor& x, const std::vector<int32_t>& slot, const MoeShard& shard,
                       const std::vector<MoeLora>& lora, MoeCombine combine, Communicator& comm);
+
+// MoE expert parallel with token dispatch, for data-parallel attention (each rank holds only its
+// own tokens, as DeepEP's dispatch / combine serve SGLang's DP attention):
+//   x [T_r, H] and slot (T_r) are this rank's tokens (T_r may differ per rank, 0 included);
+//   1. route them with the whole router;
+//   2. send each pair (t, j) to the rank holding expert ids[t, j]: an all_to_all_v of the pair
+//      counts, then one of the pair rows [x_t | expert | slot] (H + 2 floats; expert ids and slots
+//      are exact in a float);
+//   3. each rank runs its experts on the pairs it received (moe_expert_outputs_ref, a pair a
+//      row);
+//   4. the outputs travel back the same way (all_to_all_v of H floats per pair) into the token's
+//      pair row t * k + j;
+//   5. each rank combines its own tokens in moe_forward_ref's order and adds the shared expert,
+//      which must be replicated (kInvalidArgument otherwise: a split one needs every token).
+// out [T_r, H] of this rank's tokens only: the unsharded layer's rows of those tokens bit for bit
+// (each pair's expert output is the same arithmetic, and the combine runs in the same order).
+Tensor moe_forward_dispatch(const Tensor& x, const std::vector<int32_t>& slot,
+                            const MoeShard& shard, const std::vector<MoeLora>& lora,
+                            Communicator& comm);
 
 }  // namespace moelora::dist

@@ -10,7 +10,9 @@
 //   dense MLP layers and the shared expert: tensor parallel; routed experts: expert parallel with
 //   the pair rows combined exactly (MoeCombine::kPairRows) or per-rank partial sums;
 //   lm_head: vocab parallel (rows [r V / n, (r + 1) V / n)), logits all-gathered.
-// Every adapter slot of the model is cut to the rank's share at construction.
+// Every adapter slot of the model is cut to the rank's share at construction, and one slot again
+// by refresh_slot after the model's AdapterSet changed it (a serving executor loading and evicting
+// adapters). The cuts are owned copies: nothing here points into the AdapterSet.
 //
 // Supported: Qwen3-MoE (GQA), Qwen3.5-MoE (gated GQA and Gated DeltaNet layers) and DeepSeek-V3 /
 // Kimi-K2 (MLA), with their MoE and dense layers.
@@ -80,6 +82,19 @@ class ShardedModel {
   ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options = {});
 
   ShardSpec shard() const { return shard_; }
+  // The adapter slots cut so far (model.adapters().size() at construction or the last
+  // refresh_slot).
+  int32_t num_slots() const { return num_slots_; }
+
+  // Re-cuts adapter slot `slot` of the model's AdapterSet in every layer after the caller changed
+  // it (AdapterSet::set / clear through the model it was built from); the other slots and the
+  // base weights are untouched. Also picks up a grown slot count (AdapterSet::resize): the new
+  // slots are cut as they are now (a shrunk count drops the cuts of the slots gone). kOutOfRange
+  // for a slot outside [0, model.adapters().size()). On an error nothing changes. Not concurrent
+  // with forward on this rank; every rank refreshes the same slot before the next step. A
+  // sequence in flight on the slot would continue with the new adapter over a cache built with
+  // the old one: refresh only slots that no running sequence uses.
+  void refresh_slot(int32_t slot);
 
   // Logits F32 [T, V] of every position of one sequence's prompt (positions 0 .. T-1) with
   // adapter `slot` (-1 = base), on every rank. comm must be the group the shares were cut for.
@@ -91,44 +106,53 @@ class ShardedModel {
                                            const std::vector<int32_t>& slots,
                                            Communicator& comm) const;
 
-  // A new sequence with adapter `slot` (-1 = base), attended on rank `owner` under data-parallel
-  // attention (every rank makes it, with the same owner).
+  // A new sequence with adapter `slot` (-1 = base, or one of the num_slots() cut), attended on
+  // rank `owner` under data-parallel attention (every rank makes it, with the same owner).
   ShardedSequence new_sequence(int32_t slot, int owner = 0) const;
   // The next tokens of each sequence (a prompt, a decode step's one token, or any mix) through
   // the model in one batch: logits F32 [T_i, V] of each, on every rank; the caches advance. Every
   // rank passes its own copies of the same sequences (made with the same owners) in the same
   // order. A sequence whose step threw part-way is refused afterwards (its layers' caches
-  // disagree): start a new one.
+  // disagree): start a new one; so is one whose slot a refresh_slot dropped.
   std::vector<Tensor> forward(const std::vector<ShardedSequence*>& sequences,
                               const std::vector<std::vector<int32_t>>& tokens,
                               Communicator& comm) const;
 
  private:
+  // One layer's shares. The *_full descriptors are the whole layer as the LoRA cuts need it (the
+  // split of an adapter's factors follows the base's); their tensors share the model's storage.
+  // The per-slot LoRA vectors have num_slots_ entries (only those of the layer's kinds are used).
   struct Layer {
     Tensor input_layernorm, post_attention_layernorm;
-    GqaWeights attention;                 // GQA models
-    std::vector<GqaLora> attention_lora;  // per slot
-    MlaWeights mla;                       // MLA models (use_mla)
-    std::vector<MlaLora> mla_lora;        // per slot
-    bool is_linear_attention = false;     // Qwen3.5 Gated DeltaNet layer
-    GdnLayer gdn;
+    GqaWeights attention, attention_full;  // GQA models
+    std::vector<GqaLora> attention_lora;   // per slot
+    MlaWeights mla, mla_full;              // MLA models (use_mla)
+    std::vector<MlaLora> mla_lora;         // per slot
+    bool is_linear_attention = false;      // Qwen3.5 Gated DeltaNet layer
+    GdnLayer gdn, gdn_full;
     std::vector<GdnLora> gdn_lora;  // per slot
     bool is_moe = false;
     MoeShard moe;
+    ops::MoeParams moe_params;      // the whole layer's
     std::vector<MoeLora> moe_lora;  // per slot
     MlpShard mlp;
     std::vector<MlpLora> mlp_lora;  // per slot
+
+    // Every per-slot vector to `slots` entries (the new ones adapt nothing until cut).
+    void resize_slots(int32_t slots);
   };
 
-  // The layer's attention share and its adapters' (constructor helpers, per attention kind), cut
-  // for `heads`: this rank of the group (tensor parallel) or the whole (data parallel).
-  void shard_gqa_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
-                       const ops::RopeTable& rope, ShardSpec heads);
-  void shard_mla_layer(Layer& layer, const model::AttentionWeightsF32& src, int64_t l,
-                       const ops::RopeTable& rope, const ops::RopeParams& rope_params,
-                       ShardSpec heads);
-  void shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src, int64_t l,
-                       ShardSpec heads);
+  // The layer's attention share (constructor helpers, per attention kind), cut for heads_; the
+  // whole layer kept in its *_full descriptor.
+  void shard_gqa_layer(Layer& layer, const model::AttentionWeightsF32& src,
+                       const ops::RopeTable& rope);
+  void shard_mla_layer(Layer& layer, const model::AttentionWeightsF32& src,
+                       const ops::RopeTable& rope, const ops::RopeParams& rope_params);
+  void shard_gdn_layer(Layer& layer, const model::LinearAttentionWeightsF32& src);
+  // Cuts adapter slot `slot` of layer `l` from the model's AdapterSet (attention for heads_, MoE
+  // experts / MLP channels for shard_) into the layer's per-slot entries, which must exist. The
+  // constructor's and refresh_slot's one cut.
+  void cut_slot(Layer& layer, int64_t l, int32_t slot) const;
   // out [T, H] of the layer's attention on one sequence's next rows h [T, H], against its cache.
   Tensor attention(const Layer& layer, const Tensor& h, const std::vector<int32_t>& slots,
                    ShardedSequence::LayerCache& cache, Communicator& comm) const;
@@ -136,6 +160,9 @@ class ShardedModel {
   const model::Model& model_;
   ShardSpec shard_;
   ShardedModelOptions options_;
+  // The attention's heads: this rank of the group (tensor parallel) or the whole (data parallel).
+  ShardSpec heads_;
+  int32_t num_slots_ = 0;  // adapter slots cut (see num_slots())
   // Data-parallel attention runs the whole attention: its row-parallel reductions are over this
   // rank alone (a group of one).
   std::unique_ptr<InProcessGroup> solo_;

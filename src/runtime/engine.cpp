@@ -691,12 +691,18 @@ Status Engine::step() {
   Impl& im = *impl_;
   std::lock_guard step_lock(im.step_mutex);
   std::vector<Impl::PendingEvent> events;
-  const Status status = capture([&] {
+  Status status = capture([&] {
     std::lock_guard lock(im.state_mutex);
     im.run_step(im.scheduler.schedule());
     im.update_gauges();
     events.swap(im.pending);
   });
+  // A backend that can run no more steps stops the engine (its requests have already failed).
+  if (status.is_ok()) {
+    const std::string broken = im.executor->broken_reason();
+    if (!broken.empty())
+      status = Status(ErrorCode::kInternal, "the backend cannot run any more steps: " + broken);
+  }
   // Deliver outside the state lock. A callback that throws has its request cancelled quietly.
   std::set<RequestId> muted;
   for (Impl::PendingEvent& p : events) {

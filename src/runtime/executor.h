@@ -142,6 +142,9 @@ class Executor {
   virtual void randomize_slot(int32_t slot, int64_t rank, bool shared_outer, uint64_t seed);
 
   virtual ExecutorCounters counters() const { return {}; }
+  // Non-empty once the backend can run no more forwards (a rank of a multi-process job was lost,
+  // so the ranks' caches no longer agree): the reason. The Engine then stops: step() returns it.
+  virtual std::string broken_reason() const { return ""; }
   // The attention kernels the backend runs (ModelInfo::attention_kernel).
   virtual std::string attention_kernel() const { return "reference"; }
 

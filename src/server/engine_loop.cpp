@@ -5,8 +5,9 @@
 
 namespace moelora::server {
 
-EngineLoop::EngineLoop(Engine& engine, std::function<void()> after_step)
-    : engine_(engine), after_step_(std::move(after_step)) {}
+EngineLoop::EngineLoop(Engine& engine, std::function<void()> after_step,
+                       std::function<void(const std::string&)> on_failure)
+    : engine_(engine), after_step_(std::move(after_step)), on_failure_(std::move(on_failure)) {}
 
 EngineLoop::~EngineLoop() {
   stop();
@@ -112,8 +113,11 @@ void EngineLoop::run() {
     if (!engine_.idle()) {
       Status s = engine_.step();
       if (!s.is_ok()) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        failure_ = s.message();
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          failure_ = s.message();
+        }
+        if (on_failure_) on_failure_(s.message());
         return;
       }
     }

@@ -29,8 +29,10 @@ namespace moelora::server {
 class EngineLoop {
  public:
   // `after_step` (may be empty) runs on the loop thread after every step, outside the loop's lock
-  // (metrics sampling).
-  explicit EngineLoop(Engine& engine, std::function<void()> after_step = {});
+  // (metrics sampling); `on_failure` (may be empty) once, on the loop thread, with the message of
+  // the step error that stopped the loop.
+  explicit EngineLoop(Engine& engine, std::function<void()> after_step = {},
+                      std::function<void(const std::string&)> on_failure = {});
   ~EngineLoop();  // stop()
   EngineLoop(const EngineLoop&) = delete;
   EngineLoop& operator=(const EngineLoop&) = delete;
@@ -59,6 +61,7 @@ class EngineLoop {
 
   Engine& engine_;
   std::function<void()> after_step_;
+  std::function<void(const std::string&)> on_failure_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;

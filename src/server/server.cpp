@@ -102,7 +102,8 @@ Server::Impl::Impl(ServerOptions opts, std::unique_ptr<Engine> eng, io::Tokenize
                      std::chrono::system_clock::now().time_since_epoch())
                      .count();
   declare_metrics();
-  loop = std::make_unique<EngineLoop>(*engine, [this] { sample_engine_metrics(); });
+  loop = std::make_unique<EngineLoop>(
+      *engine, [this] { sample_engine_metrics(); }, options.on_engine_failure);
 }
 
 void Server::Impl::declare_metrics() {

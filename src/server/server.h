@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -54,6 +55,10 @@ struct ServerOptions {
   // backs off instead of piling up behind a queue it cannot see).
   int64_t max_queued_requests = 1024;
   serve::ProtocolLimits limits;  // vocab_size and logprobs_supported are set by the server
+  // Called once, on the engine's thread, when a failed step stops the engine (/health turns
+  // 503); must not call shutdown() itself (it joins that thread). Rank 0 of a multi-process job
+  // ends the process with it, so the launcher ends the job.
+  std::function<void(const std::string&)> on_engine_failure;
 };
 
 class Server {

@@ -710,6 +710,83 @@ TEST(DistExpertParallel, PartialSumsAndTensorParallelSharedExpertMatchTheUnshard
   }
 }
 
+// Token dispatch (data-parallel attention): each rank holds only its own tokens, a different
+// number on each (none on some), sends every pair to its expert's rank and gets the output back;
+// each rank's rows are the unsharded layer's rows of those tokens bit for bit, for every adapter
+// layout in one mixed batch, with plain and grouped (noaux_tc, correction bias) routing.
+TEST(DistExpertParallel, DispatchedTokensEqualTheUnshardedLayerOnEachRanksRows) {
+  std::mt19937_64 rng(test::test_seed(513));
+  for (bool grouped : {false, true}) {
+    MoeLayer m = random_moe(rng, 16, 4, /*shared_gate=*/true);
+    if (grouped) {
+      m.params.route.kind = RouterKind::kSigmoidNoauxTc;
+      m.params.route.n_group = 4;
+      m.params.route.topk_group = 2;
+      m.params.route.routed_scaling_factor = 2.5f;
+      m.weights.correction_bias = test::random_normal({16}, rng, 0.05f);
+    }
+    std::vector<MoeAdapter> adapters;
+    for (Layout l :
+         {Layout::kPerExpert, Layout::kSharedOuter, Layout::kSharedInner, Layout::kRoutedOnly})
+      adapters.push_back(random_adapter(rng, m, l, 4));
+    const MoeBatch batch = random_batch(rng, 15, m.params.hidden, 4);
+    std::vector<MoeLoraRef> refs;
+    for (const MoeAdapter& a : adapters) refs.push_back(a.ref());
+    const Tensor expected = ops::moe_forward_ref(batch.x, batch.slot, m.weights, refs, m.params);
+    // Tokens [cut[r], cut[r + 1]) are rank r's.
+    const std::vector<std::vector<int64_t>> cuts = {
+        {0, 15}, {0, 9, 15}, {0, 0, 5, 7, 15}, {0, 3, 3, 4, 9, 9, 12, 15, 15}};
+    for (const std::vector<int64_t>& cut : cuts) {
+      const int ep = static_cast<int>(cut.size()) - 1;
+      const std::vector<Tensor> outputs = on_ranks(ep, [&](Communicator& comm) {
+        const ShardSpec me{comm.rank(), comm.size()};
+        std::vector<MoeLora> mine;
+        for (const MoeAdapter& a : adapters)
+          mine.push_back(shard_moe_lora(a.ref(), m.params, me, SharedExpertSplit::kReplicated));
+        const int64_t begin = cut[static_cast<size_t>(comm.rank())],
+                      end = cut[static_cast<size_t>(comm.rank()) + 1];
+        const std::vector<int32_t> slots(batch.slot.begin() + begin, batch.slot.begin() + end);
+        return moe_forward_dispatch(
+            batch.x.slice0(begin, end).clone(), slots,
+            shard_moe(m.weights, m.params, me, SharedExpertSplit::kReplicated), mine, comm);
+      });
+      for (int r = 0; r < ep; ++r) {
+        const int64_t begin = cut[static_cast<size_t>(r)], end = cut[static_cast<size_t>(r) + 1];
+        const Tensor& got = outputs[static_cast<size_t>(r)];
+        ASSERT_EQ(got.dim(0), end - begin);
+        if (end == begin) continue;
+        EXPECT_TRUE(bitwise_equal(got, expected.slice0(begin, end).clone()))
+            << (grouped ? "grouped" : "softmax") << " routing, ep " << ep << " rank " << r;
+      }
+    }
+  }
+}
+
+TEST(DistExpertParallel, DispatchNeedsAReplicatedSharedExpert) {
+  std::mt19937_64 rng(test::test_seed(515));
+  const MoeLayer m = random_moe(rng, 8, 2, false);
+  const MoeBatch batch = random_batch(rng, 3, m.params.hidden, 0);
+  expect_error_mentions(
+      [&] {
+        run_ranks(2, [&](Communicator& comm) {
+          const ShardSpec me{comm.rank(), comm.size()};
+          moe_forward_dispatch(
+              batch.x, batch.slot,
+              shard_moe(m.weights, m.params, me, SharedExpertSplit::kTensorParallel), {}, comm);
+        });
+      },
+      {"moe dispatch: the shared expert is split over the ranks", "kReplicated"});
+  expect_error_mentions(
+      [&] {
+        run_ranks(1, [&](Communicator& comm) {
+          moe_forward_ep(batch.x, batch.slot,
+                         shard_moe(m.weights, m.params, {0, 1}, SharedExpertSplit::kReplicated), {},
+                         MoeCombine::kDispatch, comm);
+        });
+      },
+      {"MoeCombine::kDispatch runs through moe_forward_dispatch"});
+}
+
 TEST(DistExpertParallel, NoauxTcRoutingWithCorrectionBias) {
   std::mt19937_64 rng(test::test_seed(509));
   MoeLayer m = random_moe(rng, 16, 4, /*shared_gate=*/false);

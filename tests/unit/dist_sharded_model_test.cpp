@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -17,6 +18,7 @@
 
 #include "dist/communicator.h"
 #include "dist/sharded_model.h"
+#include "io/peft.h"
 #include "model/model.h"
 #include "support/test_support.h"
 
@@ -112,12 +114,35 @@ TEST(DistShardedModel, Qwen35LogitsEqualTheCpuModelWithEveryAdapterLayout) {
   expect_sharded_logits_match("qwen3_5_moe", {"lora_all", "lora_linear"}, 525, 2);
 }
 
+// One sharded configuration: ranks, the attention split, and whether the MoE dispatches each
+// rank's tokens to the experts' ranks (data-parallel attention only; the shared expert then
+// replicated).
+struct Split {
+  int ranks;
+  AttentionSplit attention;
+  bool dispatch = false;
+  ShardedModelOptions options() const {
+    ShardedModelOptions o;
+    o.attention = attention;
+    if (dispatch) {
+      o.moe_combine = MoeCombine::kDispatch;
+      o.shared_expert = SharedExpertSplit::kReplicated;
+    }
+    return o;
+  }
+  std::string label() const {
+    return std::to_string(ranks) + " ranks, " +
+           (attention == AttentionSplit::kDataParallel ? "data" : "tensor") +
+           "-parallel attention" + (dispatch ? ", token dispatch" : "");
+  }
+};
+
 // A batch of prompts of different lengths and adapters (one base) through one forward: the
 // logits of each prompt equal model::Model's of that prompt alone, with the attention tensor
 // parallel and data parallel (each prompt attended on its own rank, the MoE over the whole
 // batch), on ranks the heads could not be split over too.
 void expect_batch_logits_match(const std::string& name, const std::vector<std::string>& adapters,
-                               uint64_t seed, const std::vector<std::pair<int, AttentionSplit>>& runs) {
+                               uint64_t seed, const std::vector<Split>& runs) {
   model::Model model = load_quiet(fixture(name) / "base");
   for (const std::string& a : adapters) model.load_adapter(a, fixture(name) / a);
   std::mt19937_64 rng(test::test_seed(seed));
@@ -133,21 +158,18 @@ void expect_batch_logits_match(const std::string& name, const std::vector<std::s
     model::Sequence seq = model.new_sequence(slots.back());
     expected.push_back(model.forward(seq, prompts.back()));
   }
-  for (const auto& [ranks, split] : runs) {
+  for (const Split& run : runs) {
+    const int ranks = run.ranks;
     std::vector<std::vector<Tensor>> logits(static_cast<size_t>(ranks));
     run_ranks(ranks, [&](Communicator& comm) {
-      ShardedModelOptions options;
-      options.attention = split;
-      const ShardedModel sharded(model, {comm.rank(), comm.size()}, options);
+      const ShardedModel sharded(model, {comm.rank(), comm.size()}, run.options());
       logits[static_cast<size_t>(comm.rank())] = sharded.prefill_batch_logits(prompts, slots, comm);
     });
     for (int r = 0; r < ranks; ++r)
       for (size_t i = 0; i < prompts.size(); ++i) {
         const Tensor& got = logits[static_cast<size_t>(r)][i];
         const std::string label =
-            std::to_string(ranks) + " ranks, " +
-            (split == AttentionSplit::kDataParallel ? "data" : "tensor") +
-            "-parallel attention, rank " + std::to_string(r) + ", prompt " + std::to_string(i);
+            run.label() + ", rank " + std::to_string(r) + ", prompt " + std::to_string(i);
         EXPECT_TRUE(test::all_close(got, expected[i], kAtol, kRtol)) << label;
         EXPECT_EQ(std::memcmp(got.raw_data(), logits[0][i].raw_data(), got.nbytes()), 0)
             << label << ": differs from rank 0";
@@ -161,7 +183,9 @@ TEST(DistShardedModel, BatchWithDataOrTensorParallelAttentionEqualsTheCpuModel) 
     expect_batch_logits_match("qwen3_moe", {"lora_peft3d", "lora_per_expert"}, 527,
                               {{2, AttentionSplit::kTensorParallel},
                                {2, AttentionSplit::kDataParallel},
-                               {4, AttentionSplit::kDataParallel}});
+                               {4, AttentionSplit::kDataParallel},
+                               {2, AttentionSplit::kDataParallel, true},
+                               {4, AttentionSplit::kDataParallel, true}});
   }
   {
     // 2 linear-attention key heads: tensor parallel up to 2 ranks, data parallel on 4 (and 8:
@@ -170,12 +194,14 @@ TEST(DistShardedModel, BatchWithDataOrTensorParallelAttentionEqualsTheCpuModel) 
     expect_batch_logits_match("qwen3_5_moe", {"lora_all"}, 529,
                               {{2, AttentionSplit::kTensorParallel},
                                {4, AttentionSplit::kDataParallel},
-                               {8, AttentionSplit::kDataParallel}});
+                               {8, AttentionSplit::kDataParallel},
+                               {8, AttentionSplit::kDataParallel, true}});
   }
   {
     SCOPED_TRACE("deepseek_v3");
-    expect_batch_logits_match("deepseek_v3", {"lora_peft3d"}, 531,
-                              {{4, AttentionSplit::kDataParallel}});
+    expect_batch_logits_match(
+        "deepseek_v3", {"lora_peft3d"}, 531,
+        {{4, AttentionSplit::kDataParallel}, {4, AttentionSplit::kDataParallel, true}});
   }
 }
 
@@ -191,7 +217,7 @@ int32_t greedy_token(const Tensor& logits) {
 // greedy tokens; every step's logits equal the CPU model's continuing each sequence alone, and the
 // sharded model's own greedy picks are the same tokens.
 void expect_decode_matches(const std::string& name, const std::string& adapter, uint64_t seed,
-                           const std::vector<std::pair<int, AttentionSplit>>& runs) {
+                           const std::vector<Split>& runs) {
   model::Model model = load_quiet(fixture(name) / "base");
   model.load_adapter(adapter, fixture(name) / adapter);
   std::mt19937_64 rng(test::test_seed(seed));
@@ -215,15 +241,12 @@ void expect_decode_matches(const std::string& name, const std::string& adapter, 
       expected[i].push_back(model.forward(seq, fed[i].back()));
     }
   }
-  for (const auto& [ranks, split] : runs) {
-    const std::string label = std::to_string(ranks) + " ranks, " +
-                              (split == AttentionSplit::kDataParallel ? "data" : "tensor") +
-                              "-parallel attention";
+  for (const Split& run : runs) {
+    const int ranks = run.ranks;
+    const std::string label = run.label();
     std::vector<std::vector<std::vector<Tensor>>> got(static_cast<size_t>(ranks));
     run_ranks(ranks, [&](Communicator& comm) {
-      ShardedModelOptions options;
-      options.attention = split;
-      const ShardedModel sharded(model, {comm.rank(), comm.size()}, options);
+      const ShardedModel sharded(model, {comm.rank(), comm.size()}, run.options());
       ShardedSequence a = sharded.new_sequence(slots[0], 0);
       ShardedSequence b = sharded.new_sequence(slots[1], comm.size() - 1);
       auto& mine = got[static_cast<size_t>(comm.rank())];
@@ -254,17 +277,137 @@ TEST(DistShardedModel, DecodeStepsThroughTheCachesEqualTheCpuModel) {
   {
     SCOPED_TRACE("qwen3_moe");
     expect_decode_matches("qwen3_moe", "lora_per_expert", 533,
-                          {{2, AttentionSplit::kTensorParallel}, {4, AttentionSplit::kDataParallel}});
+                          {{2, AttentionSplit::kTensorParallel},
+                           {4, AttentionSplit::kDataParallel},
+                           {2, AttentionSplit::kDataParallel, true}});
   }
   {
     SCOPED_TRACE("qwen3_5_moe: Gated DeltaNet state and gated attention's KV");
     expect_decode_matches("qwen3_5_moe", "lora_all", 535,
-                          {{2, AttentionSplit::kTensorParallel}, {4, AttentionSplit::kDataParallel}});
+                          {{2, AttentionSplit::kTensorParallel},
+                           {4, AttentionSplit::kDataParallel},
+                           {4, AttentionSplit::kDataParallel, true}});
   }
   {
     SCOPED_TRACE("deepseek_v3: MLA caches");
     expect_decode_matches("deepseek_v3", "lora_peft3d", 537,
-                          {{4, AttentionSplit::kTensorParallel}, {2, AttentionSplit::kDataParallel}});
+                          {{4, AttentionSplit::kTensorParallel},
+                           {2, AttentionSplit::kDataParallel},
+                           {2, AttentionSplit::kDataParallel, true}});
+  }
+}
+
+// A serving executor's fixed slots changing under ShardedModels that live on: the model resized to
+// two empty slots and sharded on 2 ranks (tensor-parallel attention, then data parallel), then
+// slot 1 set to adapter `first`, cleared, and set to `second` through the model's AdapterSet,
+// each change followed by refresh_slot(1) on every rank; after each, a batch of the slot-1 prompt
+// and a base prompt equals model::Model's logits, and the slot-1 prompt's differ from the base's
+// while an adapter is set and equal them when none is. Then the slot count grows to 3: slot 2 is
+// refused until a refresh picks it up, and serves `first` after.
+void expect_refresh_follows_adapter_set(const std::string& name, const std::string& first,
+                                        const std::string& second, uint64_t seed) {
+  model::Model model = load_quiet(fixture(name) / "base");
+  model.adapters().resize(2);
+  std::mt19937_64 rng(test::test_seed(seed));
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(model.vocab_size()) - 1);
+  std::vector<std::vector<int32_t>> prompts = {std::vector<int32_t>(7), std::vector<int32_t>(4)};
+  for (auto& p : prompts)
+    for (int32_t& t : p) t = id(rng);
+  auto cpu_logits = [&](int32_t slot, const std::vector<int32_t>& prompt) {
+    model::Sequence seq = model.new_sequence(slot);
+    return model.forward(seq, prompt);
+  };
+  auto load = [&](const std::string& adapter) {
+    return io::load_adapter(fixture(name) / adapter, model.config(), adapter);
+  };
+  const Tensor base0 = cpu_logits(-1, prompts[0]);
+
+  for (const AttentionSplit split :
+       {AttentionSplit::kTensorParallel, AttentionSplit::kDataParallel}) {
+    constexpr int kRanks = 2;
+    ShardedModelOptions options;
+    options.attention = split;
+    // Kept for the whole run, as the executor keeps them.
+    std::vector<std::unique_ptr<ShardedModel>> sharded;
+    for (int r = 0; r < kRanks; ++r)
+      sharded.push_back(std::make_unique<ShardedModel>(model, ShardSpec{r, kRanks}, options));
+    const std::string mode =
+        split == AttentionSplit::kDataParallel ? "data-parallel" : "tensor-parallel";
+
+    // Refreshes `slot` on every rank, runs `prompts` with `slots` and checks them against the CPU
+    // model; returns rank 0's logits.
+    auto refresh_and_check = [&](int32_t slot, const std::vector<std::vector<int32_t>>& batch,
+                                 const std::vector<int32_t>& slots, const std::string& step) {
+      std::vector<std::vector<Tensor>> logits(kRanks);
+      run_ranks(kRanks, [&](Communicator& comm) {
+        ShardedModel& mine = *sharded[static_cast<size_t>(comm.rank())];
+        mine.refresh_slot(slot);
+        logits[static_cast<size_t>(comm.rank())] = mine.prefill_batch_logits(batch, slots, comm);
+      });
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const Tensor expected = cpu_logits(slots[i], batch[i]);
+        for (int r = 0; r < kRanks; ++r) {
+          const Tensor& got = logits[static_cast<size_t>(r)][i];
+          const std::string label = mode + ", " + step + ", rank " + std::to_string(r) +
+                                    ", prompt " + std::to_string(i) + " (slot " +
+                                    std::to_string(slots[i]) + ")";
+          EXPECT_TRUE(test::all_close(got, expected, kAtol, kRtol)) << label;
+          EXPECT_EQ(std::memcmp(got.raw_data(), logits[0][i].raw_data(), got.nbytes()), 0)
+              << label << ": differs from rank 0";
+        }
+      }
+      return logits[0];
+    };
+    const std::vector<int32_t> mixed = {1, -1};
+
+    model.adapters().set(1, load(first));
+    const std::vector<Tensor> with_first = refresh_and_check(1, prompts, mixed, "set " + first);
+    EXPECT_GT(test::max_abs_diff(with_first[0], base0), 1e-3)
+        << mode << ": slot 1 with " << first << " equals the base";
+
+    model.adapters().clear(1);
+    const std::vector<Tensor> cleared = refresh_and_check(1, prompts, mixed, "cleared");
+    EXPECT_TRUE(test::all_close(cleared[0], base0, kAtol, kRtol))
+        << mode << ": the cleared slot 1 still adapts";
+
+    model.adapters().set(1, load(second));
+    const std::vector<Tensor> with_second = refresh_and_check(1, prompts, mixed, "set " + second);
+    EXPECT_GT(test::max_abs_diff(with_second[0], base0), 1e-3)
+        << mode << ": slot 1 with " << second << " equals the base";
+    EXPECT_GT(test::max_abs_diff(with_second[0], with_first[0]), 1e-3)
+        << mode << ": slot 1 with " << second << " equals " << first << "'s";
+
+    // A grown slot count: slot 2 exists in the AdapterSet but has no cut until a refresh.
+    model.adapters().resize(3);
+    model.adapters().set(2, load(first));
+    EXPECT_TRUE(test::contains(test::error_message([&] { sharded[0]->new_sequence(2); }),
+                               "refresh_slot cuts them"))
+        << mode;
+    refresh_and_check(0, {prompts[0], prompts[1], prompts[0]}, {2, 1, -1}, "grown to 3 slots");
+    EXPECT_EQ(sharded[1]->num_slots(), 3);
+    EXPECT_TRUE(test::contains(test::error_message([&] { sharded[0]->refresh_slot(3); }),
+                               "adapter slot 3 to refresh is not in [0, 3)"))
+        << mode;
+
+    // Back to two empty slots for the next split.
+    model.adapters().clear(1);
+    model.adapters().clear(2);
+    model.adapters().resize(2);
+  }
+}
+
+TEST(DistShardedModel, RefreshSlotFollowsAdapterSetChanges) {
+  {
+    SCOPED_TRACE("qwen3_moe");
+    expect_refresh_follows_adapter_set("qwen3_moe", "lora_peft3d", "lora_per_expert", 539);
+  }
+  {
+    SCOPED_TRACE("deepseek_v3: MLA, a dense first layer and the shared expert's adapter");
+    expect_refresh_follows_adapter_set("deepseek_v3", "lora_peft3d", "lora_dense_shared", 541);
+  }
+  {
+    SCOPED_TRACE("qwen3_5_moe: Gated DeltaNet and gated attention");
+    expect_refresh_follows_adapter_set("qwen3_5_moe", "lora_all", "lora_linear", 543);
   }
 }
 

@@ -150,6 +150,8 @@ class RecordingExecutor final : public Executor {
   io::LoraAdapter random_stand_in;
   std::vector<std::tuple<int32_t, int64_t, bool, uint64_t>> randomized;
   std::function<void(std::span<const BatchEntry>, std::vector<int32_t>&)> tamper;
+  std::string broken;  // broken_reason(): a backend that lost a rank
+  std::string broken_reason() const override { return broken; }
   std::vector<std::vector<ops::SampleRowParams>> params_seen;
   std::vector<std::vector<float>> uniforms_seen;
 
@@ -659,6 +661,34 @@ TEST(Engine, ThrowingCallbackCancelsOnlyItsRequest) {
   EXPECT_EQ(good.tokens.size(), 6u);
   EXPECT_EQ(t.engine->stats().requests_cancelled, 1);
   EXPECT_EQ(t.executor->live_sequences(), 0);
+}
+
+// A backend that can run no more forwards (a multi-process backend that lost a rank) stops the
+// engine: the step whose forward failed ends its requests with the error and returns it, so the
+// server's engine loop stops and reports it; a backend that failed one batch but is not broken
+// keeps the engine going.
+TEST(Engine, ABrokenBackendStopsTheEngine) {
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  Request r{{7, 8, 9}, "", {}};
+  r.sampling.max_new_tokens = 6;
+  r.sampling.ignore_eos = true;
+  Collected first, second;
+  ASSERT_TRUE(t.engine->submit(r, collect_into(first)).is_ok());
+  t.executor->tamper = [](std::span<const BatchEntry>, std::vector<int32_t>&) {
+    throw Error(ErrorCode::kInternal, "one bad batch");
+  };
+  EXPECT_TRUE(t.engine->step().is_ok()) << "a failed batch alone does not stop the engine";
+  ASSERT_TRUE(t.engine->submit(r, collect_into(second)).is_ok());
+  t.executor->tamper = [&](std::span<const BatchEntry>, std::vector<int32_t>&) {
+    t.executor->broken = "rank 3 was lost";
+    throw Error(ErrorCode::kInternal, "the connection to rank 3 closed");
+  };
+  const Status s = t.engine->step();
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_EQ(s.message(), "the backend cannot run any more steps: rank 3 was lost");
+  EXPECT_EQ(second.finals, 1);
+  EXPECT_NE(second.error.find("the connection to rank 3 closed"), std::string::npos)
+      << second.error;
 }
 
 TEST(Engine, StopTokensEndARequest) {
