@@ -302,6 +302,10 @@ class Engine {
   // One scheduling iteration (see the top of this file). Returns an error only when the engine
   // itself failed; request failures go to the requests' callbacks.
   Status step();
+  // Asks an idle backend whether it can still run (a multi-process backend notices a lost rank
+  // here, between requests, not only at the next step): the error step() would return, else OK.
+  // For the thread that steps, between steps.
+  Status check_backend();
   // step() until no request waits or runs and every event has been delivered.
   Status run_until_idle();
   bool idle() const;

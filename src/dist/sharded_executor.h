@@ -78,6 +78,8 @@ class ShardedExecutor final : public runtime::Executor {
   runtime::ExecutorCounters counters() const override { return counters_; }
   // The group's first failure once a rank was lost or a forward failed part-way.
   std::string broken_reason() const override;
+  // Between steps: a worker that went away breaks the group now (SocketGroup::check_peers).
+  void check_health() override { group_->check_peers(); }
   std::string attention_kernel() const override;
 
  private:

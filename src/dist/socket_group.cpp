@@ -260,6 +260,25 @@ void SocketGroup::break_group(const std::string& reason) {
   }
 }
 
+void SocketGroup::check_peers() {
+  if (broken_.load() || rank_ != 0) return;
+  for (int r = 1; r < size_; ++r) {
+    Connection& peer = peers_[static_cast<size_t>(r)];
+    if (!peer.readable()) continue;
+    std::string cause;
+    try {
+      std::optional<Frame> frame = peer.receive(Clock::now());
+      if (frame && frame->tag == kAbort)
+        cause = "the group was aborted by " + text_of(*frame);
+      else if (frame)
+        cause = concat("rank ", r, " sent a ", tag_name(frame->tag), " frame between commands");
+    } catch (const Error& e) {
+      cause = concat("between commands: ", e.what());
+    }
+    if (!cause.empty()) return break_group(cause);
+  }
+}
+
 std::string SocketGroup::failure() const {
   std::lock_guard<std::mutex> lock(reason_mutex_);
   return reason_;

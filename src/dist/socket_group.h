@@ -88,6 +88,11 @@ class SocketGroup final : public Communicator {
   // once (their error names this rank's connection as closed).
   void abort(const std::string& reason) override;
 
+  // Rank 0, between commands (no frame is due then): a worker connection with anything to read
+  // means the worker closed it or broke the group, and the group breaks with that cause. Returns
+  // at once; for the thread that uses the group.
+  void check_peers();
+
   // Breaks the group from the thread that uses it, telling every peer `reason` first (abort()
   // only closes the connections, so the peers learn just that this rank went away).
   void break_group(const std::string& reason);

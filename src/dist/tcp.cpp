@@ -241,6 +241,12 @@ std::optional<Frame> Connection::receive(std::optional<Clock::time_point> deadli
   return frame;
 }
 
+bool Connection::readable() const {
+  if (fd_ < 0) return false;
+  pollfd p{fd_, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
 void Connection::shutdown() {
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }

@@ -67,6 +67,8 @@ class Connection {
   std::optional<Frame> receive(std::optional<Clock::time_point> deadline,
                                uint64_t max_payload = kMaxFramePayload);
 
+  // Whether a receive would return at once (data, or the peer's close) without waiting.
+  bool readable() const;
   // Wakes a receive blocked on another thread (it fails as closed); the socket stays open until
   // the destructor or close().
   void shutdown();

@@ -722,6 +722,18 @@ Status Engine::step() {
   return status;
 }
 
+Status Engine::check_backend() {
+  Impl& im = *impl_;
+  std::lock_guard step_lock(im.step_mutex);
+  std::lock_guard lock(im.state_mutex);
+  Status status = capture([&] { im.executor->check_health(); });
+  if (!status.is_ok()) return status;
+  const std::string broken = im.executor->broken_reason();
+  if (!broken.empty())
+    return Status(ErrorCode::kInternal, "the backend cannot run any more steps: " + broken);
+  return Status();
+}
+
 Status Engine::run_until_idle() {
   while (!idle()) {
     const EngineStats before = stats();

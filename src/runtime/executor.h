@@ -145,6 +145,9 @@ class Executor {
   // Non-empty once the backend can run no more forwards (a rank of a multi-process job was lost,
   // so the ranks' caches no longer agree): the reason. The Engine then stops: step() returns it.
   virtual std::string broken_reason() const { return ""; }
+  // Called between steps while the engine has no work (Engine::check_backend): a backend whose
+  // peers can fail looks at them here without blocking and reports through broken_reason().
+  virtual void check_health() {}
   // The attention kernels the backend runs (ModelInfo::attention_kernel).
   virtual std::string attention_kernel() const { return "reference"; }
 

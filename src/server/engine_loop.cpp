@@ -100,26 +100,34 @@ void EngineLoop::retry_pending_unloads() {
 }
 
 void EngineLoop::run() {
+  auto stop_with = [&](const Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      failure_ = s.message();
+    }
+    if (on_failure_) on_failure_(s.message());
+  };
   for (;;) {
+    bool idle = false;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      // Sleep while there is nothing to run. The timeout is a safety net only (a submit always
-      // notifies); engine.idle() takes the engine's own lock, never ours, so no lock order issue.
-      while (!stopping_ && !work_pending_ && engine_.idle())
+      // Sleep while there is nothing to run; a submit always notifies. The timeout wakes an idle
+      // loop to ask the backend whether it can still run. engine.idle() takes the engine's own
+      // lock, never ours, so no lock order issue.
+      if (!stopping_ && !work_pending_ && engine_.idle())
         wake_.wait_for(lock, std::chrono::milliseconds(200));
       if (stopping_) return;
-      work_pending_ = false;
+      idle = !work_pending_ && engine_.idle();
+      if (!idle) work_pending_ = false;
+    }
+    if (idle) {
+      const Status health = engine_.check_backend();
+      if (!health.is_ok()) return stop_with(health);
+      continue;
     }
     if (!engine_.idle()) {
-      Status s = engine_.step();
-      if (!s.is_ok()) {
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          failure_ = s.message();
-        }
-        if (on_failure_) on_failure_(s.message());
-        return;
-      }
+      const Status s = engine_.step();
+      if (!s.is_ok()) return stop_with(s);
     }
     retry_pending_unloads();
     if (after_step_) after_step_();

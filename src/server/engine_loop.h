@@ -2,8 +2,10 @@
 //
 // Engine::step() must be driven by one thread while HTTP handler threads submit and cancel
 // requests (include/moelora/engine.h, "Threads"). EngineLoop is that thread: it steps while any
-// request waits or runs and sleeps on a condition variable otherwise, so an idle server uses no
-// CPU and a new request starts within one wake-up, not a polling period.
+// request waits or runs and sleeps on a condition variable otherwise, so a new request starts
+// within one wake-up, not a polling period; an idle loop wakes every 200 ms only to ask the
+// backend whether it can still run (Engine::check_backend: a multi-process backend notices a lost
+// rank between requests), which stops the loop as a failed step does.
 //
 // Adapter unloads that running requests still use are deferred here: the name is taken out of
 // service at once (the server stops routing new requests to it) and Engine::unregister_adapter

@@ -90,6 +90,13 @@ class RecordingExecutor final : public Executor {
   std::function<void(std::span<const BatchEntry>, std::vector<int32_t>&)> tamper;
   std::string broken;  // broken_reason(): a backend that lost a rank
   std::string broken_reason() const override { return broken; }
+  // check_health(): counted; sets `broken` to break_on_health_check when that is not empty.
+  int health_checks = 0;
+  std::string break_on_health_check;
+  void check_health() override {
+    ++health_checks;
+    if (!break_on_health_check.empty()) broken = break_on_health_check;
+  }
   std::vector<std::vector<ops::SampleRowParams>> params_seen;
   std::vector<std::vector<float>> uniforms_seen;
 

@@ -292,37 +292,49 @@ TEST(DistShardedExecutor, BadBatchesAreRefusedBeforeTheRanksSeeThem) {
   for (const std::string& e : errors) EXPECT_EQ(e, "");
 }
 
-// A worker that goes away (its process died): the next forward fails naming it, and the executor
+// A worker that goes away (its process died): the next forward fails naming it, or, while the
+// engine is idle, the health check between steps notices it first; either way the executor
 // reports itself broken with the cause, which stops the engine (Engine.ABrokenBackendStops...).
 TEST(DistShardedExecutor, ALostWorkerBreaksTheExecutor) {
-  const fs::path base = fixture("qwen3_moe") / "base";
-  Listener listener = Listener::bind({"127.0.0.1", 0});
-  const int port = listener.port();
-  std::string failed, reason;
-  std::thread worker([&] {
-    SocketGroupOptions o;
-    o.rank = 1;
-    o.size = 2;
-    o.address = {"127.0.0.1", port};
-    o.join_timeout = kTestTimeout;
-    auto group = SocketGroup::join(o);
-    group->send_reply("");  // "my share is cut", then the process is gone
-  });
-  {
-    SocketGroupOptions o;
-    o.size = 2;
-    o.listen_fd = dup(listener.fd());
-    o.join_timeout = kTestTimeout;
-    o.collective_timeout = kTestTimeout;
-    ShardedExecutor ex(load_quiet(base), SocketGroup::join(o), kLimits, {}, kTestTimeout);
-    worker.join();
-    const SequenceHandle a = ex.new_sequence();
-    const std::vector<int32_t> prompt = {1, 2, 3};
-    failed = test::error_message([&] { ex.forward(std::vector<BatchEntry>{{a, prompt, -1}}); });
-    reason = ex.broken_reason();
+  for (const bool idle_check : {false, true}) {
+    SCOPED_TRACE(idle_check ? "noticed between steps" : "noticed by a forward");
+    const fs::path base = fixture("qwen3_moe") / "base";
+    Listener listener = Listener::bind({"127.0.0.1", 0});
+    const int port = listener.port();
+    std::string failed, reason;
+    std::thread worker([&] {
+      SocketGroupOptions o;
+      o.rank = 1;
+      o.size = 2;
+      o.address = {"127.0.0.1", port};
+      o.join_timeout = kTestTimeout;
+      auto group = SocketGroup::join(o);
+      group->send_reply("");  // "my share is cut", then the process is gone
+    });
+    {
+      SocketGroupOptions o;
+      o.size = 2;
+      o.listen_fd = dup(listener.fd());
+      o.join_timeout = kTestTimeout;
+      o.collective_timeout = kTestTimeout;
+      ShardedExecutor ex(load_quiet(base), SocketGroup::join(o), kLimits, {}, kTestTimeout);
+      worker.join();
+      if (idle_check) {
+        ex.check_health();  // nothing to notice while rank 1 is connected: returns at once
+        for (int i = 0; i < 100 && ex.broken_reason().empty(); ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          ex.check_health();
+        }
+        EXPECT_NE(ex.broken_reason(), "") << "the lost worker was not noticed between steps";
+      }
+      const SequenceHandle a = ex.new_sequence();
+      const std::vector<int32_t> prompt = {1, 2, 3};
+      failed = test::error_message([&] { ex.forward(std::vector<BatchEntry>{{a, prompt, -1}}); });
+      reason = ex.broken_reason();
+    }
+    EXPECT_NE(failed.find("rank 1"), std::string::npos) << failed;
+    EXPECT_NE(reason.find("rank 1"), std::string::npos) << reason;
   }
-  EXPECT_NE(failed.find("rank 1"), std::string::npos) << failed;
-  EXPECT_NE(reason.find("rank 1"), std::string::npos) << reason;
 }
 
 }  // namespace

@@ -501,6 +501,18 @@ TEST(Engine, ABrokenBackendStopsTheEngine) {
       << second.error;
 }
 
+// Between requests the engine asks the backend whether it can still run: OK while it can, the
+// backend's reason once it broke (a lost rank noticed by its health check, with no step to run).
+TEST(Engine, CheckBackendAsksTheIdleBackend) {
+  TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
+  EXPECT_TRUE(t.engine->check_backend().is_ok());
+  EXPECT_EQ(t.executor->health_checks, 1);
+  t.executor->break_on_health_check = "rank 2 closed its connection";
+  const Status s = t.engine->check_backend();
+  EXPECT_EQ(s.message(), "the backend cannot run any more steps: rank 2 closed its connection");
+  EXPECT_EQ(t.executor->health_checks, 2);
+}
+
 TEST(Engine, StopTokensEndARequest) {
   TestEngine t = make_engine(fixture("qwen3_moe") / "base", small_options());
   Request r{{11, 12, 13, 14}, "", {}};
