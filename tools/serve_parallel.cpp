@@ -175,6 +175,10 @@ int launch_serve_ranks(const ParallelArgs& a) {
       p.argv.insert(p.argv.end(), {"--dist-listen-fd", std::to_string(listener.fd())});
       p.inherit_fds.push_back(listener.fd());
     }
+    // NVLink multicast stays off in every rank (on these hosts a program that uses it can take
+    // the shared GPUs out of service); the NCCL communicator sets it too, this covers anything
+    // else a rank starts.
+    p.env.push_back("NCCL_NVLS_ENABLE=0");
     ranks.push_back(std::move(p));
   }
   dist::LaunchOptions options;

@@ -59,10 +59,30 @@ struct SignalGuard {
   }
 };
 
+// The launcher's environment with `extra` KEY=VALUE entries added or replacing, as exec wants it.
+std::vector<std::string> environment_with(const std::vector<std::string>& extra) {
+  std::vector<std::string> env;
+  auto key = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    bool replaced = false;
+    for (const std::string& x : extra) replaced = replaced || key(x) == key(entry);
+    if (!replaced) env.push_back(entry);
+  }
+  env.insert(env.end(), extra.begin(), extra.end());
+  return env;
+}
+
 pid_t start(const RankProcess& rank) {
+  // Everything exec needs is built before fork: the child of a threaded process may only make
+  // async-signal-safe calls.
   std::vector<char*> argv;
   for (const std::string& a : rank.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  const std::vector<std::string> env_strings = environment_with(rank.env);
+  std::vector<char*> envp;
+  for (const std::string& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid != 0) return pid;
@@ -76,7 +96,7 @@ pid_t start(const RankProcess& rank) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
-  execv(argv[0], argv.data());
+  execve(argv[0], argv.data(), envp.data());
   const char message[] = "moelora launcher: exec of a rank failed\n";
   (void)!write(2, message, sizeof(message) - 1);
   _exit(127);

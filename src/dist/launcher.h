@@ -22,6 +22,8 @@ struct RankProcess {
   int rank = 0;
   std::vector<std::string> argv;
   std::vector<int> inherit_fds;
+  // KEY=VALUE entries added to (or replacing those of) the launcher's environment.
+  std::vector<std::string> env;
 };
 
 struct LaunchOptions {

@@ -23,7 +23,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 RankProcess shell(int rank, const std::string& script) {
-  return {rank, {"/bin/sh", "-c", script}, {}};
+  return {rank, {"/bin/sh", "-c", script}, {}, {}};
 }
 
 struct JobRun {
@@ -112,13 +112,28 @@ TEST(DistLauncher, ARankStartsWithNoSignalBlocked) {
   sigaddset(&term, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &term, &old);
   const JobRun run =
-      supervise({{0, {"/bin/grep", "-q", "^SigBlk:[[:space:]]*0*$", "/proc/self/status"}, {}}});
+      supervise({{0, {"/bin/grep", "-q", "^SigBlk:[[:space:]]*0*$", "/proc/self/status"}, {}, {}}});
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   EXPECT_EQ(run.code, 0) << (run.log.empty() ? "" : run.log[0]);
 }
 
+// A rank sees the launcher's environment with its own entries added or replacing.
+TEST(DistLauncher, RanksGetTheLaunchersEnvironmentWithTheirOwnEntries) {
+  setenv("MOELORA_LAUNCHER_TEST_KEEP", "kept", 1);
+  setenv("MOELORA_LAUNCHER_TEST_REPLACE", "old", 1);
+  RankProcess rank = shell(0,
+                           "test \"$MOELORA_LAUNCHER_TEST_KEEP\" = kept && "
+                           "test \"$MOELORA_LAUNCHER_TEST_REPLACE\" = new && "
+                           "test \"$MOELORA_LAUNCHER_TEST_ADD\" = 7");
+  rank.env = {"MOELORA_LAUNCHER_TEST_REPLACE=new", "MOELORA_LAUNCHER_TEST_ADD=7"};
+  const JobRun run = supervise({rank});
+  unsetenv("MOELORA_LAUNCHER_TEST_KEEP");
+  unsetenv("MOELORA_LAUNCHER_TEST_REPLACE");
+  EXPECT_EQ(run.code, 0) << (run.log.empty() ? "" : run.log[0]);
+}
+
 TEST(DistLauncher, AProgramThatCannotStartIsAFailedRank) {
-  const JobRun run = supervise({{0, {"/nonexistent/moelora"}, {}}, shell(1, "sleep 30")});
+  const JobRun run = supervise({{0, {"/nonexistent/moelora"}, {}, {}}, shell(1, "sleep 30")});
   EXPECT_EQ(run.code, 1);
   ASSERT_FALSE(run.log.empty());
   EXPECT_NE(run.log[0].find("rank 0 (pid"), std::string::npos);

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <regex>
@@ -153,6 +154,10 @@ TEST(ServeParallelCli, TwoRanksAnswerAsOneProcessAndAKilledRankEndsTheJob) {
 
   const std::string rank1 = two.wait_for(R"(rank 1 \(pid (\d+)\))");
   ASSERT_NE(rank1, "") << two.output();
+  // NVLink multicast is off in every rank the launcher starts.
+  std::string environ_text = read_file("/proc/" + rank1 + "/environ");
+  std::replace(environ_text.begin(), environ_text.end(), '\0', '\n');
+  EXPECT_NE(environ_text.find("\nNCCL_NVLS_ENABLE=0\n"), std::string::npos);
   ASSERT_EQ(kill(std::stoi(rank1), SIGKILL), 0);
   EXPECT_EQ(two.wait_exit(std::chrono::seconds(30)), 1) << two.output();
   EXPECT_NE(two.output().find("rank 1 (pid " + rank1 + ") was killed by signal 9"),
