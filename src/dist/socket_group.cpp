@@ -9,6 +9,8 @@
 //   any time  kAbort {reason}: the sender broke the group
 #include "dist/socket_group.h"
 
+#include <poll.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -152,46 +154,38 @@ std::unique_ptr<SocketGroup> SocketGroup::join(const SocketGroupOptions& o) {
     }
     MOELORA_THROW(ErrorCode::kInvalidArgument, reason);
   };
-  while (missing > 0) {
-    std::optional<Connection> incoming = listener.accept(deadline);
-    if (!incoming) {
-      refuse_all(concat(detail::rank_list(joined, false), " of ", o.size, " did not join ",
-                        o.address.text(), " within the ", join_seconds, " join timeout (",
-                        detail::rank_list(joined, true),
-                        " joined); start them, or check --nnodes, --node-rank and "
-                        "--dist-init-addr on every node"));
-    }
-    // A stranger that sends nothing or garbage is dropped; the group keeps waiting.
-    std::optional<Frame> hello;
-    try {
-      // A rank sends its request right after connecting; a silent stranger holds the join up
-      // for this long at most.
-      hello = incoming->receive(std::min(deadline, Clock::now() + std::chrono::seconds(3)),
-                                kMaxJoinPayload);
-    } catch (const std::exception&) {
-      continue;
-    }
-    if (!hello || hello->tag != kHello) continue;
+  // Connections that have not introduced themselves yet, each with the time it gets to do so.
+  // They are watched together with the listener, so a slow or silent one (a port scanner, a
+  // health check) delays nobody else.
+  struct Pending {
+    Connection connection;
+    Clock::time_point until;
+  };
+  std::vector<Pending> pending;
+  // Handles one complete join request from `incoming`: admits the rank, ignores a stranger,
+  // or refuses the group (throws).
+  auto admit = [&](Connection incoming, const Frame& hello) {
+    if (hello.tag != kHello) return;
     std::optional<JoinRequest> request;
     try {
-      request = decode_join(hello->payload);
+      request = decode_join(hello.payload);
     } catch (const Error&) {
-      continue;
+      return;
     }
-    if (!request) continue;
+    if (!request) return;
     if (request->version != kProtocolVersion) {
       try {
-        incoming->send(kReject,
-                       as_bytes(concat("protocol version ", request->version, ", rank 0 speaks ",
-                                       kProtocolVersion, ": run one moelora build everywhere")));
+        incoming.send(kReject,
+                      as_bytes(concat("protocol version ", request->version, ", rank 0 speaks ",
+                                      kProtocolVersion, ": run one moelora build everywhere")));
       } catch (const Error&) {
       }
-      continue;
+      return;
     }
     const int32_t rank = request->rank, size = request->size;
     const std::string& fingerprint = request->fingerprint;
-    const std::string who = concat("rank ", rank, " (from ", incoming->peer(), ")");
-    incoming->set_peer(peer_name(rank, incoming->peer()));
+    const std::string who = concat("rank ", rank, " (from ", incoming.peer(), ")");
+    incoming.set_peer(peer_name(rank, incoming.peer()));
     const bool in_range = rank >= 1 && rank < o.size;
     const bool duplicate = in_range && joined[static_cast<size_t>(rank)];
     std::string problem;
@@ -205,19 +199,52 @@ std::unique_ptr<SocketGroup> SocketGroup::join(const SocketGroupOptions& o) {
                        "--node-rank on every node)");
     else if (fingerprint != o.fingerprint)
       problem = concat(who, " runs something else than rank 0: rank 0 '", o.fingerprint, "', rank ",
-                       rank, " '", fingerprint,
-                       "' (every rank needs the same model "
-                       "and options)");
+                       rank, " '", fingerprint, "' (every rank needs the same model and options)");
     if (!problem.empty()) {
       try {
-        incoming->send(kReject, as_bytes(problem));
+        incoming.send(kReject, as_bytes(problem));
       } catch (const Error&) {
       }
       refuse_all(problem);
     }
-    group->peers_[static_cast<size_t>(rank)] = std::move(*incoming);
+    group->peers_[static_cast<size_t>(rank)] = std::move(incoming);
     joined[static_cast<size_t>(rank)] = 1;
     --missing;
+  };
+  while (missing > 0) {
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) {
+      refuse_all(concat(detail::rank_list(joined, false), " of ", o.size, " did not join ",
+                        o.address.text(), " within the ", join_seconds, " join timeout (",
+                        detail::rank_list(joined, true),
+                        " joined); start them, or check --nnodes, --node-rank and "
+                        "--dist-init-addr on every node"));
+    }
+    // Strangers whose time is up are dropped.
+    std::erase_if(pending, [&](const Pending& p) { return p.until <= now; });
+    std::vector<pollfd> watched = {{listener.fd(), POLLIN, 0}};
+    for (const Pending& p : pending) watched.push_back({p.connection.fd(), POLLIN, 0});
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    const int ready = ::poll(watched.data(), watched.size(),
+                             static_cast<int>(std::clamp<int64_t>(wait.count(), 0, 100)));
+    if (ready <= 0) continue;  // EINTR or nothing yet: look at the clock again
+    if (watched[0].revents != 0) {
+      // A rank sends its request right after connecting; a stranger gets this long.
+      if (std::optional<Connection> c = listener.accept(Clock::now()))
+        pending.push_back({std::move(*c), Clock::now() + std::chrono::seconds(3)});
+    }
+    for (size_t i = watched.size() - 1; i >= 1; --i) {
+      if (watched[i].revents == 0) continue;
+      Pending p = std::move(pending[i - 1]);
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i - 1));
+      std::optional<Frame> hello;
+      try {
+        hello = p.connection.receive(std::min(deadline, p.until), kMaxJoinPayload);
+      } catch (const std::exception&) {  // closed, garbage or too long: a stranger
+        continue;
+      }
+      if (hello) admit(std::move(p.connection), *hello);
+    }
   }
   for (int r = 1; r < o.size; ++r)
     group->peers_[static_cast<size_t>(r)].send(kWelcome, as_bytes(o.welcome));

@@ -50,6 +50,7 @@ class Connection {
   Connection& operator=(const Connection&) = delete;
 
   bool valid() const { return fd_ >= 0; }
+  int fd() const { return fd_; }
   // What errors call the other end ("rank 2 (127.0.0.1:41234)"); set by the owner.
   const std::string& peer() const { return peer_; }
   void set_peer(std::string peer) { peer_ = std::move(peer); }
