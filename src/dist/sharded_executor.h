@@ -43,6 +43,9 @@ class RankShard {
   std::vector<Tensor> forward(std::span<const runtime::BatchEntry> batch, Communicator& comm);
   int64_t sequence_length(runtime::SequenceHandle handle) const;
   bool occupied(int32_t slot) const { return model_->adapters().occupied(slot); }
+  // This rank's share of the live sequences' attention caches and linear-attention states.
+  uint64_t kv_bytes() const;
+  uint64_t state_bytes() const;
 
  private:
   std::unique_ptr<model::Model> model_;
@@ -71,8 +74,9 @@ class ShardedExecutor final : public runtime::Executor {
   void free_sequence(runtime::SequenceHandle sequence) override;
   int64_t sequence_length(runtime::SequenceHandle sequence) const override;
   int64_t live_sequences() const override { return static_cast<int64_t>(live_.size()); }
-  // The caches live inside each rank's share; not counted here.
-  uint64_t cache_bytes() const override { return 0; }
+  // Rank 0's share of the caches (each rank holds about as much: the same sequences, its heads).
+  uint64_t cache_bytes() const override { return shard_.kv_bytes(); }
+  uint64_t state_bytes() const override { return shard_.state_bytes(); }
 
   std::vector<Tensor> forward(std::span<const runtime::BatchEntry> batch) override;
   runtime::ExecutorCounters counters() const override { return counters_; }

@@ -198,6 +198,25 @@ Tensor ShardedModel::attention(const Layer& layer, const Tensor& h,
   return gqa_forward_tp(h, slots, layer.attention, layer.attention_lora, cache.gqa, comm);
 }
 
+uint64_t ShardedSequence::kv_bytes() const {
+  uint64_t floats = 0;
+  for (const LayerCache& c : layers_) {
+    if (c.gqa.kv)
+      floats += static_cast<uint64_t>(c.gqa.kv->size() * c.gqa.kv->num_kv_heads() *
+                                      (c.gqa.kv->head_dim() + c.gqa.kv->v_head_dim()));
+    floats += c.mla.k_nope.size() + c.mla.k_rope.size() + c.mla.v.size();
+  }
+  return floats * sizeof(float);
+}
+
+uint64_t ShardedSequence::state_bytes() const {
+  uint64_t bytes = 0;
+  for (const LayerCache& c : layers_)
+    if (c.gdn.state)
+      bytes += static_cast<uint64_t>(c.gdn.state->conv.nbytes() + c.gdn.state->recurrent.nbytes());
+  return bytes;
+}
+
 ShardedSequence ShardedModel::new_sequence(int32_t slot, int owner) const {
   // The slots cut, not the AdapterSet's count: a slot grown by resize has no cut until
   // refresh_slot.

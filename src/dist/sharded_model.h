@@ -58,6 +58,10 @@ class ShardedSequence {
   int32_t slot() const { return slot_; }
   int owner() const { return owner_; }       // the rank that attends it under DP attention
   int64_t length() const { return length_; }  // positions so far
+  // Bytes this rank holds for the sequence: the attention caches (its heads' K / V, MLA's
+  // latents) and the Gated DeltaNet states (conv + recurrent), fp32 as the CPU model keeps them.
+  uint64_t kv_bytes() const;
+  uint64_t state_bytes() const;
 
  private:
   friend class ShardedModel;

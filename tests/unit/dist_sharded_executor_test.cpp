@@ -151,6 +151,9 @@ void expect_script_matches_cpu(const std::string& name, const std::string& adapt
         std::vector<std::vector<int32_t>> replay = chosen;
         got = run_script(ex, adapters, replay, false);
         EXPECT_EQ(ex.live_sequences(), 2);
+        // Rank 0's share of the two live sequences' caches (and states, for Gated DeltaNet).
+        EXPECT_GT(ex.cache_bytes(), 0u);
+        EXPECT_EQ(ex.state_bytes() > 0, name == "qwen3_5_moe");
       });
   for (int r = 0; r < ranks; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
   ASSERT_EQ(got.size(), expected.size());
