@@ -228,8 +228,12 @@ int run_serve(const ServeArgs& args) {
   // Rank 0 of a multi-process job ends when its engine stops (a lost rank breaks the group), so
   // the launcher ends the job instead of a server that answers 503 forever.
   std::atomic<bool> engine_failed{false};
+  // Set by the signal watcher first thing: a worker that the same SIGTERM stopped is then the
+  // job ending, not a failure to report.
+  std::atomic<bool> stop_requested{false};
   if (a.parallel.rank0()) {
-    so.on_engine_failure = [&engine_failed](const std::string& message) {
+    so.on_engine_failure = [&engine_failed, &stop_requested](const std::string& message) {
+      if (stop_requested) return;
       std::fprintf(stderr, "moelora serve: the engine stopped: %s\n", message.c_str());
       engine_failed = true;
       kill(getpid(), SIGTERM);  // taken by the watcher below, which shuts the server down
@@ -252,9 +256,10 @@ int run_serve(const ServeArgs& args) {
   std::printf("moelora serve: listening on http://%s:%d\n", a.host.c_str(), server.port());
   std::fflush(stdout);
 
-  std::thread watcher([&server, signals] {
+  std::thread watcher([&server, &stop_requested, signals] {
     int sig = 0;
     sigwait(&signals, &sig);
+    stop_requested = true;
     std::fprintf(stderr, "moelora serve: signal %d, shutting down\n", sig);
     server.shutdown();
   });

@@ -63,13 +63,16 @@ struct SignalGuard {
 std::vector<std::string> environment_with(const std::vector<std::string>& extra) {
   std::vector<std::string> env;
   auto key = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
+  auto in = [&](const std::string& k, auto begin, auto end) {
+    return std::any_of(begin, end, [&](const std::string& x) { return key(x) == k; });
+  };
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry(*e);
-    bool replaced = false;
-    for (const std::string& x : extra) replaced = replaced || key(x) == key(entry);
-    if (!replaced) env.push_back(entry);
+    if (!in(key(entry), extra.begin(), extra.end())) env.push_back(entry);
   }
-  env.insert(env.end(), extra.begin(), extra.end());
+  // Of extra entries with the same key, the last one counts.
+  for (auto it = extra.begin(); it != extra.end(); ++it)
+    if (!in(key(*it), it + 1, extra.end())) env.push_back(*it);
   return env;
 }
 

@@ -74,7 +74,8 @@ class ShardedExecutor final : public runtime::Executor {
   void free_sequence(runtime::SequenceHandle sequence) override;
   int64_t sequence_length(runtime::SequenceHandle sequence) const override;
   int64_t live_sequences() const override { return static_cast<int64_t>(live_.size()); }
-  // Rank 0's share of the caches (each rank holds about as much: the same sequences, its heads).
+  // Rank 0's share of the caches: its heads of every sequence, or under data-parallel attention
+  // the whole caches of the sequences it attends (then 0 while it attends none).
   uint64_t cache_bytes() const override { return shard_.kv_bytes(); }
   uint64_t state_bytes() const override { return shard_.state_bytes(); }
 

@@ -10,6 +10,9 @@
 #include "dist/socket_group.h"
 
 #include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cstring>
@@ -54,6 +57,41 @@ const char* tag_name(uint32_t tag) {
 // A join request is a fingerprint of a few hundred bytes; a stranger announcing more is dropped
 // without reading it.
 constexpr uint64_t kMaxJoinPayload = 64 * 1024;
+constexpr size_t kFrameHeaderBytes = 12;  // tag u32, payload length u64 (tcp.h)
+
+// Appends what `connection` has to read now, without waiting, to `bytes` (at most `limit` in
+// all). False when the peer closed the connection or it failed.
+bool read_available(const Connection& connection, std::vector<std::byte>& bytes, size_t limit) {
+  std::byte chunk[4096];
+  while (bytes.size() < limit) {
+    const ssize_t got =
+        ::recv(connection.fd(), chunk, std::min(sizeof(chunk), limit - bytes.size()), MSG_DONTWAIT);
+    if (got > 0) {
+      bytes.insert(bytes.end(), chunk, chunk + got);
+      continue;
+    }
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (got < 0 && errno == EINTR) continue;
+    return false;  // closed (0) or broken
+  }
+  return true;
+}
+
+// The frame at the start of `bytes` once all of it has arrived, else nullopt; kInvalidArgument
+// for a length beyond max_payload.
+std::optional<Frame> complete_frame(const std::vector<std::byte>& bytes, uint64_t max_payload) {
+  if (bytes.size() < kFrameHeaderBytes) return std::nullopt;
+  Frame frame;
+  uint64_t length = 0;
+  std::memcpy(&frame.tag, bytes.data(), 4);
+  std::memcpy(&length, bytes.data() + 4, 8);
+  MOELORA_CHECK(length <= max_payload, ErrorCode::kInvalidArgument, "a join frame announces ",
+                length, " bytes, more than the ", max_payload, " a join request may have");
+  if (bytes.size() < kFrameHeaderBytes + length) return std::nullopt;
+  frame.payload.assign(bytes.begin() + kFrameHeaderBytes,
+                       bytes.begin() + static_cast<std::ptrdiff_t>(kFrameHeaderBytes + length));
+  return frame;
+}
 
 std::span<const std::byte> as_bytes(const std::string& s) {
   return std::as_bytes(std::span<const char>(s.data(), s.size()));
@@ -88,7 +126,9 @@ size_t own_result_count(const detail::Call& call, int size) {
 // the peer broke the group is reported with the peer's cause.
 std::string pending_abort(Connection& peer) {
   try {
-    std::optional<Frame> frame = peer.receive(Clock::now());
+    if (!peer.readable()) return "";
+    // Readable: the frame (or the close) is there or on its way; give its pieces a moment.
+    std::optional<Frame> frame = peer.receive(Clock::now() + std::chrono::milliseconds(200));
     if (frame && frame->tag == kAbort) return text_of(*frame);
   } catch (const Error&) {  // nothing readable: the plain error stands
   }
@@ -160,7 +200,9 @@ std::unique_ptr<SocketGroup> SocketGroup::join(const SocketGroupOptions& o) {
   struct Pending {
     Connection connection;
     Clock::time_point until;
+    std::vector<std::byte> bytes;  // what it sent so far: the frame is read without blocking
   };
+  constexpr size_t kMaxPending = 64;  // beyond it the oldest stranger is dropped
   std::vector<Pending> pending;
   // Handles one complete join request from `incoming`: admits the rank, ignores a stranger,
   // or refuses the group (throws).
@@ -227,23 +269,38 @@ std::unique_ptr<SocketGroup> SocketGroup::join(const SocketGroupOptions& o) {
     const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
     const int ready = ::poll(watched.data(), watched.size(),
                              static_cast<int>(std::clamp<int64_t>(wait.count(), 0, 100)));
+    if (ready < 0 && errno != EINTR)
+      MOELORA_THROW(ErrorCode::kInternal, "waiting for ranks to join ", o.address.text(),
+                    " failed: ", std::strerror(errno));
     if (ready <= 0) continue;  // EINTR or nothing yet: look at the clock again
-    if (watched[0].revents != 0) {
-      // A rank sends its request right after connecting; a stranger gets this long.
-      if (std::optional<Connection> c = listener.accept(Clock::now()))
-        pending.push_back({std::move(*c), Clock::now() + std::chrono::seconds(3)});
-    }
+    // Newest first, so erasing one leaves the indices of those still to visit alone.
     for (size_t i = watched.size() - 1; i >= 1; --i) {
       if (watched[i].revents == 0) continue;
-      Pending p = std::move(pending[i - 1]);
-      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i - 1));
+      Pending& p = pending[i - 1];
+      bool drop = false;
       std::optional<Frame> hello;
       try {
-        hello = p.connection.receive(std::min(deadline, p.until), kMaxJoinPayload);
-      } catch (const std::exception&) {  // closed, garbage or too long: a stranger
-        continue;
+        drop = !read_available(p.connection, p.bytes, kFrameHeaderBytes + kMaxJoinPayload);
+        if (!drop) hello = complete_frame(p.bytes, kMaxJoinPayload);
+      } catch (const Error&) {  // a length beyond a join request's: a stranger
+        drop = true;
       }
-      if (hello) admit(std::move(p.connection), *hello);
+      if (!drop && !hello) continue;  // part of a frame so far
+      Connection connection = std::move(p.connection);
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i - 1));
+      if (hello) admit(std::move(connection), *hello);
+    }
+    if (watched[0].revents != 0) {
+      std::optional<Connection> c;
+      try {
+        c = listener.accept(Clock::now());
+      } catch (const Error&) {  // out of descriptors for a moment: the next round tries again
+      }
+      // A rank sends its request right after connecting; a stranger gets this long.
+      if (c) {
+        if (pending.size() == kMaxPending) pending.erase(pending.begin());
+        pending.push_back({std::move(*c), Clock::now() + std::chrono::seconds(3), {}});
+      }
     }
   }
   for (int r = 1; r < o.size; ++r)
@@ -294,7 +351,8 @@ void SocketGroup::check_peers() {
     if (!peer.readable()) continue;
     std::string cause;
     try {
-      std::optional<Frame> frame = peer.receive(Clock::now());
+      // Readable: an abort frame, a stray frame or the close; give a frame's pieces a second.
+      std::optional<Frame> frame = peer.receive(Clock::now() + std::chrono::seconds(1));
       if (frame && frame->tag == kAbort)
         cause = "the group was aborted by " + text_of(*frame);
       else if (frame)

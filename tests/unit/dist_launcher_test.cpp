@@ -125,7 +125,8 @@ TEST(DistLauncher, RanksGetTheLaunchersEnvironmentWithTheirOwnEntries) {
                            "test \"$MOELORA_LAUNCHER_TEST_KEEP\" = kept && "
                            "test \"$MOELORA_LAUNCHER_TEST_REPLACE\" = new && "
                            "test \"$MOELORA_LAUNCHER_TEST_ADD\" = 7");
-  rank.env = {"MOELORA_LAUNCHER_TEST_REPLACE=new", "MOELORA_LAUNCHER_TEST_ADD=7"};
+  rank.env = {"MOELORA_LAUNCHER_TEST_ADD=6", "MOELORA_LAUNCHER_TEST_REPLACE=new",
+              "MOELORA_LAUNCHER_TEST_ADD=7"};  // the last of one key counts
   const JobRun run = supervise({rank});
   unsetenv("MOELORA_LAUNCHER_TEST_KEEP");
   unsetenv("MOELORA_LAUNCHER_TEST_REPLACE");

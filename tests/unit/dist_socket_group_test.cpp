@@ -273,15 +273,17 @@ TEST(DistSocketGroup, AStrangerOnThePortIsIgnored) {
     }
   });
   // Garbage, a frame of the wrong kind, a header announcing a terabyte (the payload never
-  // comes), and a connection that says nothing: all dropped, the last two held open until the
-  // group has formed.
+  // comes), a third of a header, and a connection that says nothing: all dropped, the last three
+  // held open until the group has formed.
   const auto start = Clock::now();
   const int silent = raw_connect(port);
   const int huge = raw_connect(port);
+  const int partial = raw_connect(port);  // a third of a header, then nothing
   const uint32_t tag = 1;
   const uint64_t terabyte = uint64_t{1} << 40;
   ASSERT_EQ(write(huge, &tag, 4), 4);
   ASSERT_EQ(write(huge, &terabyte, 8), 8);
+  ASSERT_EQ(write(partial, &tag, 4), 4);
   {
     Connection junk = connect_until({"127.0.0.1", port}, Clock::now() + kTestTimeout);
     const std::string text = "GET / HTTP/1.1\r\n\r\n";
@@ -308,8 +310,9 @@ TEST(DistSocketGroup, AStrangerOnThePortIsIgnored) {
   const auto took = Clock::now() - start;
   close(silent);
   close(huge);
-  // The silent connection and the lying header had 3 s each to introduce themselves; the group
-  // formed without waiting for them.
+  close(partial);
+  // The silent connection, the lying header and the partial one had 3 s each to introduce
+  // themselves; the group formed without waiting for them.
   EXPECT_LT(took, std::chrono::milliseconds(2500));
   EXPECT_EQ(error0, "");
   EXPECT_EQ(error1, "");
