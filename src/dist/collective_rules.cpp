@@ -240,16 +240,15 @@ std::string check_calls(const std::vector<Call>& calls, uint64_t seq) {
   return "";
 }
 
-size_t result_count(const std::vector<Call>& calls, int rank) {
-  const Call& own = calls[rank];
+size_t result_count(const Call& own, int size) {
   switch (own.op) {
     case Op::kAllReduceSum:
     case Op::kBroadcast: return own.send_count;
-    case Op::kAllGather: return calls.size() * own.send_count;
+    case Op::kAllGather: return static_cast<size_t>(size) * own.send_count;
     case Op::kReduceScatterSum: return own.recv_count;
     case Op::kAllToAllV: {
       size_t total = 0;
-      for (int64_t c : own.recv_counts) total += static_cast<size_t>(c);
+      for (int64_t c : own.recv_counts) total += static_cast<size_t>(std::max<int64_t>(c, 0));
       return total;
     }
     case Op::kBarrier: return 0;

@@ -61,7 +61,8 @@ std::string check_calls(const std::vector<Call>& calls, uint64_t seq);
 
 // Floats rank r receives from an agreed collective: all_reduce / reduce_scatter / broadcast its
 // count, all_gather size x count, all_to_all_v the sum of its recv_counts, barrier 0.
-size_t result_count(const std::vector<Call>& calls, int rank);
+// Known from the rank's own call alone (a worker checks rank 0's answer against it).
+size_t result_count(const Call& own, int size);
 
 // Writes rank `rank`'s result of agreed calls (check_calls returned "") to out
 // (result_count floats). Reductions sum in rank order. all_gather skips the block that already

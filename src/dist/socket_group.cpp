@@ -105,23 +105,6 @@ std::string peer_name(int rank, const std::string& address) {
   return concat("rank ", rank, " (", address, ")");
 }
 
-// What a rank's call needs back from rank 0, known from the call alone.
-size_t own_result_count(const detail::Call& call, int size) {
-  switch (call.op) {
-    case Op::kAllReduceSum:
-    case Op::kBroadcast: return call.send_count;
-    case Op::kAllGather: return size_t(size) * call.send_count;
-    case Op::kReduceScatterSum: return call.recv_count;
-    case Op::kAllToAllV: {
-      size_t total = 0;
-      for (int64_t c : call.recv_counts) total += static_cast<size_t>(std::max<int64_t>(c, 0));
-      return total;
-    }
-    case Op::kBarrier: return 0;
-  }
-  return 0;
-}
-
 // The abort message `peer` sent before it closed, if one is waiting: a send that failed because
 // the peer broke the group is reported with the peer's cause.
 std::string pending_abort(Connection& peer) {
@@ -474,7 +457,7 @@ void SocketGroup::run(const detail::Call& call, float* out) {
                   collective_timeout_.count(), " ms timeout"));
     if (answer->tag == kVerdict) MOELORA_THROW(ErrorCode::kInvalidArgument, text_of(*answer));
     if (answer->tag != kResult) unexpected(*answer, 0, "collective result");
-    const size_t expected = own_result_count(call, size_);
+    const size_t expected = detail::result_count(call, size_);
     if (answer->payload.size() != expected * sizeof(float))
       fail(concat(name, " at collective #", seq, ": rank 0 sent ", answer->payload.size(),
                   " bytes, expected ", expected * sizeof(float), " (", expected, " floats)"));
@@ -532,7 +515,7 @@ void SocketGroup::run(const detail::Call& call, float* out) {
   std::vector<float> result;
   for (int r = 1; r < size_; ++r) {
     try {
-      result.assign(detail::result_count(calls, r), 0.0f);
+      result.assign(detail::result_count(calls[static_cast<size_t>(r)], size_), 0.0f);
       detail::collective_result(calls, r, result.data());
     } catch (const std::exception& e) {  // memory for the result: the group cannot go on
       fail(concat(name, " at collective #", seq, ": the result for rank ", r, ": ", e.what()));
@@ -546,7 +529,7 @@ void SocketGroup::run(const detail::Call& call, float* out) {
   }
   if (call.op == Op::kBroadcast && call.root == 0) return;
   // Into scratch first: rank 0's own buffers are calls[0]'s inputs (all_reduce is in place).
-  scratch_.assign(detail::result_count(calls, 0), 0.0f);
+  scratch_.assign(detail::result_count(calls[0], size_), 0.0f);
   detail::collective_result(calls, 0, scratch_.data());
   std::copy(scratch_.begin(), scratch_.end(), out);
 }
