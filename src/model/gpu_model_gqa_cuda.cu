@@ -49,8 +49,13 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
             Hkv = static_cast<int>(config_.num_key_value_heads);
   const int D = static_cast<int>(config_.head_dim);
   const int width = layer.qkv.out;
-  project(shape, layer, hnorm_, layer.qkv, qkv_,
-          {{kQ, 0}, {kK, layer.q_out}, {kV, layer.q_out + layer.kv_out}});
+  // Decode: the q/k/v LoRA delta is expanded on the side stream into qkv_delta_ while the base
+  // GEMM runs (the expand would otherwise wait for the GEMM and add in place, on the critical
+  // path); the prologue adds it. Larger forwards add in place.
+  bf16* const qkv_delta = shape.tokens <= qkv_delta_rows_ ? qkv_delta_ : nullptr;
+  const bool delta =
+      project(shape, layer, hnorm_, layer.qkv, qkv_,
+              {{kQ, 0}, {kK, layer.q_out}, {kV, layer.q_out + layer.kv_out}}, qkv_delta);
   ops::cuda::PagedKv cache;
   cache.k = k_cache_ + static_cast<size_t>(layer.kv_index) * kv_layer_elems_;
   cache.v = v_cache_ + static_cast<size_t>(layer.kv_index) * kv_layer_elems_;
@@ -76,6 +81,10 @@ void GpuModelImpl::gqa_attention(const ForwardShape& shape, const Layer& layer, 
   prologue.rope_style = config_.rope_style;
   prologue.cache = cache;
   prologue.batch = batch(shape);
+  if (delta) {
+    prologue.delta = qkv_delta_;
+    prologue.delta_slot = d.token_slot;
+  }
   ops::cuda::launch_qkv_prologue(prologue, main_.get());
   ops::cuda::PagedAttentionArgs attn;
   attn.cache = cache;

@@ -426,6 +426,11 @@ class GpuModelImpl final : public GpuModel {
   bf16* branch_delta_ = nullptr;
   bool branch_delta_pending_ = false;
   bf16 *qkv_ = nullptr, *attn_ = nullptr;
+  // [qkv_delta_rows_, qkv width]: the qkv projection's LoRA delta of forwards of at most that
+  // many rows (decode), written on the side stream beside the base GEMM and added by the qkv
+  // prologue; nullptr without adapter slots.
+  bf16* qkv_delta_ = nullptr;
+  int qkv_delta_rows_ = 0;
   bf16 *q_lat_ = nullptr, *q_ = nullptr, *kv_ = nullptr, *q_full_ = nullptr, *o_lat_ = nullptr;
   bf16 *gate_up_ = nullptr, *act_ = nullptr;
   // Gated DeltaNet: projections [T, conv_dim + value_dim + 2 nv], mix output [T, value_dim]

@@ -539,6 +539,10 @@ void GpuModelImpl::finish_construction() {
                                              2 * config_.num_key_value_heads) *
                          config_.head_dim;
     qkv_ = alloc<bf16>(t * width);
+    // Decode-sized forwards only (one row per sequence at most): prefill chunks add in place.
+    qkv_delta_rows_ = std::min(T, B);
+    if (limits_.num_slots > 0)
+      qkv_delta_ = alloc<bf16>(static_cast<size_t>(qkv_delta_rows_) * width);
     attn_ = alloc<bf16>(t * n * config_.head_dim);
     const int Hkv = static_cast<int>(config_.num_key_value_heads),
               D = static_cast<int>(config_.head_dim);

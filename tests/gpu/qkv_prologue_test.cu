@@ -8,6 +8,9 @@
 // count (untouched); pages are shuffled. It checks q and k against the reference, the gate
 // columns and rows past the count bit for bit unchanged, the cache rows of appended tokens equal
 // to the kernel's k output and the input v bit for bit, and nothing else in the cache written.
+// The LoRA-delta cases hand the kernel a delta and per-row slots (some rows -1): every output must
+// be that of the same kernel on qkv with the delta added first (bf16(x + delta) on the rows with a
+// slot, gate block and tail included), so the expectations are computed from that sum.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -39,6 +42,7 @@ struct PrologueCase {
   NormStyle norm_style;
   RopeStyle rope_style;
   int valid_rows, capacity, padding_rows;  // the last padding_rows of the valid rows have seq -1
+  bool delta = false;  // a LoRA delta on every third row but one (the others slot -1)
 };
 
 std::vector<uint16_t> random_bits(std::mt19937_64& rng, size_t n, float mean, float stddev) {
@@ -55,7 +59,23 @@ void check_prologue(const PrologueCase& c, uint64_t seed) {
   const int64_t k_offset = static_cast<int64_t>(c.q_heads) * D + c.gate_width;
   const int64_t v_offset = k_offset + static_cast<int64_t>(c.kv_heads) * D;
   const int64_t width = v_offset + static_cast<int64_t>(c.kv_heads) * D + 8;  // a spare tail
-  const std::vector<uint16_t> qkv = random_bits(rng, static_cast<size_t>(T) * width, 0.0f, 1.5f);
+  const std::vector<uint16_t> qkv_in = random_bits(rng, static_cast<size_t>(T) * width, 0.0f, 1.5f);
+  // What the kernel must behave as if it were given: qkv_in with the delta added on the valid
+  // rows that have a slot (add_rows' rounding); without a delta, qkv_in itself.
+  std::vector<uint16_t> qkv = qkv_in;
+  std::vector<uint16_t> delta;
+  std::vector<int32_t> delta_slot(static_cast<size_t>(T), -1);
+  if (c.delta) {
+    delta = random_bits(rng, qkv_in.size(), 0.0f, 0.5f);
+    for (int t = 0; t < T; ++t) {
+      delta_slot[static_cast<size_t>(t)] = t % 3 == 1 ? -1 : t % 4;
+      if (t >= c.valid_rows || delta_slot[static_cast<size_t>(t)] < 0) continue;
+      for (int64_t col = 0; col < width; ++col) {
+        const size_t i = static_cast<size_t>(t) * width + col;
+        qkv[i] = f32_to_bf16_bits(bf16_bits_to_f32(qkv_in[i]) + bf16_bits_to_f32(delta[i]));
+      }
+    }
+  }
   const std::vector<uint16_t> q_norm =
       random_bits(rng, D, c.norm_style == NormStyle::kWeight ? 1.0f : 0.0f, 0.2f);
   const std::vector<uint16_t> k_norm =
@@ -81,7 +101,9 @@ void check_prologue(const PrologueCase& c, uint64_t seed) {
   rope_params.rotary_dim = c.rotary_dim;
   const ops::RopeTable rope = ops::make_rope_table(rope_params);
 
-  auto qkv_d = upload_vector(qkv);
+  auto qkv_d = upload_vector(qkv_in);
+  auto delta_d = upload_vector(c.delta ? delta : std::vector<uint16_t>(8));
+  auto delta_slot_d = upload_vector(delta_slot);
   auto q_norm_d = upload_vector(q_norm);
   auto k_norm_d = upload_vector(k_norm);
   auto seq_d = upload_vector(token_seq);
@@ -121,6 +143,10 @@ void check_prologue(const PrologueCase& c, uint64_t seed) {
   a.batch.token_pos = pos_d.as<int32_t>();
   a.batch.max_seqs = seqs;
   a.batch.max_tokens = T;
+  if (c.delta) {
+    a.delta = delta_d.as<__nv_bfloat16>();
+    a.delta_slot = delta_slot_d.as<int32_t>();
+  }
   ops::cuda::launch_qkv_prologue(a, nullptr);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
   const auto out = download_vector<uint16_t>(qkv_d, qkv.size());
@@ -215,6 +241,12 @@ TEST(Sm90_QkvPrologue, MatchesTheReferenceAndAppendsExactly) {
        16 * 256, 64, true, NormStyle::kOnePlusWeight, RopeStyle::kRotateHalf, 7, 9, 1},
       {"no norms, interleaved, 8 / 8 heads of 64", 8, 8, 64, 0, 64, false, NormStyle::kWeight,
        RopeStyle::kInterleaved, 33, 40, 0},
+      {"qwen3 with a LoRA delta", 32, 4, 128, 0, 128, true, NormStyle::kWeight,
+       RopeStyle::kRotateHalf, 19, 24, 3, true},
+      {"qwen3.5 gated with a LoRA delta (gate block and tail in place)", 16, 2, 256, 16 * 256, 64,
+       true, NormStyle::kOnePlusWeight, RopeStyle::kRotateHalf, 7, 9, 1, true},
+      {"no norms with a LoRA delta", 8, 8, 64, 0, 64, false, NormStyle::kWeight,
+       RopeStyle::kInterleaved, 33, 40, 0, true},
   };
   uint64_t seed = 1;
   for (const PrologueCase& c : cases) check_prologue(c, seed++);
@@ -250,6 +282,13 @@ TEST(QkvPrologue, RejectsLayoutsThatDoNotFit) {
   a.rotary_dim = 130;
   message = test::error_message([&] { ops::cuda::launch_qkv_prologue(a, nullptr); });
   EXPECT_NE(message.find("rotary_dim must be even and in [2, head_dim = 128], got 130"),
+            std::string::npos)
+      << message;
+  a.rotary_dim = 128;
+  a.delta = fake;  // a delta without the rows' slots
+  message = test::error_message([&] { ops::cuda::launch_qkv_prologue(a, nullptr); });
+  EXPECT_NE(message.find("delta and delta_slot are given together or not at all (got delta 1, "
+                         "delta_slot 0)"),
             std::string::npos)
       << message;
 }

@@ -15,10 +15,18 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxHalf = kMaxHeadDim / 2;
 
+// x, or bf16(x + delta) when the row has a delta (add_rows' rounding).
+__device__ __forceinline__ __nv_bfloat16 with_delta(const __nv_bfloat16* x,
+                                                    const __nv_bfloat16* delta, int64_t i) {
+  return delta ? __float2bfloat16_rn(__bfloat162float(x[i]) + __bfloat162float(delta[i])) : x[i];
+}
+
 // Grid (ceil((q_heads + kv_heads) / kWarps), rows): one warp per head of one row, so a decode
 // batch of 16 rows of Qwen3 (36 heads) runs 144 CTAs instead of 16 that would each walk 36 heads
 // (latency-bound: 8.6 us per layer measured on the H200 with one CTA per row). CTAs of column 0
-// also copy the row's v heads to the cache.
+// also copy the row's v heads to the cache. kDelta: p.delta is given (an instance apart, so the
+// base path keeps its loads and latency).
+template <bool kDelta>
 __global__ void __launch_bounds__(kThreads) qkv_prologue_kernel(const QkvPrologueArgs p) {
   __shared__ float cos_table[kMaxHalf];
   __shared__ float sin_table[kMaxHalf];
@@ -48,11 +56,30 @@ __global__ void __launch_bounds__(kThreads) qkv_prologue_kernel(const QkvPrologu
     }
   }
   __nv_bfloat16* row_base = p.qkv + static_cast<int64_t>(row) * p.row_stride;
-  if (blockIdx.x == 0 && slot >= 0) {  // v: a plain copy
+  const __nv_bfloat16* row_delta = kDelta && p.delta_slot[row] >= 0
+                                       ? p.delta + static_cast<int64_t>(row) * p.row_stride
+                                       : nullptr;
+  if (blockIdx.x == 0) {  // v: a plain copy (its delta added); the other columns' delta in place
     const int Dv = p.cache.v_head_dim;
-    const __nv_bfloat16* v = row_base + p.v_offset;
-    __nv_bfloat16* cache_v = p.cache.v + slot * Hkv * static_cast<int64_t>(Dv);
-    for (int i = threadIdx.x; i < Hkv * Dv; i += kThreads) cache_v[i] = v[i];
+    const int64_t v_width = static_cast<int64_t>(Hkv) * Dv;
+    __nv_bfloat16* v = row_base + p.v_offset;
+    const __nv_bfloat16* dv = row_delta ? row_delta + p.v_offset : nullptr;
+    __nv_bfloat16* cache_v = slot >= 0 ? p.cache.v + slot * v_width : nullptr;
+    if (dv || cache_v) {
+      for (int64_t i = threadIdx.x; i < v_width; i += kThreads) {
+        const __nv_bfloat16 value = with_delta(v, dv, i);
+        if (dv) v[i] = value;
+        if (cache_v) cache_v[i] = value;
+      }
+    }
+    if (row_delta) {  // columns outside the q, k and v heads (the gate block, a tail)
+      const int64_t q_end = static_cast<int64_t>(p.q_heads) * D, k_end = p.k_offset + v_width;
+      for (int64_t c = threadIdx.x; c < p.row_stride; c += kThreads) {
+        const bool other = (c >= q_end && c < p.k_offset) || (c >= k_end && c < p.v_offset) ||
+                           c >= p.v_offset + v_width;
+        if (other) row_base[c] = with_delta(row_base, row_delta, c);
+      }
+    }
   }
   __syncthreads();  // the cos / sin table
 
@@ -62,24 +89,26 @@ __global__ void __launch_bounds__(kThreads) qkv_prologue_kernel(const QkvPrologu
   __nv_bfloat16* buffer = head_buffer[warp];
   const bool is_k = h >= p.q_heads;
   const int head = is_k ? h - p.q_heads : h;
-  __nv_bfloat16* x = row_base + (is_k ? p.k_offset : 0) + static_cast<int64_t>(head) * D;
+  const int64_t head_column = (is_k ? p.k_offset : 0) + static_cast<int64_t>(head) * D;
+  __nv_bfloat16* x = row_base + head_column;
+  const __nv_bfloat16* dx = row_delta ? row_delta + head_column : nullptr;
   const __nv_bfloat16* weight = is_k ? p.k_norm : p.q_norm;
   if (weight != nullptr) {  // head_rms_norm's arithmetic: lane-strided squares, a butterfly sum
     float sum = 0.0f;
     for (int d = lane; d < D; d += 32) {
-      const float v = __bfloat162float(x[d]);
+      const float v = __bfloat162float(with_delta(x, dx, d));
       sum += v * v;
     }
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     const float inv_rms = 1.0f / sqrtf(sum / static_cast<float>(D) + p.eps);
     for (int d = lane; d < D; d += 32) {
       const float w = __bfloat162float(weight[d]);
-      const float v = __bfloat162float(x[d]) * inv_rms;
+      const float v = __bfloat162float(with_delta(x, dx, d)) * inv_rms;
       buffer[d] =
           __float2bfloat16(p.norm_style == NormStyle::kOnePlusWeight ? v * (1.0f + w) : w * v);
     }
   } else {
-    for (int d = lane; d < D; d += 32) buffer[d] = x[d];
+    for (int d = lane; d < D; d += 32) buffer[d] = with_delta(x, dx, d);
   }
   __syncwarp();
   const bool rotate_half = p.rope_style == RopeStyle::kRotateHalf;
@@ -128,6 +157,10 @@ void launch_qkv_prologue(const QkvPrologueArgs& p, cudaStream_t stream) {
                 p.rotary_dim);
   MOELORA_CHECK((p.q_norm == nullptr) == (p.k_norm == nullptr), bad,
                 "launch_qkv_prologue: q_norm and k_norm are given together or not at all");
+  MOELORA_CHECK((p.delta == nullptr) == (p.delta_slot == nullptr), bad,
+                "launch_qkv_prologue: delta and delta_slot are given together or not at all (got "
+                "delta ",
+                p.delta != nullptr, ", delta_slot ", p.delta_slot != nullptr, ")");
   const int64_t q_width = static_cast<int64_t>(p.q_heads) * D,
                 kv_width = static_cast<int64_t>(Hkv) * D;
   MOELORA_CHECK(p.k_offset >= q_width && p.v_offset >= p.k_offset + kv_width &&
@@ -139,7 +172,10 @@ void launch_qkv_prologue(const QkvPrologueArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(p.batch.max_tokens <= 65535, bad, "launch_qkv_prologue: batch.max_tokens ",
                 p.batch.max_tokens, " exceeds the grid's 65535 rows");
   const dim3 grid((p.q_heads + Hkv + kWarps - 1) / kWarps, p.batch.max_tokens);
-  qkv_prologue_kernel<<<grid, kThreads, 0, stream>>>(p);
+  if (p.delta)
+    qkv_prologue_kernel<true><<<grid, kThreads, 0, stream>>>(p);
+  else
+    qkv_prologue_kernel<false><<<grid, kThreads, 0, stream>>>(p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

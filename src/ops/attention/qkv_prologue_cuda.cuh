@@ -11,6 +11,13 @@
 // or past *num_tokens are left alone; rows whose sequence, position or page is invalid are
 // processed but not appended (paged_kv_append's rule). No allocation, no synchronization;
 // graph-capturable.
+//
+// With `delta` (the projection's LoRA delta, written by an expand on the side stream while the
+// base GEMM ran), each row whose delta_slot >= 0 first becomes bf16(qkv + delta) over its whole
+// width: q and k before their norms, v before the append, and the columns the kernel does not
+// otherwise touch (Qwen3.5's gate block) in place. The rounding is add_rows' (and the kAdd
+// expand's), so the outputs are those of adding the delta into qkv first, without that launch
+// on the critical path.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,6 +51,10 @@ struct QkvPrologueArgs {
   // page_table, max_tokens = the grid).
   PagedKv cache;
   AttentionBatch batch;
+  // Optional LoRA delta [tokens, row_stride] bf16 and the rows' adapter slots [tokens] (rows
+  // with slot < 0 have no delta); both or neither.
+  const __nv_bfloat16* delta = nullptr;
+  const int32_t* delta_slot = nullptr;
 };
 
 void launch_qkv_prologue(const QkvPrologueArgs& args, cudaStream_t stream);
