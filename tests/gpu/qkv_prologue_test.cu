@@ -291,6 +291,9 @@ TEST(QkvPrologue, RejectsLayoutsThatDoNotFit) {
                          "delta_slot 0)"),
             std::string::npos)
       << message;
+  a.row_stride = 5121;  // with a delta the columns go 8 at a time
+  message = test::error_message([&] { ops::cuda::launch_qkv_prologue(a, nullptr); });
+  EXPECT_NE(message.find("with a delta, row_stride (5121)"), std::string::npos) << message;
 }
 
 }  // namespace

@@ -72,12 +72,28 @@ __global__ void __launch_bounds__(kThreads) qkv_prologue_kernel(const QkvPrologu
         if (cache_v) cache_v[i] = value;
       }
     }
-    if (row_delta) {  // columns outside the q, k and v heads (the gate block, a tail)
-      const int64_t q_end = static_cast<int64_t>(p.q_heads) * D, k_end = p.k_offset + v_width;
-      for (int64_t c = threadIdx.x; c < p.row_stride; c += kThreads) {
-        const bool other = (c >= q_end && c < p.k_offset) || (c >= k_end && c < p.v_offset) ||
-                           c >= p.v_offset + v_width;
-        if (other) row_base[c] = with_delta(row_base, row_delta, c);
+  }
+  if (row_delta) {
+    // Columns outside the q, k and v heads (Qwen3.5's gate block, a tail): every CTA of the row
+    // adds a share, 8 columns (16 bytes) at a time; the launcher checks the alignment.
+    const int64_t kv_width = static_cast<int64_t>(Hkv) * D;
+    const int64_t ranges[3][2] = {{static_cast<int64_t>(p.q_heads) * D, p.k_offset},
+                                  {p.k_offset + kv_width, p.v_offset},
+                                  {p.v_offset + kv_width, p.row_stride}};
+    const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * 8,
+                  stride = static_cast<int64_t>(gridDim.x) * kThreads * 8;
+    for (const auto& range : ranges) {
+      for (int64_t c = range[0] + first; c < range[1]; c += stride) {
+        uint4 x = *reinterpret_cast<const uint4*>(row_base + c);
+        const uint4 d = *reinterpret_cast<const uint4*>(row_delta + c);
+        __nv_bfloat162* xv = reinterpret_cast<__nv_bfloat162*>(&x);
+        const __nv_bfloat162* dv = reinterpret_cast<const __nv_bfloat162*>(&d);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 a = __bfloat1622float2(xv[i]), b = __bfloat1622float2(dv[i]);
+          xv[i] = __floats2bfloat162_rn(a.x + b.x, a.y + b.y);
+        }
+        *reinterpret_cast<uint4*>(row_base + c) = x;
       }
     }
   }
@@ -157,6 +173,15 @@ void launch_qkv_prologue(const QkvPrologueArgs& p, cudaStream_t stream) {
                 p.rotary_dim);
   MOELORA_CHECK((p.q_norm == nullptr) == (p.k_norm == nullptr), bad,
                 "launch_qkv_prologue: q_norm and k_norm are given together or not at all");
+  MOELORA_CHECK(p.delta == nullptr ||
+                    (p.row_stride % 8 == 0 && p.k_offset % 8 == 0 && p.v_offset % 8 == 0 &&
+                     p.cache.head_dim % 8 == 0 && reinterpret_cast<uintptr_t>(p.qkv) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.delta) % 16 == 0),
+                bad, "launch_qkv_prologue: with a delta, row_stride (", p.row_stride,
+                "), k_offset (", p.k_offset, "), v_offset (", p.v_offset, ") and head_dim (",
+                p.cache.head_dim,
+                ") must be multiples of 8 and qkv and delta 16-byte aligned (the columns outside "
+                "the heads are added 8 at a time)");
   MOELORA_CHECK((p.delta == nullptr) == (p.delta_slot == nullptr), bad,
                 "launch_qkv_prologue: delta and delta_slot are given together or not at all (got "
                 "delta ",
