@@ -28,9 +28,13 @@ test: build
 	$(MAKE) test-sanitize
 	$(MAKE) test-fuzz
 
-# ASan + UBSan, CPU backend only, cpu-labelled tests.
+# ASan + UBSan, CPU backend only, cpu-labelled tests. -O1 -g1 (line tables for the reports' stack
+# traces) compiles in half the time of RelWithDebInfo's -O2 -g on this code (53 -> 24 s for
+# tests/unit/ops_moe_test.cpp) and is the optimisation level the sanitizers' documentation suggests.
+SANITIZE_FLAGS ?= -O1 -g1 -DNDEBUG
 build-sanitize: setup
 	cmake -S . -B $(SANITIZE_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(SANITIZE_FLAGS)" \
 	  -DMOELORA_ENABLE_SANITIZERS=ON -DMOELORA_BUILD_BENCHMARKS=OFF
 	cmake --build $(SANITIZE_DIR) -j $(JOBS)
 

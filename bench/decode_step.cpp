@@ -51,6 +51,8 @@ struct Options {
   int64_t steps = 4;
   std::string attention = "auto";
   std::string router_gemm = "route";
+  bool seam1_after_quant = false;
+  bool pdl_after_side_join = false;
   std::string out;
   uint64_t seed = 0;
 };
@@ -207,7 +209,9 @@ int run(const Options& o) {
   const int64_t layers = config.num_hidden_layers;
   if (!o.out.empty()) fs::create_directories(o.out);
   // Output names of runs off the default paths, so that an A/B pair can share one --out folder.
-  const std::string variant = o.router_gemm == "cublas" ? "_router_cublas" : "";
+  const std::string variant = std::string(o.router_gemm == "cublas" ? "_router_cublas" : "") +
+                              (o.seam1_after_quant ? "_seam1_after_quant" : "") +
+                              (o.pdl_after_side_join ? "_pdl_after_join" : "");
   moelora::bench::KernelTimeline timeline;
   nlohmann::json results = nlohmann::json::array();
   std::string report = "# Decode step kernels: " + o.preset + ", " + std::to_string(layers) +
@@ -216,8 +220,10 @@ int run(const Options& o) {
   report +=
       "Command: bench_decode_step --preset " + o.preset + " --layers " + std::to_string(o.layers) +
       " --batch-sizes " + o.batch_sizes + " --adapters " + o.adapters + " --context " +
-      std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " + o.attention +
-      " --router-gemm " + o.router_gemm +
+      std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " +
+      o.attention + " --router-gemm " + o.router_gemm +
+      (o.seam1_after_quant ? " --seam1-after-quant" : "") +
+      (o.pdl_after_side_join ? " --pdl-after-side-join" : "") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; 'main idle before' is the gap on the main queue before the "
       "kernel's launches (launch latency, or a wait on the side stream).\n\n";
@@ -238,6 +244,8 @@ int run(const Options& o) {
       options.random_seed = o.seed;
       options.attention = o.attention;
       options.router_in_route = o.router_gemm == "route";
+      options.moe_seam1_after_quant = o.seam1_after_quant;
+      options.moe_pdl_after_side_join = o.pdl_after_side_join;
       const int64_t prefill_steps =
           (batch * o.context + options.max_batch_tokens - 1) / options.max_batch_tokens;
       const int64_t max_new_tokens = prefill_steps + o.warm_steps + o.steps + 4;
@@ -331,6 +339,8 @@ int run(const Options& o) {
                           {"steps", o.steps},
                           {"attention", o.attention},
                           {"router_gemm", o.router_gemm},
+                          {"seam1_after_quant", o.seam1_after_quant},
+                          {"pdl_after_side_join", o.pdl_after_side_join},
                           {"runs", results}};
     std::ofstream(base.string() + ".json") << doc.dump(2) << "\n";
   }
@@ -367,6 +377,13 @@ int main(int argc, char** argv) {
                  "before it; the earlier path, for A/B runs)")
       ->check(CLI::IsMember({"route", "cublas"}))
       ->capture_default_str();
+  app.add_flag("--seam1-after-quant", o.seam1_after_quant,
+               "MoE layers: start the seam-1 LoRA side work after the quant kernel instead of the "
+               "align (docs/gpu_moe.md, SideStreamScheduling)");
+  app.add_flag("--pdl-after-side-join", o.pdl_after_side_join,
+               "MoE layers: launch the activation and finalize programmatically after the side "
+               "stream's LoRA events (SideStreamScheduling::pdl_after_side_join; default: plain "
+               "launches after them)");
   app.add_option("--seed", o.seed, "Seed of the weights, adapters and prompts")
       ->capture_default_str();
   app.add_option("--out", o.out,

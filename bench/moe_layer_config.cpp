@@ -200,6 +200,8 @@ int parse_options(int argc, char** argv, Options& opt) {
         return 2;
     } else if (a == "--seam1-after-quant") {
       opt.side.seam1_after_quant = true;
+    } else if (a == "--pdl-after-side-join") {
+      opt.side.pdl_after_side_join = true;
     } else if (a == "--lora-side-ctas") {
       const std::string v = next();
       opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
@@ -244,10 +246,12 @@ int parse_options(int argc, char** argv, Options& opt) {
           "                      or gemv (the expert GEMV chain: no-LoRA rows of up to 8 tokens; "
           "other\n"
           "                      rows are refused)\n"
-          "  --router-gemm R     router logits of full-layer rows: route (default; inside the route "
+          "  --router-gemm R     router logits of full-layer rows: route (default; inside the "
+          "route "
           "launch\n"
           "                      up to 64 tokens) or cublas (a GEMM before it)\n"
-          "  --experts F         routed experts: fp8 (default; 128 x 128 block scales) or nvfp4 (e2m1 "
+          "  --experts F         routed experts: fp8 (default; 128 x 128 block scales) or nvfp4 "
+          "(e2m1 "
           "codes,\n"
           "                      e4m3 scale per 16, the NVFP4 stream GEMM; rows and files named "
           "<preset>-nvfp4,\n"
@@ -266,6 +270,9 @@ int parse_options(int argc, char** argv, Options& opt) {
           "  --seam1-after-quant the side stream's seam-1 LoRA kernels start after the quant "
           "kernel (default:\n"
           "                      after the align), so GEMM1 reaches the SMs first\n"
+          "  --pdl-after-side-join  the activation and finalize launched programmatically after "
+          "the side\n"
+          "                      stream's LoRA events (default: plain launches after them)\n"
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"

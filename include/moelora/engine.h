@@ -133,6 +133,11 @@ struct EngineOptions {
   // MoE layers on the GPU: decode forwards (up to 64 tokens) compute the router logits inside
   // the route launch; false runs a cuBLAS GEMM before it (A/B runs of the benchmarks).
   bool router_in_route = true;
+  // MoE layers' LoRA side stream at decode (A/B runs of the benchmarks): the seam-1 work released
+  // after the quant kernel instead of the align, and the activation / finalize launched
+  // programmatically after the side stream's events (model::GpuModelOptions).
+  bool moe_seam1_after_quant = false;
+  bool moe_pdl_after_side_join = false;
 };
 
 struct SamplingParams {

@@ -69,6 +69,11 @@ struct GpuModelOptions {
   // MoE layers: decode forwards compute the router logits inside the route launch
   // (ops::cuda::RouterGemmPath::kAuto); false runs a cuBLAS GEMM before it (A/B runs).
   bool router_in_route = true;
+  // MoE layers' side-stream scheduling (ops::cuda::SideStreamScheduling; A/B runs of
+  // bench_decode_step): the seam-1 LoRA work released after the quant kernel instead of the
+  // align, and the activation / finalize launched programmatically after their LoRA events.
+  bool moe_seam1_after_quant = false;
+  bool moe_pdl_after_side_join = false;
 };
 
 // Per-step device metadata (all owned by the model; sizes from GpuModelLimits). The host mirror

@@ -283,6 +283,8 @@ class GpuModelImpl final : public GpuModel {
   Linear upload_linear(const io::LinearWeight& w) { return upload_stacked({&w}); }
 
   ops::cuda::MoeLayerConfig moe_config(const Layer& layer, bool shared_gate) const;
+  // The options' MoE knobs (router GEMM path, side-stream scheduling) on a new layer.
+  void configure_moe(ops::cuda::MoeLayerCuda& moe) const;
 
   void upload_layer(const io::LayerWeights& src, int64_t l);
 

@@ -170,7 +170,7 @@ void GpuModelImpl::randomize(uint64_t seed, bool fp8_experts) {
       MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_.get()));
       layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, ops::cuda::MoeLayerHostWeights{},
                                                             main_.get(), side_.get());
-      if (!options_.router_in_route) layer.moe->set_router_gemm_path(ops::cuda::RouterGemmPath::kCublas);
+      configure_moe(*layer.moe);
       layer.moe->randomize_weights(next_seed());
     }
     if (bar) bar->advance();
@@ -416,7 +416,15 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
   mc.nvfp4_experts = nvfp4;
   mc.bf16_experts = !fp8 && !nvfp4;
   layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, hw, main_.get(), side_.get());
-  if (!options_.router_in_route) layer.moe->set_router_gemm_path(ops::cuda::RouterGemmPath::kCublas);
+  configure_moe(*layer.moe);
+}
+
+void GpuModelImpl::configure_moe(ops::cuda::MoeLayerCuda& moe) const {
+  if (!options_.router_in_route) moe.set_router_gemm_path(ops::cuda::RouterGemmPath::kCublas);
+  ops::cuda::SideStreamScheduling side;
+  side.seam1_after_quant = options_.moe_seam1_after_quant;
+  side.pdl_after_side_join = options_.moe_pdl_after_side_join;
+  moe.set_side_stream_scheduling(side);
 }
 
 void GpuModelImpl::finish_construction() {

@@ -523,6 +523,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
       g.cuda_graphs = options.cuda_graphs;
       g.attention = options.attention;
       g.router_in_route = options.router_in_route;
+      g.moe_seam1_after_quant = options.moe_seam1_after_quant;
+      g.moe_pdl_after_side_join = options.moe_pdl_after_side_join;
       g.show_progress = options.show_progress;
       executor = runtime::make_gpu_executor(g);
     } else {

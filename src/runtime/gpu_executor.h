@@ -58,6 +58,8 @@ struct GpuExecutorOptions {
   // GQA attention kernels: "auto", "flashinfer" or "moelora" (model::AttentionKernel).
   std::string attention = "auto";
   bool router_in_route = true;  // model::GpuModelOptions::router_in_route
+  bool moe_seam1_after_quant = false;    // model::GpuModelOptions::moe_seam1_after_quant
+  bool moe_pdl_after_side_join = false;  // model::GpuModelOptions::moe_pdl_after_side_join
   bool show_progress = false;
   int device = 0;
 };

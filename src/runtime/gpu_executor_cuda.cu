@@ -509,6 +509,8 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.device = o.device;
   mo.attention = model::parse_attention_kernel(o.attention);
   mo.router_in_route = o.router_in_route;
+  mo.moe_seam1_after_quant = o.moe_seam1_after_quant;
+  mo.moe_pdl_after_side_join = o.moe_pdl_after_side_join;
   std::unique_ptr<model::GpuModel> model =
       o.random_weights ? model::GpuModel::random(config, o.random_seed, fp8_experts, m, mo)
                        : model::GpuModel::load(*weights, m, mo);

@@ -484,6 +484,60 @@ TEST_F(Sm90_MoeLayer, DeterministicAndBaseTokensUntouched) {
   EXPECT_EQ(test::max_abs_diff(run(layer, x, mixed, logits), m1), 0.0) << "claimed again";
 }
 
+// The activation and finalize launched programmatically after the side stream's LoRA events
+// (SideStreamScheduling::pdl_after_side_join): the same bits as plain launches after them, eagerly
+// and in graph replays, with and without a shared expert (whose cuBLAS kernels keep the finalize
+// a plain launch), one adapter and two.
+TEST_F(Sm90_MoeLayer, ProgrammaticLaunchesAfterTheSideStreamEventsAreBitEqual) {
+  for (const int shared_inter : {0, 128}) {
+    SCOPED_TRACE("shared_inter " + std::to_string(shared_inter));
+    std::mt19937_64 rng(test::test_seed(509 + shared_inter));
+    const int H = 256, T = 16;
+    auto lf = make_layer(H, 128, 8, 2, shared_inter, shared_inter > 0, RouterKind::kSoftmaxTopK, T,
+                         2, 16, rng);
+    ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+    auto a0 = make_adapter(lf, 16, false, rng), a1 = make_adapter(lf, 8, true, rng);
+    layer.set_adapter(0, a0.gpu());
+    layer.set_adapter(1, a1.gpu());
+    Tensor x = bf16_round(test::random_normal({T, H}, rng));
+    Tensor logits = test::random_normal({T, 8}, rng, 3.0f);
+    for (const std::vector<int32_t>& slots :
+         {std::vector<int32_t>(T, 0),
+          std::vector<int32_t>{0, -1, 1, 1, -1, 0, 0, 1, -1, -1, 1, 0, 0, 0, 1, -1}}) {
+      layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{});
+      const Tensor plain = run(layer, x, slots, logits);
+      ops::cuda::SideStreamScheduling programmatic;
+      programmatic.pdl_after_side_join = true;
+      layer.set_side_stream_scheduling(programmatic);
+      EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0) << "eager";
+      programmatic.seam1_after_quant = true;
+      layer.set_side_stream_scheduling(programmatic);
+      EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0)
+          << "eager, seam 1 after the quant";
+      auto x_d = cuda::to_device(x.to(DType::kBF16));
+      auto l_d = cuda::to_device(logits);
+      auto s_d = upload_vector(slots);
+      cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
+      ops::cuda::MoeForwardArgs f;
+      f.x = x_d.as<__nv_bfloat16>();
+      f.slot = s_d.as<int32_t>();
+      f.router_logits = l_d.as<float>();
+      f.tokens = T;
+      f.lora = true;
+      f.out = out.as<__nv_bfloat16>();
+      cudaGraphExec_t exec = capture([&] { layer.forward(f); });
+      for (int replay = 0; replay < 3; ++replay) {
+        out.zero();
+        MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+        main_->synchronize();
+        EXPECT_EQ(test::max_abs_diff(cuda::to_host(out, DType::kBF16, {T, H}).to_f32(), plain), 0.0)
+            << "graph replay " << replay;
+      }
+      MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    }
+  }
+}
+
 // Every decode LoRA path leaves the base tokens of a mixed batch bit-equal to the no-LoRA run and
 // its LoRA tokens within the reference tolerance (4 adapters of ranks 16 / 8 / 32 / 5, one of
 // them shared-outer, 31 tokens, the graph test's configuration run eagerly).

@@ -160,6 +160,14 @@ struct SideStreamScheduling {
   // kernel) takes its SMs first and the shrink runs beside it (its result is needed only after
   // GEMM1, by the activation).
   bool seam1_after_quant = false;
+  // Decode on FP8 / NVFP4 experts: the activation (after the seam-1 delta's event) and the
+  // finalize (after the seam-2 delta's) stay programmatic dependents of the GEMM before them, so
+  // they and the GEMM after them launch while that GEMM drains. The event still orders them after
+  // the side stream (cudaStreamWaitEvent holds all later work of the stream; programmatic
+  // serialization relaxes only the previous kernel: tests/gpu/cuda_launch_test.cu checks both,
+  // eagerly and in graph replays). Off by default until measured on the GPU host: plain
+  // launches after the events, the schedule every committed result was taken with.
+  bool pdl_after_side_join = false;
 };
 
 class MoeLayerCuda {

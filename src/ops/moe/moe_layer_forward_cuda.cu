@@ -488,11 +488,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   act.sa = c.bf16_experts || nvfp4 ? nullptr : m.x<float>(m.sa);
   act.scale_ld = scale_ld;
   // The activation is a programmatic dependent of the stream kernel: it is scheduled while GEMM1
-  // drains and GEMM2 after it prefetches its weights. Not after a cross-stream event wait (a
-  // side-stream seam-1 delta): whether a launch with programmatic serialization right after one
-  // stays ordered after that event in an uncaptured stream is not documented. The fused seam-1
+  // drains and GEMM2 after it prefetches its weights; after the side stream's seam-1 event too
+  // (SideStreamScheduling::pdl_after_side_join says why that stays ordered). The fused seam-1
   // expand reads only main-stream data (the quant kernel's partials, complete before GEMM1 ran).
-  act.pdl = chain_pdl && (!lora || fused_shrink);
+  act.pdl = chain_pdl && (!lora || fused_shrink || side_scheduling_.pdl_after_side_join);
   if (fused_shrink) act.lora = row_shrink(m.down, m.x<float>(m.part2));
   if (fused_lora) {
     act.lora_expand.pool = m.view(m.gate_up);
@@ -592,9 +591,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.top_k = k;
   fa.hidden = H;
   fa.out = f.out;
-  // Directly after GEMM2 on this stream: not after the shared expert's cuBLAS kernels, and not
-  // after the event wait for the seam-2 expand (as for the activation).
-  fa.pdl = chain_pdl && !side_work && !shared;
+  // Directly after GEMM2 on this stream (also after the seam-2 expand's event, as the
+  // activation), not after the shared expert's cuBLAS kernels.
+  fa.pdl = chain_pdl && !shared && (!side_work || side_scheduling_.pdl_after_side_join);
   launch_moe_finalize(fa, m.main);
 }
 
