@@ -25,10 +25,6 @@ std::chrono::milliseconds join_timeout(const ParallelArgs& a) {
   return std::chrono::milliseconds(static_cast<int64_t>(a.dist_timeout_s * 1000.0));  // checked
 }
 
-runtime::ExecutorLimits limits_of(const EngineOptions& o) {
-  return {o.max_batch_tokens, o.max_running, o.adapter_slots, o.max_lora_rank};
-}
-
 dist::ShardedModelOptions sharded_options(const ParallelArgs& a) {
   dist::ShardedModelOptions options;
   options.attention =
@@ -202,8 +198,9 @@ std::unique_ptr<runtime::Executor> make_rank0_executor(const ParallelArgs& a,
                                                        const EngineOptions& o) {
   std::unique_ptr<dist::SocketGroup> group = join(a, o);
   std::unique_ptr<model::Model> model = load_model(o, o.show_progress);
-  return std::make_unique<dist::ShardedExecutor>(std::move(model), std::move(group), limits_of(o),
-                                                 sharded_options(a), join_timeout(a));
+  return std::make_unique<dist::ShardedExecutor>(std::move(model), std::move(group),
+                                                 runtime::executor_limits(o), sharded_options(a),
+                                                 join_timeout(a));
 }
 
 int run_worker_rank(const ParallelArgs& a, const EngineOptions& o) {
@@ -215,7 +212,8 @@ int run_worker_rank(const ParallelArgs& a, const EngineOptions& o) {
     group->send_reply(concat("rank ", a.dist_rank, " cannot load the model: ", e.what()));
     throw;
   }
-  dist::run_sharded_worker(std::move(model), *group, limits_of(o), sharded_options(a));
+  dist::run_sharded_worker(std::move(model), *group, runtime::executor_limits(o),
+                           sharded_options(a));
   return 0;
 }
 

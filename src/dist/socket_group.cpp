@@ -57,7 +57,6 @@ const char* tag_name(uint32_t tag) {
 // A join request is a fingerprint of a few hundred bytes; a stranger announcing more is dropped
 // without reading it.
 constexpr uint64_t kMaxJoinPayload = 64 * 1024;
-constexpr size_t kFrameHeaderBytes = 12;  // tag u32, payload length u64 (tcp.h)
 
 // Appends what `connection` has to read now, without waiting, to `bytes` (at most `limit` in
 // all). False when the peer closed the connection or it failed.
@@ -81,10 +80,9 @@ bool read_available(const Connection& connection, std::vector<std::byte>& bytes,
 // for a length beyond max_payload.
 std::optional<Frame> complete_frame(const std::vector<std::byte>& bytes, uint64_t max_payload) {
   if (bytes.size() < kFrameHeaderBytes) return std::nullopt;
+  const auto [tag, length] = read_frame_header(bytes.data());
   Frame frame;
-  uint64_t length = 0;
-  std::memcpy(&frame.tag, bytes.data(), 4);
-  std::memcpy(&length, bytes.data() + 4, 8);
+  frame.tag = tag;
   MOELORA_CHECK(length <= max_payload, ErrorCode::kInvalidArgument, "a join frame announces ",
                 length, " bytes, more than the ", max_payload, " a join request may have");
   if (bytes.size() < kFrameHeaderBytes + length) return std::nullopt;

@@ -162,10 +162,8 @@ void Connection::send(uint32_t tag, std::span<const std::byte> head,
                       std::span<const std::byte> body, std::optional<Clock::time_point> deadline) {
   MOELORA_CHECK(fd_ >= 0, ErrorCode::kInternal, "cannot send to ", peer_,
                 ": the connection is closed");
-  std::byte header[12];
-  const uint64_t length = head.size() + body.size();
-  std::memcpy(header, &tag, 4);
-  std::memcpy(header + 4, &length, 8);
+  std::byte header[kFrameHeaderBytes];
+  write_frame_header({tag, head.size() + body.size()}, header);
   for (std::span<const std::byte> part :
        {std::span<const std::byte>(header, sizeof(header)), head, body}) {
     size_t done = 0;
@@ -214,16 +212,27 @@ bool Connection::read_exact(std::byte* out, size_t n, std::optional<Clock::time_
   return true;
 }
 
+void write_frame_header(const FrameHeader& header, std::byte* out) {
+  std::memcpy(out, &header.tag, 4);
+  std::memcpy(out + 4, &header.length, 8);
+}
+
+FrameHeader read_frame_header(const std::byte* bytes) {
+  FrameHeader header;
+  std::memcpy(&header.tag, bytes, 4);
+  std::memcpy(&header.length, bytes + 4, 8);
+  return header;
+}
+
 std::optional<Frame> Connection::receive(std::optional<Clock::time_point> deadline,
                                          uint64_t max_payload) {
   MOELORA_CHECK(fd_ >= 0, ErrorCode::kInternal, "cannot receive from ", peer_,
                 ": the connection is closed");
-  std::byte header[12];
+  std::byte header[kFrameHeaderBytes];
   if (!read_exact(header, sizeof(header), deadline)) return std::nullopt;
+  const auto [tag, length] = read_frame_header(header);
   Frame frame;
-  uint64_t length = 0;
-  std::memcpy(&frame.tag, header, 4);
-  std::memcpy(&length, header + 4, 8);
+  frame.tag = tag;
   MOELORA_CHECK(length <= max_payload, ErrorCode::kInvalidArgument, "a frame from ", peer_,
                 " says its payload has ", length, " bytes, more than the ", max_payload,
                 " a frame may have here: the stream is corrupt or not moelora's");

@@ -30,6 +30,16 @@ struct Frame {
   std::vector<std::byte> payload;
 };
 
+// A frame on the wire: tag u32, payload length u64 (host order: both ends are one build), payload.
+inline constexpr size_t kFrameHeaderBytes = 12;
+struct FrameHeader {
+  uint32_t tag = 0;
+  uint64_t length = 0;
+};
+// The header in its kFrameHeaderBytes wire bytes, and back.
+void write_frame_header(const FrameHeader& header, std::byte* out);
+FrameHeader read_frame_header(const std::byte* bytes);
+
 // "HOST:PORT" (a name, an IPv4 address or a bracketed IPv6 address). kInvalidArgument naming
 // `what` (the flag) and the text when it is not one.
 struct HostPort {
@@ -161,8 +171,6 @@ class ByteReader {
     if (n > 0) std::memcpy(values.data(), take(n * sizeof(T)), n * sizeof(T));
     return values;
   }
-  // The bytes not read yet.
-  std::span<const std::byte> rest() const { return bytes_.subspan(offset_); }
   size_t remaining() const { return bytes_.size() - offset_; }
 
  private:

@@ -150,10 +150,6 @@ void require_device(const std::string& device) {
                 "' is unknown; expected cpu or cuda");
 }
 
-runtime::ExecutorLimits limits_of(const EngineOptions& o) {
-  return {o.max_batch_tokens, o.max_running, o.adapter_slots, o.max_lora_rank};
-}
-
 // The log-softmax of `logits` at `token`, and its `top` largest entries (most likely first, ties
 // by lower id), in double precision for the normalizer.
 TokenEvent::Logprobs token_logprobs(std::span<const float> logits, int32_t token, int32_t top) {
@@ -189,6 +185,10 @@ TokenEvent::Logprobs token_logprobs(std::span<const float> logits, int32_t token
 }
 
 }  // namespace
+
+runtime::ExecutorLimits runtime::executor_limits(const EngineOptions& o) {
+  return {o.max_batch_tokens, o.max_running, o.adapter_slots, o.max_lora_rank};
+}
 
 Status check_device(const std::string& device) {
   return capture([&] { require_device(device); });
@@ -513,7 +513,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
     if (is_cuda(options.device)) {
       runtime::GpuExecutorOptions g;
       g.model_dir = options.model_dir;
-      g.limits = limits_of(options);
+      g.limits = runtime::executor_limits(options);
       g.random_weights = options.random_weights;
       g.random_seed = options.random_seed;
       g.max_layers = options.max_layers;
@@ -531,7 +531,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
       MOELORA_CHECK(!options.random_weights, ErrorCode::kUnsupported,
                     "random_weights needs device 'cuda' (the CPU backend loads checkpoints only; "
                     "`moelora synth` writes a random one)");
-      executor = runtime::CpuExecutor::load(options.model_dir, limits_of(options),
+      executor = runtime::CpuExecutor::load(options.model_dir, runtime::executor_limits(options),
                                             options.show_progress, options.max_layers);
     }
   });

@@ -39,6 +39,10 @@
 #include "io/peft.h"
 #include "ops/sample/sample.h"
 
+namespace moelora {
+struct EngineOptions;
+}
+
 namespace moelora::runtime {
 
 // Opaque handle of one sequence's state (KV cache) inside an executor.
@@ -50,6 +54,9 @@ struct ExecutorLimits {
   int32_t num_slots = 0;         // adapter slots
   int64_t max_lora_rank = 0;     // largest adapter rank a slot holds
 };
+// The limits EngineOptions set (max_batch_tokens, max_running, adapter_slots, max_lora_rank): what
+// the engine and every rank of a parallel job build their executors with. Defined in engine.cpp.
+ExecutorLimits executor_limits(const EngineOptions& options);
 
 // A paged KV cache's fixed size, for admission control. A sequence of n tokens holds
 // pages_for(n) pages; live sequences together hold at most `pages`. pages == 0: no fixed pool

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -175,6 +176,28 @@ TEST(DistSocketGroup, CollectivesEqualTheInProcessGroupBitwise) {
             << "output " << i << ": " << got[i] << " vs " << expected[static_cast<size_t>(r)][i];
       }
     }
+  }
+}
+
+// Rank 0's welcome payload (what a GPU job sends: the NCCL unique id, 128 arbitrary bytes with
+// zeros in them) reaches every worker byte for byte; rank 0 keeps its own copy.
+TEST(DistSocketGroup, EveryRankReceivesTheWelcomePayload) {
+  std::string welcome(128, '\0');
+  for (size_t i = 0; i < welcome.size(); ++i) welcome[i] = static_cast<char>((i * 37 + 11) % 256);
+  welcome[5] = '\0';
+  const std::vector<RankRun> runs = run_socket_ranks(
+      4,
+      [&](SocketGroup& g, RankRun& run) {
+        run.notes.push_back(g.welcome());
+        g.barrier();
+      },
+      [&](SocketGroupOptions& o) {
+        if (o.rank == 0) o.welcome = welcome;
+      });
+  for (size_t r = 0; r < runs.size(); ++r) {
+    ASSERT_EQ(runs[r].error, "") << "rank " << r;
+    ASSERT_EQ(runs[r].notes.size(), 1u);
+    EXPECT_EQ(runs[r].notes[0], welcome) << "rank " << r << "'s welcome differs";
   }
 }
 
@@ -536,6 +559,16 @@ TEST(DistTcp, MalformedPayloadsAndFramesAreErrors) {
   EXPECT_NE(error_message([&] { cut.get_string(); }, ErrorCode::kInvalidArgument)
                 .find("a test frame is malformed: it announces 3 items of 1 bytes with only 2"),
             std::string::npos);
+
+  // The header's wire bytes: tag then length, 12 bytes, read back as written.
+  std::byte header[kFrameHeaderBytes];
+  write_frame_header({0xA1B2C3D4u, (uint64_t{1} << 40) + 3}, header);
+  const FrameHeader back = read_frame_header(header);
+  EXPECT_EQ(back.tag, 0xA1B2C3D4u);
+  EXPECT_EQ(back.length, (uint64_t{1} << 40) + 3);
+  uint32_t raw_tag = 0;
+  std::memcpy(&raw_tag, header, 4);
+  EXPECT_EQ(raw_tag, 0xA1B2C3D4u) << "the tag leads the header";
 
   // A frame header announcing more than kMaxFramePayload is refused without allocating it.
   int fds[2];
