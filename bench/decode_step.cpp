@@ -12,13 +12,21 @@
 // the side stream), sorted by time; --out also gets the whole timeline of the first recorded step
 // and the tables as JSON. The engine's own decode throughput is `moelora bench`'s job; this program
 // says which kernels a faster step has to shorten or remove.
+//
+// --no-timeline leaves CUPTI alone (Nsight Compute cannot attach beside another CUPTI subscriber)
+// and brackets the recorded steps with cudaProfilerStart / Stop instead, so that
+//   ncu --profile-from-start off -k regex:moe_ bench_decode_step --no-timeline ...
+// profiles the engine's own kernels in place; it prints only the wall time per step.
+#include <cuda_profiler_api.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include <filesystem>
 #include <fstream>
@@ -29,6 +37,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "core/cuda_utils.h"
 #include "core/error.h"
 #include "io/hf_config.h"
 #include "kernel_timeline.h"
@@ -53,6 +62,7 @@ struct Options {
   std::string router_gemm = "route";
   bool seam1_after_quant = false;
   bool pdl_after_side_join = false;
+  bool no_timeline = false;
   std::string out;
   uint64_t seed = 0;
 };
@@ -212,7 +222,8 @@ int run(const Options& o) {
   const std::string variant = std::string(o.router_gemm == "cublas" ? "_router_cublas" : "") +
                               (o.seam1_after_quant ? "_seam1_after_quant" : "") +
                               (o.pdl_after_side_join ? "_pdl_after_join" : "");
-  moelora::bench::KernelTimeline timeline;
+  std::optional<moelora::bench::KernelTimeline> timeline;
+  if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
   std::string report = "# Decode step kernels: " + o.preset + ", " + std::to_string(layers) +
                        " layers, context " + std::to_string(o.context) + ", r" +
@@ -288,11 +299,18 @@ int run(const Options& o) {
         check(engine.step());  // captures the bucket's graph
       std::vector<std::vector<moelora::bench::KernelRecord>> steps;
       const moelora::EngineStats before = engine.stats();
+      if (!timeline) MOELORA_CUDA_CHECK(cudaProfilerStart());
+      const auto wall_start = std::chrono::steady_clock::now();
       for (int64_t s = 0; s < o.steps; ++s) {
-        timeline.start();
+        if (timeline) timeline->start();
         check(engine.step());
-        steps.push_back(timeline.stop());
+        if (timeline) steps.push_back(timeline->stop());
       }
+      const double wall_ms_per_step =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall_start)
+              .count() /
+          static_cast<double>(o.steps);
+      if (!timeline) MOELORA_CUDA_CHECK(cudaProfilerStop());
       const moelora::EngineStats after = engine.stats();
       // Every recorded step must be one replay of the bucket's decode graph over all B sequences
       // (no prefill chunk, no capture, no request ending in between).
@@ -306,6 +324,13 @@ int run(const Options& o) {
                     o.steps, " replays of ", batch, " tokens each (raise --warm-steps)");
       for (moelora::RequestId id : ids) check(engine.cancel(id));
       check(engine.run_until_idle());
+      if (!timeline) {  // kernel records off (a profiler attached): the step's wall time only
+        std::printf("B = %d, %d adapter%s: %.3f ms per decode step (wall clock, %lld steps)\n",
+                    batch, adapters, adapters == 1 ? "" : "s", wall_ms_per_step,
+                    static_cast<long long>(o.steps));
+        std::fflush(stdout);
+        continue;
+      }
 
       const StepProfile p = profile_steps(steps);
       const std::string title = "## B = " + std::to_string(batch) + ", " +
@@ -328,7 +353,7 @@ int run(const Options& o) {
       }
     }
   }
-  if (!o.out.empty()) {
+  if (!o.out.empty() && timeline) {  // (no tables without the kernel records)
     const fs::path base = fs::path(o.out) / ("decode_step_" + o.preset + variant);
     std::ofstream(base.string() + ".md") << report;
     nlohmann::json doc = {{"benchmark", "bench_decode_step"},
@@ -384,6 +409,10 @@ int main(int argc, char** argv) {
                "MoE layers: launch the activation and finalize programmatically after the side "
                "stream's LoRA events (SideStreamScheduling::pdl_after_side_join; default: plain "
                "launches after them)");
+  app.add_flag("--no-timeline", o.no_timeline,
+               "Record no CUPTI kernel timeline (for Nsight Compute, which cannot attach beside "
+               "it): the recorded steps run between cudaProfilerStart and Stop and only their "
+               "wall time is printed");
   app.add_option("--seed", o.seed, "Seed of the weights, adapters and prompts")
       ->capture_default_str();
   app.add_option("--out", o.out,
