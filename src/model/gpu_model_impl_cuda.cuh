@@ -404,6 +404,9 @@ class GpuModelImpl final : public GpuModel {
   std::optional<cuda::CublasHandle> cublas_;
   std::vector<cuda::DeviceBuffer> buffers_;
   uint64_t weight_bytes_ = 0, device_bytes_ = 0, kv_bytes_per_token_ = 0;
+  // The MoE layers' transient buffers, one allocation for all of them (they run one after another
+  // on main_ / side_); declared before layers_ so that it outlives them.
+  ops::cuda::MoeSharedWorkspace moe_workspace_;
 
   std::vector<Layer> layers_;
   bf16* embed_ = nullptr;

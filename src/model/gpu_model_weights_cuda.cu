@@ -168,8 +168,8 @@ void GpuModelImpl::randomize(uint64_t seed, bool fp8_experts) {
       mc.nvfp4_experts = nvfp4;
       mc.bf16_experts = !fp8 && !nvfp4;
       MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_.get()));
-      layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, ops::cuda::MoeLayerHostWeights{},
-                                                            main_.get(), side_.get());
+      layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(
+          mc, ops::cuda::MoeLayerHostWeights{}, main_.get(), side_.get(), &moe_workspace_);
       configure_moe(*layer.moe);
       layer.moe->randomize_weights(next_seed());
     }
@@ -415,7 +415,8 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
   ops::cuda::MoeLayerConfig mc = moe_config(layer, src.shared_expert_gate.defined());
   mc.nvfp4_experts = nvfp4;
   mc.bf16_experts = !fp8 && !nvfp4;
-  layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(mc, hw, main_.get(), side_.get());
+  layer.moe =
+      std::make_unique<ops::cuda::MoeLayerCuda>(mc, hw, main_.get(), side_.get(), &moe_workspace_);
   configure_moe(*layer.moe);
 }
 

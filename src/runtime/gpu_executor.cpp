@@ -363,7 +363,8 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
       lora_elems += E * (H + 2 * I) * R + E * (I + H) * R;  // gate_up and down
     }
   }
-  // Workspaces: a few [max_tokens, max(H, 2 * top_k * I)] activations and the fp32 logits.
+  // Workspaces: a few [max_tokens, max(H, 2 * top_k * I)] activations and the fp32 logits, once
+  // (the MoE layers share one allocation: ops::cuda::MoeSharedWorkspace).
   const uint64_t T = static_cast<uint64_t>(std::max<int64_t>(limits.max_batch_tokens, 1));
   // The routed experts' rows are token x top_k pairs ([T k, 2 I_moe]); a dense MLP's are tokens
   // ([T, 2 I]): the top_k factor applies to the expert width only (Kimi-K2.5's dense I of 18432

@@ -34,22 +34,31 @@ namespace {
 using test::download_vector;
 using test::upload_vector;
 
-void check_align(int T, int valid, int E, int k, int S, uint64_t seed) {
+// E local experts; with routed_experts > E the ids range over all routed_experts experts and the
+// launch aligns experts [expert_begin, expert_begin + E) (expert parallelism): the reference is
+// the plain alignment of the ids mapped to local ones (-1 for another rank's expert).
+void check_align(int T, int valid, int E, int k, int S, uint64_t seed, int routed_experts = 0,
+                 int expert_begin = 0) {
   std::mt19937_64 rng(test::test_seed(seed));
+  const int Er = routed_experts > 0 ? routed_experts : E;
   std::vector<int32_t> ids(static_cast<size_t>(T) * k, -1), slot(T);
   std::uniform_int_distribution<int> pick_slot(-1, S - 1);
   for (int t = 0; t < T; ++t) {
     slot[t] = S > 0 ? pick_slot(rng) : -1;
     if (t >= valid) continue;
-    std::vector<int> experts(E);
+    std::vector<int> experts(Er);
     std::iota(experts.begin(), experts.end(), 0);
     std::shuffle(experts.begin(), experts.end(), rng);
     // skew: half of the tokens prefer the first few experts, leaving others idle
-    if (t % 2 == 0) std::sort(experts.begin(), experts.begin() + std::min(E, 2 * k));
+    if (t % 2 == 0) std::sort(experts.begin(), experts.begin() + std::min(Er, 2 * k));
     for (int j = 0; j < k; ++j) ids[t * k + j] = experts[j];
   }
+  auto local = [&](int32_t id) {
+    return id >= expert_begin && id < expert_begin + E ? id - expert_begin : -1;
+  };
   std::vector<int32_t> ref_slot(slot.begin(), slot.begin() + valid);
-  std::vector<int32_t> ref_ids(ids.begin(), ids.begin() + static_cast<size_t>(valid) * k);
+  std::vector<int32_t> ref_ids(static_cast<size_t>(valid) * k);
+  for (size_t p = 0; p < ref_ids.size(); ++p) ref_ids[p] = local(ids[p]);
   auto ref = ops::moe_align_ref(ref_ids, ref_slot, k, E, S);
 
   const int P = T * k, max_seg = std::max(1, std::min(P, S * E));
@@ -64,6 +73,7 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed) {
   a.max_tokens = T;
   a.top_k = k;
   a.num_experts = E;
+  a.expert_begin = expert_begin;
   a.num_slots = S;
   a.expert_offsets = off.as<int32_t>();
   a.sorted_pair = sp.as<int32_t>();
@@ -98,12 +108,16 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed) {
   for (int q = 0; q < n_pairs; ++q) {
     ASSERT_EQ(pair_pos[sorted_pair[q]], q);
     ASSERT_EQ(sorted_token[q], sorted_pair[q] / k);
-    const int e = ids[sorted_pair[q]];
+    const int e = local(ids[sorted_pair[q]]);
+    ASSERT_GE(e, 0) << "row " << q << " holds another rank's pair";
     ASSERT_EQ(slot_expert[q].x, slot[sorted_pair[q] / k]) << "sorted_slot_expert slot, row " << q;
     ASSERT_EQ(slot_expert[q].y, e) << "sorted_slot_expert expert, row " << q;
     ASSERT_TRUE(q >= ref.expert_offsets[e] && q < ref.expert_offsets[e + 1]);
   }
   for (int p = valid * k; p < P; ++p) EXPECT_EQ(pair_pos[p], -1);
+  for (int p = 0; p < valid * k; ++p)
+    if (local(ids[p]) < 0)
+      EXPECT_EQ(pair_pos[p], -1) << "pair " << p << " of another rank's expert " << ids[p];
   const int n_active = download_vector<int32_t>(nact, 1)[0];
   auto active = download_vector<int32_t>(act, E);
   ASSERT_EQ(n_active, static_cast<int>(ref.active_experts.size()));
@@ -143,6 +157,17 @@ TEST(Sm90_MoeAlign, DecodeBatchesWithSlots) {
   // 4084 bins: 49,040 bytes of dynamic shared memory, under 48 KB alone but past it with the
   // kernel's static part (the launch must opt in to more).
   check_align(8, 8, 1021, 4, 3, 206);
+}
+
+// Expert parallelism: 384 routed experts, this rank's 48 of them (the first, a middle and the
+// last rank of EP8), at decode and prefill sizes, with and without slots.
+TEST(Sm90_MoeAlign, OneRanksExpertsOfAllRouted) {
+  MOELORA_REQUIRE_SM90();
+  for (const int begin : {0, 144, 336}) {
+    SCOPED_TRACE("expert_begin " + std::to_string(begin));
+    check_align(64, 60, 48, 8, 4, 207, 384, begin);
+    check_align(2048, 2048, 48, 8, 0, 208, 384, begin);
+  }
 }
 
 TEST(Sm90_MoeAlign, PrefillSizedBatch) {

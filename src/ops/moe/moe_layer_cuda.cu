@@ -101,8 +101,13 @@ constexpr int kFillBlocks = 1024, kFillThreads = 256;
 
 }  // namespace
 
+void MoeSharedWorkspace::reserve(size_t bytes) {
+  if (bytes > buffer_.bytes()) buffer_ = ::moelora::cuda::DeviceBuffer(bytes);
+}
+
 MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeights& hw,
-                           cudaStream_t main_stream, cudaStream_t side_stream)
+                           cudaStream_t main_stream, cudaStream_t side_stream,
+                           MoeSharedWorkspace* shared_workspace)
     : impl_(std::make_unique<Impl>(config, main_stream, side_stream)), config_(config) {
   Impl& m = *impl_;
   const MoeLayerConfig& c = config_;
@@ -128,6 +133,11 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
                 " must be a positive multiple of 8 when slots exist");
   check_route_params(c.route);
   const int E = c.num_experts, H = c.hidden, I = c.inter, k = c.top_k;
+  const int Er = static_cast<int>(c.route.num_experts);  // experts the router scores
+  MOELORA_CHECK(c.expert_begin >= 0 && c.expert_begin + E <= Er, ErrorCode::kInvalidArgument,
+                "MoeLayerCuda: experts [", c.expert_begin, ", ", c.expert_begin + E,
+                ") are not among the router's ", Er,
+                " (route.num_experts: num_experts, or all experts under expert parallelism)");
   const bool bf16 = c.bf16_experts, nvfp4 = c.nvfp4_experts;
   m.Hp = bf16 ? H : round_up(H, 128);  // FP8: whole scale blocks; bf16 needs no padding (NVFP4: none)
   m.Ip = I;
@@ -148,7 +158,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
                   ErrorCode::kInvalidArgument,
                   "MoeLayerCuda: bf16 experts need F32, F64, BF16 or F16 w13 / w2, got ",
                   dtype_name(hw.w13.dtype()), " / ", dtype_name(hw.w2.dtype()));
-    check_shape(hw.router, {E, H}, "MoeLayerCuda: router");
+    check_shape(hw.router, {Er, H}, "MoeLayerCuda: router");
   } else if (upload && nvfp4) {
     check_dtype(hw.w13, DType::kU8, "MoeLayerCuda: w13 (NVFP4 codes)");
     check_shape(hw.w13, {E, 2 * I, H / 2}, "MoeLayerCuda: w13 (NVFP4 codes)");
@@ -160,7 +170,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     check_shape(hw.w2_scale, {E, H, I / 16}, "MoeLayerCuda: w2_scale (NVFP4)");
     check_shape(hw.w2_scale_2, {E, H}, "MoeLayerCuda: w2_scale_2 (NVFP4)");
     check_dtype(hw.w2_scale_2, DType::kF32, "MoeLayerCuda: w2_scale_2 (NVFP4)");
-    check_shape(hw.router, {E, H}, "MoeLayerCuda: router");
+    check_shape(hw.router, {Er, H}, "MoeLayerCuda: router");
   } else if (upload) {
     check_shape(hw.w13, {E, 2 * I, H}, "MoeLayerCuda: w13");
     check_dtype(hw.w13, DType::kF8E4M3, "MoeLayerCuda: w13");
@@ -168,7 +178,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     check_shape(hw.w2, {E, H, I}, "MoeLayerCuda: w2");
     check_dtype(hw.w2, DType::kF8E4M3, "MoeLayerCuda: w2");
     check_shape(hw.w2_scale, {E, (H + 127) / 128, I / 128}, "MoeLayerCuda: w2_scale");
-    check_shape(hw.router, {E, H}, "MoeLayerCuda: router");
+    check_shape(hw.router, {Er, H}, "MoeLayerCuda: router");
   }
   m.has_bias = upload ? hw.correction_bias.defined() : c.route.kind == RouterKind::kSigmoidNoauxTc;
   m.has_shared = c.shared_inter > 0;
@@ -187,8 +197,8 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.w2 = m.weights.reserve(static_cast<size_t>(E) * H * I);
     m.w2s = m.weights.reserve(static_cast<size_t>(E) * ((H + 127) / 128) * (I / 128) * 4);
   }
-  m.router = m.weights.reserve(static_cast<size_t>(E) * H * 2);
-  if (m.has_bias) m.bias = m.weights.reserve(static_cast<size_t>(E) * 4);
+  m.router = m.weights.reserve(static_cast<size_t>(Er) * H * 2);
+  if (m.has_bias) m.bias = m.weights.reserve(static_cast<size_t>(Er) * 4);
   if (m.has_shared) {
     if (upload) {
       check_shape(hw.shared_w13, {2 * c.shared_inter, H}, "MoeLayerCuda: shared_w13");
@@ -271,12 +281,14 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   // ---- workspace ----
   const size_t T = c.max_tokens, P = m.P, R = std::max(c.max_rank, 8), S = c.num_slots;
   m.max_segments = static_cast<int>(std::min<size_t>(P, S * E));
-  m.logits = m.ws.reserve(T * E * 4);
+  m.logits = m.ws.reserve(T * Er * 4);
   // The router GEMM in the route launch (decode sizes): its fp32 partials and token-tile tickets.
   if (router_route_supports(c.route, H, std::min<int>(c.max_tokens, kRouterRouteMaxTokens))) {
     m.router_route_tokens = std::min<int>(c.max_tokens, kRouterRouteMaxTokens);
-    m.router_partials = m.ws.reserve(router_route_partial_floats(E, H, m.router_route_tokens) * sizeof(float));
-    m.router_tickets = m.ws.reserve(router_route_tickets(m.router_route_tokens) * sizeof(int32_t));
+    m.router_partials =
+        m.ws.reserve(router_route_partial_floats(Er, H, m.router_route_tokens) * sizeof(float));
+    m.router_tickets =
+        m.state.reserve(router_route_tickets(m.router_route_tokens) * sizeof(int32_t));
   }
   m.ids = m.ws.reserve(P * 4);
   m.tw = m.ws.reserve(P * 4);
@@ -298,7 +310,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.sxh = m.ws.reserve(P * 4);
     m.ah = m.ws.reserve(P * I * 2);
     m.sah = m.ws.reserve(P * 4);
-    m.gemm_work = m.ws.reserve(4 * sizeof(int32_t));
+    m.gemm_work = m.state.reserve(4 * sizeof(int32_t));
   } else if (!bf16) {  // FP8 activations and the CUTLASS workspace; bf16 experts quantize nothing
     m.xq = m.ws.reserve(P * m.Hp);  // prefill permutes into P rows; decode uses the first T
     // scales: row-major [P, K/128] (prefill, register decode) or k-major [K/128, scale_ld] (stream)
@@ -307,8 +319,8 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.sa = m.ws.reserve(static_cast<size_t>(m.scale_ld) * (m.Ip / 128) * 4);
     m.prefill_ws_bytes = moe_gemm_prefill_workspace_bytes(E, m.num_sms);
     m.prefill_ws = m.ws.reserve(m.prefill_ws_bytes);
-    m.gemm_work = m.ws.reserve(4 * sizeof(int32_t));
-    m.gemv_tickets = m.ws.reserve(kMoeGemvMaxTickets * sizeof(int32_t));
+    m.gemm_work = m.state.reserve(4 * sizeof(int32_t));
+    m.gemv_tickets = m.state.reserve(kMoeGemvMaxTickets * sizeof(int32_t));
   }
   m.h = m.ws.reserve(P * 2 * I * 2);
   m.a16 = m.ws.reserve(P * I * 2);
@@ -332,16 +344,15 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
           lora_partial_bytes(static_cast<int>(Is), static_cast<int>(T), static_cast<int>(R)));
     }
   }
-  m.ws.allocate();
-  if (m.router_route_tokens > 0)
-    MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.router_tickets), 0,
-                                  router_route_tickets(m.router_route_tokens) * sizeof(int32_t)));
-  // The stream GEMMs' work counters start at zero; each launch leaves them so for the next.
-  if (nvfp4) MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));
-  if (!bf16 && !nvfp4) {  // counters the kernels leave at zero after every launch
-    MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemm_work), 0, 4 * sizeof(int32_t)));
-    MOELORA_CUDA_CHECK(cudaMemset(m.x<int32_t>(m.gemv_tickets), 0, kMoeGemvMaxTickets * sizeof(int32_t)));
+  if (shared_workspace) {
+    shared_workspace->reserve(m.ws.size());
+    m.shared_ws = shared_workspace;
+  } else {
+    m.ws.allocate();
   }
+  // The counters start at zero; every launch leaves them so for the next.
+  m.state.allocate();
+  MOELORA_CUDA_CHECK(cudaMemset(m.state.at<void>(0), 0, m.state.size()));
   ::moelora::cuda::wait_for_host_copies();
 }
 
@@ -436,11 +447,12 @@ void MoeLayerCuda::randomize_weights(uint64_t seed) {
     fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(
         m.w<float>(m.w2s), E * ((H + 127) / 128) * (I / 128), 0.5f * s2, 1.5f * s2, seed + 4);
   }
-  fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.router), E * H,
+  const size_t Er = c.route.num_experts;
+  fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.router), Er * H,
                                                   2.0f / std::sqrt(static_cast<float>(H)), 1, 1, 1,
                                                   seed + 5);
   if (m.has_bias)
-    fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(m.w<float>(m.bias), E, -0.01f, 0.01f, seed + 6);
+    fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(m.w<float>(m.bias), Er, -0.01f, 0.01f, seed + 6);
   if (m.has_shared) {
     const size_t Is = c.shared_inter;
     fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.sw13), 2 * Is * H,
@@ -504,7 +516,7 @@ uint64_t MoeLayerCuda::expert_bytes() const {
   return 3 * H * I + scales;
 }
 uint64_t MoeLayerCuda::router_bytes() const {
-  return static_cast<uint64_t>(config_.num_experts) * config_.hidden * 2;
+  return static_cast<uint64_t>(config_.route.num_experts) * config_.hidden * 2;
 }
 uint64_t MoeLayerCuda::shared_bytes() const {
   return impl_->has_shared ? 3ull * config_.hidden * config_.shared_inter * 2 : 0;

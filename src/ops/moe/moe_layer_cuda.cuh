@@ -45,6 +45,11 @@ struct MoeLayerConfig {
   // GEMM2 are launch_moe_gemm_nvfp4_stream on f16 rows (x gathered through sorted_token, then the
   // activation's bf16 copy, each converted by rows_to_f16_pow2). H and I multiples of 128.
   bool nvfp4_experts = false;
+  // Expert parallelism: the router scores route.num_experts experts (Er) and this layer holds
+  // experts [expert_begin, expert_begin + num_experts) of them; pairs routed to the others add
+  // nothing to its output (another rank's layer adds them; the sum over ranks is the layer's).
+  // Without it expert_begin = 0 and route.num_experts = num_experts. Not with GemmPath::kGemv.
+  int expert_begin = 0;
 };
 
 // Host weights of one layer, as loaded (fp32 where not quantized). FP8 tensors use the canonical
@@ -55,8 +60,8 @@ struct MoeLayerConfig {
 // each row's tensor: gate and up may differ), and w2 / w2_scale / w2_scale_2 likewise over
 // [E, H, I].
 struct MoeLayerHostWeights {
-  Tensor router;           // [E, H] any float dtype (uploaded as bf16)
-  Tensor correction_bias;  // [E] f32 or undefined
+  Tensor router;           // [Er, H] any float dtype (uploaded as bf16); Er = route.num_experts
+  Tensor correction_bias;  // [Er] f32 or undefined
   Tensor w13;              // F8_E4M3 [E, 2I, H] (bf16 experts: any float dtype)
   Tensor w13_scale;        // F32 [E, 2I/128, ceil(H/128)] (bf16 experts: unused)
   Tensor w2;               // F8_E4M3 [E, H, I] (bf16 experts: any float dtype)
@@ -170,11 +175,33 @@ struct SideStreamScheduling {
   bool pdl_after_side_join = false;
 };
 
+// The transient buffers of MoE layers that run one after another on the same two streams (the
+// layers of one model: a layer's side-stream work joins its main stream before its finalize, and
+// the next layer's kernels come after that finalize), in one allocation as large as the largest
+// layer's plan instead of one per layer. At 8192 tokens per step a Qwen3-30B-A3B layer plans
+// ~1.2 GB and a Kimi-K2.5 NVFP4 layer ~4.9 GB, which private copies per layer multiplied into most
+// of the GPU. Layers reserve their plan at construction (growing the allocation) and look up its
+// address at every forward, so every layer sharing it must be built before the first forward or
+// graph capture of any of them.
+class MoeSharedWorkspace {
+ public:
+  // At least `bytes`; reallocates (contents lost) when it has fewer.
+  void reserve(size_t bytes);
+  void* get() const { return buffer_.get(); }
+  size_t bytes() const { return buffer_.bytes(); }
+
+ private:
+  ::moelora::cuda::DeviceBuffer buffer_;
+};
+
 class MoeLayerCuda {
  public:
-  // Streams must outlive the layer; they are created before any capture.
+  // Streams must outlive the layer; they are created before any capture. `shared_workspace`
+  // (optional; must outlive the layer): the transient buffers go there instead of a private
+  // allocation (MoeSharedWorkspace says when that is safe).
   MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeights& weights,
-               cudaStream_t main_stream, cudaStream_t side_stream);
+               cudaStream_t main_stream, cudaStream_t side_stream,
+               MoeSharedWorkspace* shared_workspace = nullptr);
   ~MoeLayerCuda();
   MoeLayerCuda(const MoeLayerCuda&) = delete;
   MoeLayerCuda& operator=(const MoeLayerCuda&) = delete;
@@ -205,6 +232,7 @@ class MoeLayerCuda {
   uint64_t expert_bytes() const;
   uint64_t router_bytes() const;
   uint64_t shared_bytes() const;
+  // Bytes of the transient buffers' plan (in the shared workspace when one was given).
   size_t workspace_bytes() const;
 
   // Read-only views of the device weights and pool (benchmark baselines and tests).

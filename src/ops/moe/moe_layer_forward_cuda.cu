@@ -38,6 +38,8 @@ const char* gemv_unsupported_reason(const MoeLayerConfig& c, int tokens, bool lo
   if (tokens > kMoeGemvMaxTokens) return "the forward has more than 8 tokens";
   if (c.hidden % 128 != 0 || c.inter % 128 != 0) return "H or I is not a multiple of 128";
   if (c.num_experts > kMoeGemvMaxExperts || c.top_k > kMoeGemvMaxTopK) return "E > 1024 or top_k > 32";
+  if (c.route.num_experts != c.num_experts)
+    return "the layer holds only some experts (expert parallelism)";
   return nullptr;
 }
 
@@ -47,6 +49,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   Impl& m = *impl_;
   const MoeLayerConfig& c = config_;
   const int T = f.tokens, E = c.num_experts, H = c.hidden, I = c.inter, k = c.top_k;
+  // Experts the router scores (all ranks' under expert parallelism): routing statistics such as
+  // the expected pairs per expert (T k / Er, whichever rank holds the expert) use these.
+  const int Er = static_cast<int>(c.route.num_experts);
   MOELORA_CHECK(T > 0 && T <= c.max_tokens, ErrorCode::kInvalidArgument,
                 "MoeLayerCuda::forward: tokens = ", T, " outside [1, max_tokens = ", c.max_tokens,
                 "]");
@@ -61,7 +66,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
 
   // Expert GEMM path: decode sizes take the weight-streaming kernel (FP8 experts).
   const bool decode = gemm_path_ == GemmPath::kDecode || gemm_path_ == GemmPath::kDecodeRegister ||
-                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, E));
+                      (gemm_path_ == GemmPath::kAuto && should_use_decode_gemm(T, k, Er));
   const bool register_decode = decode && gemm_path_ == GemmPath::kDecodeRegister;
   const bool stream = decode && !register_decode && !c.bf16_experts && !c.nvfp4_experts;
   // NVFP4 experts: every forward takes the NVFP4 GEMM, chained by programmatic launch as the FP8
@@ -127,11 +132,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       ra.router.weight = m.w<__nv_bfloat16>(m.router);
       ra.router.hidden = H;
       ra.router.partials = m.x<float>(m.router_partials);
-      ra.router.tickets = m.x<int32_t>(m.router_tickets);
+      ra.router.tickets = m.s<int32_t>(m.router_tickets);
       ra.pdl = true;
     } else if (!ra.logits) {
       gemm_bf16_nt(cublas, m.main, f.x, m.w<__nv_bfloat16>(m.router), m.x<float>(m.logits),
-                   CUDA_R_32F, T, E, H);
+                   CUDA_R_32F, T, Er, H);
       ra.logits = m.x<float>(m.logits);
     }
     ra.correction_bias = m.has_bias ? m.w<float>(m.bias) : nullptr;
@@ -171,7 +176,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g.act = m.x<__nv_bfloat16>(m.a16);
     g.aq = m.x<uint8_t>(m.aq);
     g.sa = m.x<float>(m.sa);
-    g.tickets = m.x<int32_t>(m.gemv_tickets);
+    g.tickets = m.s<int32_t>(m.gemv_tickets);
     g.x = f.x;
     g.w2 = m.w<uint8_t>(m.w2);
     g.w2_scale = m.w<float>(m.w2s);
@@ -196,6 +201,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   aa.max_tokens = T;
   aa.top_k = k;
   aa.num_experts = E;
+  aa.expert_begin = c.expert_begin;
   aa.num_slots = lora ? c.num_slots : 0;
   aa.expert_offsets = offsets;
   aa.sorted_pair = m.x<int32_t>(m.sorted_pair);
@@ -226,7 +232,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // side stream, seam 1 (and the shared expert's gate/up LoRA)
   // Row chunks per segment: a (slot, expert) segment holds about the busiest expert's tokens; a
   // token segment may hold every token (one adapter over a whole prefill).
-  const int expected_expert_rows = std::min(T, 2 * ((T * k + E - 1) / E) + 6);
+  const int expected_expert_rows = std::min(T, 2 * ((T * k + Er - 1) / Er) + 6);
   LoraSegmentsView pair_segments{m.x<int4>(m.segments), m.x<int32_t>(m.num_segments),
                                  aa.max_lora_segments, (expected_expert_rows + 31) / 32};
   LoraSegmentsView token_segments{m.x<int4>(m.token_segments), m.x<int32_t>(m.num_token_segments),
@@ -334,7 +340,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // Expected busiest expert under near-uniform routing; the GEMM kernels loop over more tokens
   // when an expert gets more, so this only picks the fastest instance / grid.
   const int max_active = std::min(E, P);
-  const int max_tokens_per_expert = std::min(T, 2 * ((T * k + E - 1) / E) + 6);
+  const int max_tokens_per_expert = std::min(T, 2 * ((T * k + Er - 1) / Er) + 6);
 
   // 3-5, bf16 experts: GEMM1 gathers bf16 x rows through sorted_token, the activation writes
   // only the bf16 copy, GEMM2 reads it. No FP8 anywhere.
@@ -408,7 +414,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     n1.max_tokens_per_expert = max_tokens_per_expert;
     const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
                          (stream_schedule_ == StreamGemmSchedule::kAuto && !lora);
-    if (claimed) n1.work_counters = m.x<int32_t>(m.gemm_work);
+    if (claimed) n1.work_counters = m.s<int32_t>(m.gemm_work);
     launch_moe_gemm_nvfp4_stream(n1, m.num_sms, /*pdl=*/true, m.main);
   }
 
@@ -467,7 +473,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g1.max_tokens_per_expert = max_tokens_per_expert;
     const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
                          (stream_schedule_ == StreamGemmSchedule::kAuto && !lora);
-    if (stream && claimed) g1.work_counters = m.x<int32_t>(m.gemm_work);
+    if (stream && claimed) g1.work_counters = m.s<int32_t>(m.gemm_work);
     if (epilogue_lora) g1.lora = lora_epilogue(m.gate_up, m.x<float>(m.part1));
     run_gemm(g1);
   }
@@ -530,7 +536,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     n2.out = m.x<__nv_bfloat16>(m.y);
     n2.n = H;
     n2.k = I;
-    if (n1.work_counters) n2.work_counters = m.x<int32_t>(m.gemm_work) + 2;
+    if (n1.work_counters) n2.work_counters = m.s<int32_t>(m.gemm_work) + 2;
     launch_moe_gemm_nvfp4_stream(n2, m.num_sms, /*pdl=*/true, m.main);
   } else if (c.bf16_experts) {
     MoeGemmBf16Args b2 = b1;
@@ -553,7 +559,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g2.n = H;
     g2.k = m.Ip;
     // GEMM2 may claim items while GEMM1 still runs (programmatic launch): its own pair
-    if (g1.work_counters) g2.work_counters = m.x<int32_t>(m.gemm_work) + 2;
+    if (g1.work_counters) g2.work_counters = m.s<int32_t>(m.gemm_work) + 2;
     g2.lora = epilogue_lora ? lora_epilogue(m.down, m.x<float>(m.part2)) : MoeGemmLoraEpilogue{};
     run_gemm(g2);
   }

@@ -67,18 +67,23 @@ struct MoeLayerCuda::Impl {
   ::moelora::cuda::DeviceArena pool;
   moe_layer_internal::PoolTarget gate_up, down, shared_gate_up, shared_down;
 
+  // The transient buffers: planned in `ws`, placed in `shared_ws` when the layer shares one
+  // (MoeSharedWorkspace), else in ws's own allocation. Counters that the kernels leave at zero
+  // between launches must outlive every forward, so they keep their own small arena (`state`).
   ::moelora::cuda::DeviceArena ws;
+  MoeSharedWorkspace* shared_ws = nullptr;
+  ::moelora::cuda::DeviceArena state;
   size_t logits = 0, ids = 0, tw = 0, offsets = 0, sorted_pair = 0, sorted_token = 0, pair_pos = 0,
-         sorted_slot_expert = 0,
-         active = 0, num_active = 0, segments = 0, num_segments = 0, token_sorted = 0,
-         token_pos = 0, token_segments = 0, num_token_segments = 0, xq = 0, sx = 0, h = 0, d1 = 0,
-         a16 = 0, aq = 0, sa = 0, y = 0, d2 = 0, part1 = 0, part2 = 0, sh = 0, sd1 = 0, sa16 = 0,
-         sout = 0, sd2 = 0, spart1 = 0, spart2 = 0, prefill_ws = 0,
+         sorted_slot_expert = 0, active = 0, num_active = 0, segments = 0, num_segments = 0,
+         token_sorted = 0, token_pos = 0, token_segments = 0, num_token_segments = 0, xq = 0,
+         sx = 0, h = 0, d1 = 0, a16 = 0, aq = 0, sa = 0, y = 0, d2 = 0, part1 = 0, part2 = 0,
+         sh = 0, sd1 = 0, sa16 = 0, sout = 0, sd2 = 0, spart1 = 0, spart2 = 0, prefill_ws = 0,
          xh = 0, sxh = 0, ah = 0, sah = 0,  // NVFP4 experts: f16 rows of x / a and their row scales
-         gemm_work = 0,     // [4] int: the stream GEMMs' work counters, GEMM1's pair then GEMM2's
-         gemv_tickets = 0,  // [kMoeGemvMaxTickets] int: the expert GEMV up kernel's per-expert tickets
-         router_partials = 0,  // fp32 partial logits of the router GEMM in the route launch
-         router_tickets = 0;   // [router_route_tickets] int, zero between launches
+      router_partials = 0;  // fp32 partial logits of the router GEMM in the route launch
+  // In `state`:
+  size_t gemm_work = 0,  // [4] int: the stream GEMMs' work counters, GEMM1's pair then GEMM2's
+      gemv_tickets = 0,  // [kMoeGemvMaxTickets] int: the expert GEMV up kernel's per-expert tickets
+      router_tickets = 0;       // [router_route_tickets] int, zero between launches
   int router_route_tokens = 0;  // forwards of up to this many tokens compute the logits in the route launch
   size_t prefill_ws_bytes = 0;
   int max_segments = 0;
@@ -100,7 +105,12 @@ struct MoeLayerCuda::Impl {
   }
   template <typename T>
   T* x(size_t off) const {
+    if (shared_ws) return reinterpret_cast<T*>(static_cast<char*>(shared_ws->get()) + off);
     return ws.at<T>(off);
+  }
+  template <typename T>
+  T* s(size_t off) const {
+    return state.at<T>(off);
   }
 
   LoraPoolTarget view(const moe_layer_internal::PoolTarget& t) const {

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
   for (int b = tid; b < bins; b += kThreads) counts[b] = 0;
   __syncthreads();
   for (int p = tid; p < P; p += kThreads) {
-    const int e = a.topk_ids[p];
+    const int e = a.topk_ids[p] - a.expert_begin;  // -1 (no pair) stays negative
     if (e < 0 || e >= a.num_experts) {
       a.pair_pos[p] = -1;
       continue;
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
   // Scatter. Positions are exact (cursor starts at the bin offset); only the order inside a bin
   // depends on atomic timing.
   for (int p = tid; p < P; p += kThreads) {
-    const int e = a.topk_ids[p];
+    const int e = a.topk_ids[p] - a.expert_begin;
     if (e < 0 || e >= a.num_experts) continue;
     const int s = a.slot ? a.slot[p / a.top_k] : -1;
     const int pos = atomicAdd(&cursor[e * S1 + (s + 1)], 1);
@@ -189,8 +189,9 @@ void launch_moe_align(const MoeAlignDeviceArgs& a, cudaStream_t stream) {
   MOELORA_CHECK(a.topk_ids && a.expert_offsets && a.sorted_pair && a.sorted_token && a.pair_pos &&
                     a.active_experts && a.num_active,
                 ErrorCode::kInvalidArgument, "moe_align: a required device pointer is null");
-  MOELORA_CHECK(a.num_experts > 0 && a.top_k > 0 && a.num_slots >= 0, ErrorCode::kInvalidArgument,
-                "moe_align: E = ", a.num_experts, ", k = ", a.top_k, ", S = ", a.num_slots);
+  MOELORA_CHECK(a.num_experts > 0 && a.top_k > 0 && a.num_slots >= 0 && a.expert_begin >= 0,
+                ErrorCode::kInvalidArgument, "moe_align: E = ", a.num_experts, ", k = ", a.top_k,
+                ", S = ", a.num_slots, ", expert_begin = ", a.expert_begin);
   const size_t smem = moe_align_smem_bytes(a.num_experts, a.num_slots);
   MOELORA_CHECK(smem <= 200 * 1024, ErrorCode::kUnsupported, "moe_align: E * (S + 1) = ",
                 a.num_experts * (a.num_slots + 1), " bins need ", smem, " bytes of shared memory; at most 200 KB");

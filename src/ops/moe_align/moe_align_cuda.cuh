@@ -17,6 +17,10 @@ struct MoeAlignDeviceArgs {
   int max_tokens = 0;                 // T
   int top_k = 0;
   int num_experts = 0;  // E
+  // Expert parallelism: topk_ids are ids among all the router's experts and this launch aligns
+  // experts [expert_begin, expert_begin + E) as 0 .. E-1; pairs routed to any other expert are
+  // dropped like pairs without one (pair_pos -1): another rank computes them. 0 otherwise.
+  int expert_begin = 0;
   int num_slots = 0;    // S
   int32_t* expert_offsets = nullptr;  // [E + 1]
   int32_t* sorted_pair = nullptr;     // [T * k]
