@@ -69,6 +69,8 @@ std::unique_ptr<dist::SocketGroup> join(const ParallelArgs& a, const EngineOptio
   g.address = dist::parse_host_port(a.dist_init_addr, "--dist-init-addr");
   g.listen_fd = a.dist_listen_fd;
   g.join_timeout = join_timeout(a);
+  g.collective_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(a.dist_collective_timeout_s * 1000.0));
   g.fingerprint = fingerprint(a, o);
   return dist::SocketGroup::join(g);
 }
@@ -101,6 +103,10 @@ void add_parallel_options(CLI::App& app, ParallelArgs& a) {
   app.add_option("--dist-timeout", a.dist_timeout_s,
                  "seconds to wait for every rank to join and load its share before giving up")
       ->capture_default_str();
+  app.add_option("--dist-collective-timeout", a.dist_collective_timeout_s,
+                 "seconds a rank waits for the others at a collective (an all-reduce of a step) "
+                 "before the group is aborted, naming the late rank")
+      ->capture_default_str();
   // Set by the launcher on the processes it starts.
   app.add_option("--dist-rank", a.dist_rank, "")->group("");
   app.add_option("--dist-listen-fd", a.dist_listen_fd, "")->group("");
@@ -124,6 +130,9 @@ void check_parallel_args(const ParallelArgs& a, const std::string& device) {
   if (!a.dist_init_addr.empty()) (void)dist::parse_host_port(a.dist_init_addr, "--dist-init-addr");
   MOELORA_CHECK(a.dist_timeout_s > 0 && a.dist_timeout_s <= 86400, ErrorCode::kInvalidArgument,
                 "--dist-timeout ", a.dist_timeout_s, " must be in (0, 86400] seconds");
+  MOELORA_CHECK(a.dist_collective_timeout_s > 0 && a.dist_collective_timeout_s <= 86400,
+                ErrorCode::kInvalidArgument, "--dist-collective-timeout ",
+                a.dist_collective_timeout_s, " must be in (0, 86400] seconds");
   MOELORA_CHECK(!(a.dp_attention && a.tp == 1), ErrorCode::kInvalidArgument,
                 "--dp-attention needs --tp > 1");
   MOELORA_CHECK(!a.moe_dispatch || a.dp_attention, ErrorCode::kInvalidArgument,

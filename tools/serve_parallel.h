@@ -22,6 +22,7 @@ struct ParallelArgs {
   int node_rank = 0;
   std::string dist_init_addr;  // HOST:PORT of rank 0's rendezvous; default 127.0.0.1:any
   double dist_timeout_s = 300;
+  double dist_collective_timeout_s = 60;  // SocketGroupOptions::collective_timeout
   // Set by the launcher on the processes it starts.
   int dist_rank = -1;
   int dist_listen_fd = -1;

@@ -64,6 +64,20 @@ uint64_t RankShard::state_bytes() const {
   return bytes;
 }
 
+uint64_t RankShard::job_kv_bytes() const {
+  uint64_t positions = 0;
+  for (const auto& [handle, seq] : sequences_) positions += static_cast<uint64_t>(seq.length());
+  return positions * sharded_->cache_bytes_per_position() *
+         static_cast<uint64_t>(sharded_->ranks_per_sequence());
+}
+
+uint64_t RankShard::job_state_bytes() const {
+  uint64_t started = 0;  // a sequence's states exist once it has run
+  for (const auto& [handle, seq] : sequences_) started += seq.length() > 0 ? 1 : 0;
+  return started * sharded_->state_bytes_per_sequence() *
+         static_cast<uint64_t>(sharded_->ranks_per_sequence());
+}
+
 std::vector<Tensor> RankShard::forward(std::span<const BatchEntry> batch, Communicator& comm) {
   std::vector<ShardedSequence*> sequences;
   std::vector<std::vector<int32_t>> tokens;

@@ -46,6 +46,10 @@ class RankShard {
   // This rank's share of the live sequences' attention caches and linear-attention states.
   uint64_t kv_bytes() const;
   uint64_t state_bytes() const;
+  // The same over every rank of the job: each live sequence as each rank that attends it holds
+  // it (ShardedModel::ranks_per_sequence), from the lengths every rank tracks.
+  uint64_t job_kv_bytes() const;
+  uint64_t job_state_bytes() const;
 
  private:
   std::unique_ptr<model::Model> model_;
@@ -74,10 +78,10 @@ class ShardedExecutor final : public runtime::Executor {
   void free_sequence(runtime::SequenceHandle sequence) override;
   int64_t sequence_length(runtime::SequenceHandle sequence) const override;
   int64_t live_sequences() const override { return static_cast<int64_t>(live_.size()); }
-  // Rank 0's share of the caches: its heads of every sequence, or under data-parallel attention
-  // the whole caches of the sequences it attends (then 0 while it attends none).
-  uint64_t cache_bytes() const override { return shard_.kv_bytes(); }
-  uint64_t state_bytes() const override { return shard_.state_bytes(); }
+  // The job's caches and states over all ranks (what /metrics reports): rank 0 computes them from
+  // the sequences' lengths, which every rank tracks, without asking the workers.
+  uint64_t cache_bytes() const override { return shard_.job_kv_bytes(); }
+  uint64_t state_bytes() const override { return shard_.job_state_bytes(); }
 
   std::vector<Tensor> forward(std::span<const runtime::BatchEntry> batch) override;
   runtime::ExecutorCounters counters() const override { return counters_; }

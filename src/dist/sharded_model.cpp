@@ -217,6 +217,32 @@ uint64_t ShardedSequence::state_bytes() const {
   return bytes;
 }
 
+uint64_t ShardedModel::cache_bytes_per_position() const {
+  uint64_t floats = 0;
+  for (const Layer& layer : layers_) {
+    if (layer.is_linear_attention) continue;
+    if (model_.config().use_mla) {  // k_nope and v of the held heads, the shared k_rope
+      const ops::MlaDims& d = layer.mla.dims;
+      floats += static_cast<uint64_t>(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim) +
+                                      d.qk_rope_head_dim);
+    } else {  // K and V of the held KV heads
+      floats += static_cast<uint64_t>(2 * layer.attention.num_kv_heads * layer.attention.head_dim);
+    }
+  }
+  return floats * sizeof(float);
+}
+
+uint64_t ShardedModel::state_bytes_per_sequence() const {
+  uint64_t floats = 0;
+  for (const Layer& layer : layers_) {
+    if (!layer.is_linear_attention) continue;
+    const ops::GdnShape& s = layer.gdn.shape;
+    floats += static_cast<uint64_t>(s.conv_dim() * (s.conv_kernel - 1) +
+                                    s.num_v_heads * s.head_k_dim * s.head_v_dim);
+  }
+  return floats * sizeof(float);
+}
+
 ShardedSequence ShardedModel::new_sequence(int32_t slot, int owner) const {
   // The slots cut, not the AdapterSet's count: a slot grown by resize has no cut until
   // refresh_slot.

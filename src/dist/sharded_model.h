@@ -86,6 +86,20 @@ class ShardedModel {
   ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options = {});
 
   ShardSpec shard() const { return shard_; }
+  const ShardedModelOptions& options() const { return options_; }
+
+  // What one sequence holds on each rank that attends it (every rank under tensor-parallel
+  // attention, its owner under data parallelism), fp32 as ShardedSequence keeps it: the attention
+  // caches per position (this rank's heads: under tensor parallelism every rank holds as many,
+  // replicated KV heads included) and the linear-attention states. A live sequence of n positions
+  // on such a rank holds kv_bytes() = n * cache_bytes_per_position() and state_bytes() =
+  // state_bytes_per_sequence() (once it has run).
+  uint64_t cache_bytes_per_position() const;
+  uint64_t state_bytes_per_sequence() const;
+  // Ranks that hold a sequence's caches: all of them, or its owner alone (data parallelism).
+  int ranks_per_sequence() const {
+    return options_.attention == AttentionSplit::kDataParallel ? 1 : shard_.size;
+  }
   // The adapter slots cut so far (model.adapters().size() at construction or the last
   // refresh_slot).
   int32_t num_slots() const { return num_slots_; }

@@ -132,9 +132,11 @@ std::vector<std::string> run_sharded(const fs::path& base, int ranks,
   return errors;
 }
 
+// kv_copies: how many copies of each KV head the ranks hold together (2 when 4 ranks share a
+// model's 2 KV heads, each holding the one of its query heads; 1 when the heads divide).
 void expect_script_matches_cpu(const std::string& name, const std::string& adapter0,
                                const std::string& adapter1, int ranks,
-                               const ShardedModelOptions& options) {
+                               const ShardedModelOptions& options, int kv_copies = 1) {
   const fs::path base = fixture(name) / "base";
   std::unique_ptr<model::Model> reference_model = load_quiet(base);
   const io::ModelConfig config = reference_model->config();
@@ -144,6 +146,7 @@ void expect_script_matches_cpu(const std::string& name, const std::string& adapt
   runtime::CpuExecutor cpu(std::move(*reference_model), kLimits);
   std::vector<std::vector<int32_t>> chosen;
   const std::vector<Tensor> expected = run_script(cpu, adapters, chosen, true);
+  const uint64_t cpu_cache = cpu.cache_bytes(), cpu_state = cpu.state_bytes();
 
   std::vector<Tensor> got;
   const std::vector<std::string> errors =
@@ -151,8 +154,11 @@ void expect_script_matches_cpu(const std::string& name, const std::string& adapt
         std::vector<std::vector<int32_t>> replay = chosen;
         got = run_script(ex, adapters, replay, false);
         EXPECT_EQ(ex.live_sequences(), 2);
-        // Rank 0's share of the two live sequences' caches (and states, for Gated DeltaNet).
-        EXPECT_GT(ex.cache_bytes(), 0u);
+        // The job's caches over all ranks, as the single executor holds them (the KV heads that
+        // several ranks hold counted on each), and the Gated DeltaNet states (Qwen3.5 only).
+        EXPECT_GT(cpu_cache, 0u);
+        EXPECT_EQ(ex.cache_bytes(), cpu_cache * static_cast<uint64_t>(kv_copies));
+        EXPECT_EQ(ex.state_bytes(), cpu_state);
         EXPECT_EQ(ex.state_bytes() > 0, name == "qwen3_5_moe");
       });
   for (int r = 0; r < ranks; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
@@ -163,7 +169,8 @@ void expect_script_matches_cpu(const std::string& name, const std::string& adapt
 
 TEST(DistShardedExecutor, Qwen3MoeScriptEqualsTheCpuExecutor) {
   expect_script_matches_cpu("qwen3_moe", "lora_peft3d", "lora_per_expert", 2, {});
-  expect_script_matches_cpu("qwen3_moe", "lora_peft3d", "lora_shared_outer", 4, {});
+  expect_script_matches_cpu("qwen3_moe", "lora_peft3d", "lora_shared_outer", 4, {},
+                            /*kv_copies=*/2);
 }
 
 TEST(DistShardedExecutor, DeepSeekV3WithDataParallelAttentionEqualsTheCpuExecutor) {

@@ -255,6 +255,8 @@ TEST(ServeParallelCli, BadParallelFlagsAreRefusedNamingTheFlag) {
        "--dist-init-addr 'nowhere' is not HOST:PORT"},
       {"--device cpu --dp-attention", "--dp-attention needs --tp > 1"},
       {"--device cpu --tp 2 --moe-dispatch", "--moe-dispatch needs --dp-attention"},
+      {"--device cpu --tp 2 --dist-collective-timeout 0",
+       "--dist-collective-timeout 0 must be in (0, 86400] seconds"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
