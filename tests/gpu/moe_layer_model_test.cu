@@ -1,0 +1,243 @@
+// Sm90 MoeLayerCuda as a model uses it: the layers of one model sharing one workspace
+// (MoeSharedWorkspace), one rank's experts of an expert-parallel layer (expert_begin: two halves
+// summed against the whole layer), and the engine's side-stream schedule with the activation and
+// finalize launched programmatically after the LoRA events; each against layers built alone or
+// the plain schedule, bit for bit where the arithmetic is the same.
+#include <gtest/gtest.h>
+
+#include "gpu/moe_layer_fixture.cuh"
+
+namespace moelora {
+namespace {
+
+using namespace moe_layer_test;
+
+// The activation and finalize launched programmatically after the side stream's LoRA events
+// (SideStreamScheduling::pdl_after_side_join): the same bits as plain launches after them, eagerly
+// and in graph replays, with and without a shared expert (whose cuBLAS kernels keep the finalize
+// a plain launch), one adapter and two.
+TEST_F(Sm90_MoeLayer, ProgrammaticLaunchesAfterTheSideStreamEventsAreBitEqual) {
+  for (const int shared_inter : {0, 128}) {
+    SCOPED_TRACE("shared_inter " + std::to_string(shared_inter));
+    std::mt19937_64 rng(test::test_seed(509 + shared_inter));
+    const int H = 256, T = 16;
+    auto lf = make_layer(H, 128, 8, 2, shared_inter, shared_inter > 0, RouterKind::kSoftmaxTopK, T,
+                         2, 16, rng);
+    ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+    auto a0 = make_adapter(lf, 16, false, rng), a1 = make_adapter(lf, 8, true, rng);
+    layer.set_adapter(0, a0.gpu());
+    layer.set_adapter(1, a1.gpu());
+    Tensor x = bf16_round(test::random_normal({T, H}, rng));
+    Tensor logits = test::random_normal({T, 8}, rng, 3.0f);
+    for (const std::vector<int32_t>& slots :
+         {std::vector<int32_t>(T, 0),
+          std::vector<int32_t>{0, -1, 1, 1, -1, 0, 0, 1, -1, -1, 1, 0, 0, 0, 1, -1}}) {
+      layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{});
+      const Tensor plain = run(layer, x, slots, logits);
+      ops::cuda::SideStreamScheduling programmatic;
+      programmatic.pdl_after_side_join = true;
+      layer.set_side_stream_scheduling(programmatic);
+      EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0) << "eager";
+      programmatic.seam1_after_quant = true;
+      layer.set_side_stream_scheduling(programmatic);
+      EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0)
+          << "eager, seam 1 after the quant";
+      auto x_d = cuda::to_device(x.to(DType::kBF16));
+      auto l_d = cuda::to_device(logits);
+      auto s_d = upload_vector(slots);
+      cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
+      ops::cuda::MoeForwardArgs f;
+      f.x = x_d.as<__nv_bfloat16>();
+      f.slot = s_d.as<int32_t>();
+      f.router_logits = l_d.as<float>();
+      f.tokens = T;
+      f.lora = true;
+      f.out = out.as<__nv_bfloat16>();
+      cudaGraphExec_t exec = capture([&] { layer.forward(f); });
+      for (int replay = 0; replay < 3; ++replay) {
+        out.zero();
+        MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+        main_->synchronize();
+        EXPECT_EQ(test::max_abs_diff(cuda::to_host(out, DType::kBF16, {T, H}).to_f32(), plain), 0.0)
+            << "graph replay " << replay;
+      }
+      MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    }
+  }
+}
+
+// Layers of different shapes sharing one MoeSharedWorkspace (as a model's layers do) give the
+// same bits as layers with private workspaces: run alternately, each layer's output from the
+// shared one equals its private twin's, eagerly and in one captured graph of both layers in turn;
+// their zeroed counters (route tickets, GEMM work counters) stay per layer, so a layer that runs
+// after another one of a different plan still finds them at zero.
+TEST_F(Sm90_MoeLayer, LayersSharingOneWorkspaceEqualLayersWithTheirOwn) {
+  std::mt19937_64 rng(test::test_seed(517));
+  const int T = 24;
+  auto small = make_layer(256, 128, 8, 2, 128, true, RouterKind::kSoftmaxTopK, T, 2, 16, rng);
+  auto large = make_layer(384, 256, 16, 4, 0, false, RouterKind::kSigmoidNoauxTc, T, 2, 16, rng);
+  ops::cuda::MoeSharedWorkspace shared;
+  ops::cuda::MoeLayerCuda small_own(small.config, small.host, main_->get(), side_->get());
+  ops::cuda::MoeLayerCuda large_own(large.config, large.host, main_->get(), side_->get());
+  ops::cuda::MoeLayerCuda small_shared(small.config, small.host, main_->get(), side_->get(),
+                                       &shared);
+  ops::cuda::MoeLayerCuda large_shared(large.config, large.host, main_->get(), side_->get(),
+                                       &shared);
+  EXPECT_EQ(shared.bytes(), std::max(small_own.workspace_bytes(), large_own.workspace_bytes()))
+      << "the shared workspace is as large as the larger plan";
+  auto small_adapter = make_adapter(small, 16, false, rng);
+  auto large_adapter = make_adapter(large, 8, true, rng);
+  for (auto* layer : {&small_own, &small_shared}) layer->set_adapter(1, small_adapter.gpu());
+  for (auto* layer : {&large_own, &large_shared}) layer->set_adapter(1, large_adapter.gpu());
+  std::vector<int32_t> slots(T, -1);
+  for (int t = 0; t < T; t += 3) slots[t] = 1;
+  const Tensor xs = bf16_round(test::random_normal({T, 256}, rng));
+  const Tensor xl = bf16_round(test::random_normal({T, 384}, rng));
+  // Routing from the layers' own routers (no logits given): the route tickets are exercised.
+  const Tensor small_ref = run(small_own, xs, slots, Tensor());
+  const Tensor large_ref = run(large_own, xl, slots, Tensor());
+  for (int round = 0; round < 2; ++round) {
+    EXPECT_EQ(test::max_abs_diff(run(small_shared, xs, slots, Tensor()), small_ref), 0.0)
+        << "round " << round;
+    EXPECT_EQ(test::max_abs_diff(run(large_shared, xl, slots, Tensor()), large_ref), 0.0)
+        << "round " << round;
+  }
+  // One graph: the small layer, then the large one, then the small one again (all on the shared
+  // workspace), replayed twice.
+  auto xs_d = cuda::to_device(xs.to(DType::kBF16));
+  auto xl_d = cuda::to_device(xl.to(DType::kBF16));
+  auto s_d = upload_vector(slots);
+  cuda::DeviceBuffer out_s1(static_cast<size_t>(T) * 256 * 2),
+      out_l(static_cast<size_t>(T) * 384 * 2), out_s2(static_cast<size_t>(T) * 256 * 2);
+  auto args = [&](const cuda::DeviceBuffer& x, cuda::DeviceBuffer& out) {
+    ops::cuda::MoeForwardArgs f;
+    f.x = x.as<__nv_bfloat16>();
+    f.slot = s_d.as<int32_t>();
+    f.tokens = T;
+    f.lora = true;
+    f.out = out.as<__nv_bfloat16>();
+    return f;
+  };
+  cudaGraphExec_t exec = capture([&] {
+    small_shared.forward(args(xs_d, out_s1));
+    large_shared.forward(args(xl_d, out_l));
+    small_shared.forward(args(xs_d, out_s2));
+  });
+  for (int replay = 0; replay < 2; ++replay) {
+    MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+    main_->synchronize();
+    EXPECT_EQ(test::max_abs_diff(cuda::to_host(out_s1, DType::kBF16, {T, 256}).to_f32(), small_ref),
+              0.0);
+    EXPECT_EQ(test::max_abs_diff(cuda::to_host(out_l, DType::kBF16, {T, 384}).to_f32(), large_ref),
+              0.0);
+    EXPECT_EQ(test::max_abs_diff(cuda::to_host(out_s2, DType::kBF16, {T, 256}).to_f32(), small_ref),
+              0.0);
+  }
+  MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+}
+
+// Expert parallelism on one device: the 16 experts of a layer split over two layers that each
+// hold 8 (expert_begin 0 / 8, the router scoring all 16, the shared expert on the first only).
+// The two outputs summed equal the whole layer's within bf16 rounding (each expert's rows come out
+// of the same kernels on the same inputs) and the reference's within its tolerance; a token whose
+// experts all live on one half gets exactly zero from the other. Both adapter layouts (per-expert
+// and shared-outer factors, the per-expert ones cut to each half's experts), decode and prefill
+// GEMM paths.
+TEST_F(Sm90_MoeLayer, ExpertParallelHalvesSumToTheWholeLayer) {
+  std::mt19937_64 rng(test::test_seed(523));
+  const int H = 256, I = 128, E = 16, k = 4, Is = 128, T = 16, half = E / 2;
+  auto lf = make_layer(H, I, E, k, Is, true, RouterKind::kSoftmaxTopK, T, 2, 16, rng);
+  std::vector<HostAdapter> adapters = {make_adapter(lf, 16, false, rng),
+                                       make_adapter(lf, 8, true, rng)};
+  ops::cuda::MoeLayerCuda whole(lf.config, lf.host, main_->get(), side_->get());
+  for (int s = 0; s < 2; ++s) whole.set_adapter(s, adapters[s].gpu());
+  // The experts [begin, begin + half) of a per-expert factor (extent E), or the factor as it is.
+  auto cut = [&](const Tensor& t, int begin) {
+    return t.dim(0) == E ? t.slice0(begin, begin + half).clone() : t;
+  };
+  std::vector<std::unique_ptr<ops::cuda::MoeLayerCuda>> halves;
+  std::vector<std::vector<HostAdapter>> half_adapters(2);
+  for (int r = 0; r < 2; ++r) {
+    const int begin = r * half;
+    ops::cuda::MoeLayerConfig c = lf.config;
+    c.num_experts = half;
+    c.expert_begin = begin;
+    c.shared_inter = r == 0 ? Is : 0;
+    c.shared_gate = r == 0 && lf.config.shared_gate;
+    ops::cuda::MoeLayerHostWeights w = lf.host;
+    w.w13 = cut(lf.host.w13, begin);
+    w.w13_scale = cut(lf.host.w13_scale, begin);
+    w.w2 = cut(lf.host.w2, begin);
+    w.w2_scale = cut(lf.host.w2_scale, begin);
+    if (r != 0) w.shared_w13 = w.shared_w2 = w.shared_gate = Tensor();
+    halves.push_back(std::make_unique<ops::cuda::MoeLayerCuda>(c, w, main_->get(), side_->get()));
+    for (int s = 0; s < 2; ++s) {
+      HostAdapter a;
+      a.gate_up = {cut(adapters[s].gate_up.a, begin), cut(adapters[s].gate_up.b, begin),
+                   adapters[s].gate_up.scaling};
+      a.down = {cut(adapters[s].down.a, begin), cut(adapters[s].down.b, begin),
+                adapters[s].down.scaling};
+      if (r == 0) {
+        a.shared_gate = adapters[s].shared_gate;
+        a.shared_up = adapters[s].shared_up;
+        a.shared_down = adapters[s].shared_down;
+      }
+      half_adapters[r].push_back(std::move(a));
+    }
+    for (int s = 0; s < 2; ++s) {
+      const HostAdapter& a = half_adapters[r][static_cast<size_t>(s)];
+      ops::cuda::MoeLayerAdapter g = a.gpu();
+      if (r != 0) g.shared_gate = g.shared_up = g.shared_down = nullptr;
+      halves.back()->set_adapter(s, g);
+    }
+  }
+  EXPECT_EQ(halves[1]->router_bytes(), whole.router_bytes()) << "each half keeps the whole router";
+  const Tensor x = bf16_round(test::random_normal({T, H}, rng));
+  const Tensor logits = test::random_normal({T, E}, rng, 3.0f);
+  const std::vector<int32_t> slots = {0, -1, 1, 0, 0, -1, 1, 1, -1, 0, 1, -1, 0, 0, 1, -1};
+  // Which half each token's experts are on (the softmax top-k is the k largest logits).
+  std::vector<std::array<bool, 2>> uses(T, {false, false});
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+      return logits.item_f32(t * E + a) > logits.item_f32(t * E + b);
+    });
+    for (int j = 0; j < k; ++j) uses[t][static_cast<size_t>(order[j] / half)] = true;
+  }
+  for (const auto path : {ops::cuda::GemmPath::kDecode, ops::cuda::GemmPath::kPrefill}) {
+    SCOPED_TRACE(path == ops::cuda::GemmPath::kDecode ? "decode GEMMs" : "prefill GEMMs");
+    whole.set_gemm_path(path);
+    const Tensor want = run(whole, x, slots, logits);
+    Tensor sum = Tensor::zeros(DType::kF32, {T, H});
+    for (int r = 0; r < 2; ++r) {
+      halves[static_cast<size_t>(r)]->set_gemm_path(path);
+      const Tensor part = run(*halves[static_cast<size_t>(r)], x, slots, logits);
+      for (int t = 0; t < T; ++t) {
+        if (r == 1 && !uses[t][1]) {  // nothing routed to this half and no shared expert here
+          for (int c = 0; c < H; ++c) ASSERT_EQ(part.item_f32(t * H + c), 0.0f) << "token " << t;
+        }
+        for (int c = 0; c < H; ++c) sum.data<float>()[t * H + c] += part.item_f32(t * H + c);
+      }
+    }
+    for (int t = 0; t < T; ++t) EXPECT_LT(row_rel_error(sum, want, t), 0.01) << "token " << t;
+    std::vector<ops::MoeLoraRef> refs = {adapters[0].ref(), adapters[1].ref()};
+    check_rows(sum, x, slots, lf, refs, logits);
+  }
+  // A layer whose experts are not among the router's is refused, naming them.
+  ops::cuda::MoeLayerConfig bad = lf.config;
+  bad.num_experts = half;
+  bad.expert_begin = E - half + 1;
+  ops::cuda::MoeLayerHostWeights w = lf.host;
+  w.w13 = cut(lf.host.w13, 0);
+  w.w13_scale = cut(lf.host.w13_scale, 0);
+  w.w2 = cut(lf.host.w2, 0);
+  w.w2_scale = cut(lf.host.w2_scale, 0);
+  const std::string msg = test::error_message(
+      [&] { ops::cuda::MoeLayerCuda layer(bad, w, main_->get(), side_->get()); },
+      ErrorCode::kInvalidArgument);
+  EXPECT_TRUE(test::contains(msg, "experts [9, 17) are not among the router's 16")) << msg;
+}
+
+}  // namespace
+}  // namespace moelora
