@@ -52,18 +52,6 @@ int64_t RankShard::sequence_length(SequenceHandle handle) const {
   return it == sequences_.end() ? 0 : it->second.length();
 }
 
-uint64_t RankShard::kv_bytes() const {
-  uint64_t bytes = 0;
-  for (const auto& [handle, seq] : sequences_) bytes += seq.kv_bytes();
-  return bytes;
-}
-
-uint64_t RankShard::state_bytes() const {
-  uint64_t bytes = 0;
-  for (const auto& [handle, seq] : sequences_) bytes += seq.state_bytes();
-  return bytes;
-}
-
 uint64_t RankShard::job_kv_bytes() const {
   uint64_t positions = 0;
   for (const auto& [handle, seq] : sequences_) positions += static_cast<uint64_t>(seq.length());

@@ -43,11 +43,9 @@ class RankShard {
   std::vector<Tensor> forward(std::span<const runtime::BatchEntry> batch, Communicator& comm);
   int64_t sequence_length(runtime::SequenceHandle handle) const;
   bool occupied(int32_t slot) const { return model_->adapters().occupied(slot); }
-  // This rank's share of the live sequences' attention caches and linear-attention states.
-  uint64_t kv_bytes() const;
-  uint64_t state_bytes() const;
-  // The same over every rank of the job: each live sequence as each rank that attends it holds
-  // it (ShardedModel::ranks_per_sequence), from the lengths every rank tracks.
+  // The live sequences' attention caches and linear-attention states over every rank of the job:
+  // each sequence as each rank that attends it holds it (ShardedModel::ranks_per_sequence), from
+  // the lengths every rank tracks.
   uint64_t job_kv_bytes() const;
   uint64_t job_state_bytes() const;
 

@@ -86,8 +86,6 @@ class ShardedModel {
   ShardedModel(const model::Model& model, ShardSpec shard, const ShardedModelOptions& options = {});
 
   ShardSpec shard() const { return shard_; }
-  const ShardedModelOptions& options() const { return options_; }
-
   // What one sequence holds on each rank that attends it (every rank under tensor-parallel
   // attention, its owner under data parallelism), fp32 as ShardedSequence keeps it: the attention
   // caches per position (this rank's heads: under tensor parallelism every rank holds as many,
