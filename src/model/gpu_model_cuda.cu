@@ -194,8 +194,10 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
     } else {
       gqa_attention(shape, layer, static_cast<int64_t>(l));
     }
+    reduce_branch(shape);
     branch_norm(shape, layer.post_norm);
     ffn(shape, layer);
+    reduce_branch(shape);
   }
   if (branch_delta_pending_) {  // a dense last layer's down_proj: add its delta before the head
     ops::cuda::AddRowsArgs add;

@@ -31,6 +31,7 @@
 #include <memory>
 #include <string>
 
+#include "core/device_collectives.h"
 #include "core/tensor.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
@@ -74,6 +75,13 @@ struct GpuModelOptions {
   // align, and the activation / finalize launched programmatically after their LoRA events.
   bool moe_seam1_after_quant = false;
   bool moe_pdl_after_side_join = false;
+  // Tensor / expert parallelism: this model is rank collectives->rank() of collectives->size(), its
+  // config and weights that rank's share (dist::shard_checkpoint: the rank's heads, intermediate
+  // channels and routed experts [r E / n, (r + 1) E / n) of the config's num_experts), and the
+  // group sums the partial outputs of each attention and FFN half (one all-reduce of [T, H] bf16
+  // each, on the main stream, LoRA deltas included). Adapters must be cut alike
+  // (dist::shard_adapter). nullptr: the whole model on one GPU. Not owned; outlives the model.
+  DeviceCollectives* collectives = nullptr;
 };
 
 // Per-step device metadata (all owned by the model; sizes from GpuModelLimits). The host mirror

@@ -10,9 +10,10 @@ ops::cuda::MoeLayerConfig GpuModelImpl::moe_config(const Layer& layer, bool shar
   mc.hidden = hidden_;
   mc.inter = layer.moe_inter;
   mc.num_experts = layer.experts;
+  mc.expert_begin = layer.expert_begin;
   mc.top_k = static_cast<int>(config_.num_experts_per_tok);
   mc.route.kind = config_.router;
-  mc.route.num_experts = layer.experts;
+  mc.route.num_experts = static_cast<int>(config_.num_experts);
   mc.route.top_k = config_.num_experts_per_tok;
   mc.route.renormalize = config_.norm_topk_prob;
   mc.route.n_group = config_.n_group;
@@ -25,6 +26,36 @@ ops::cuda::MoeLayerConfig GpuModelImpl::moe_config(const Layer& layer, bool shar
   mc.max_rank = limits_.num_slots > 0 ? limits_.max_rank : 0;
   mc.per_expert_pool = true;
   return mc;
+}
+
+void GpuModelImpl::set_local_experts(Layer& layer, int64_t held) const {
+  const int ranks = options_.collectives ? options_.collectives->size() : 1;
+  const int rank = options_.collectives ? options_.collectives->rank() : 0;
+  const int64_t E = config_.num_experts;
+  MOELORA_CHECK(E > 0 && E % ranks == 0 && held == E / ranks, ErrorCode::kInvalidArgument,
+                "GpuModel: rank ", rank, " of ", ranks, " holds ", held, " routed experts of ", E,
+                "; expected ", ranks > 0 ? E / ranks : 0,
+                " (cut the checkpoint with dist::shard_checkpoint for this group)");
+  layer.experts = static_cast<int>(held);
+  layer.expert_begin = static_cast<int>(held * rank);
+}
+
+void GpuModelImpl::reduce_branch(const ForwardShape& shape) {
+  if (options_.collectives == nullptr || options_.collectives->size() == 1) return;
+  cudaStream_t main = main_.get();
+  if (branch_delta_pending_) {  // the projection's LoRA delta is a partial sum too
+    ops::cuda::AddRowsArgs add;
+    add.y = branch_;
+    add.delta = branch_delta_;
+    add.row_slot = device_step_.token_slot;
+    add.tokens = shape.tokens;
+    add.num_tokens = device_step_.num_tokens;
+    add.cols = hidden_;
+    ops::cuda::launch_add_rows(add, main);
+    branch_delta_pending_ = false;
+  }
+  options_.collectives->all_reduce_sum(branch_, static_cast<size_t>(shape.tokens) * hidden_,
+                                       DType::kBF16, main);
 }
 
 void GpuModelImpl::ffn(const ForwardShape& shape, const Layer& layer) {

@@ -144,7 +144,9 @@ struct Layer {
   int inter = 0;
   // MoE
   std::unique_ptr<ops::cuda::MoeLayerCuda> moe;
-  int experts = 0, moe_inter = 0, shared_inter = 0;
+  // experts: the routed experts this model holds, [expert_begin, expert_begin + experts) of the
+  // config's num_experts (all of them unless expert parallel)
+  int experts = 0, expert_begin = 0, moe_inter = 0, shared_inter = 0;
   // LoRA pools of the dense targets (present() only for targets this layer has, slots > 0)
   std::array<DenseLoraPool, kNumDenseTargets> lora;
 };
@@ -383,6 +385,14 @@ class GpuModelImpl final : public GpuModel {
   void mla_attention(const ForwardShape& shape, const Layer& layer, int64_t l);
 
   void ffn(const ForwardShape& shape, const Layer& layer);
+
+  // Tensor / expert parallel models: branch_ (the half-layer's partial output, its pending LoRA
+  // delta added first) summed over the group; a no-op on one GPU.
+  void reduce_branch(const ForwardShape& shape);
+  // The routed experts this rank holds of a layer's num_routed (GpuModelOptions::collectives):
+  // sets layer.experts and layer.expert_begin; kInvalidArgument when the ranks do not divide them
+  // or a checkpoint's share holds another count.
+  void set_local_experts(Layer& layer, int64_t held) const;
 
   // Writes one adapter factor pair into `slot` of a dense pool (rank tail zero); null = rank 0.
   void write_dense_pool(const DenseLoraPool& pool, int32_t slot, const LoraFactors* f,

@@ -158,7 +158,8 @@ void GpuModelImpl::randomize(uint64_t seed, bool fp8_experts) {
       layer.gate_up = linear(2 * config_.intermediate_size, H);
       layer.down = linear(H, config_.intermediate_size);
     } else {
-      layer.experts = static_cast<int>(config_.num_experts);
+      const int ranks = options_.collectives ? options_.collectives->size() : 1;
+      set_local_experts(layer, config_.num_experts / std::max(ranks, 1));
       layer.moe_inter = static_cast<int>(config_.moe_intermediate_size);
       layer.shared_inter = static_cast<int>(config_.shared_expert_intermediate_size);
       ops::cuda::MoeLayerConfig mc = moe_config(layer, config_.shared_expert_gate);
@@ -313,7 +314,7 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
                 ErrorCode::kInvalidArgument, "GpuModel: ", where,
                 "expert weight lists do not hold ", E, " experts");
   const int64_t I = ex.gate[0].out_features;
-  layer.experts = static_cast<int>(E);
+  set_local_experts(layer, E);
   layer.moe_inter = static_cast<int>(I);
   layer.shared_inter =
       src.shared_expert.defined() ? static_cast<int>(src.shared_expert.gate.out_features) : 0;

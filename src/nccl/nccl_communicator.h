@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 
+#include "core/device_collectives.h"
 #include "core/dtype.h"
 #include "dist/communicator.h"
 
@@ -36,7 +37,7 @@ namespace moelora::dist {
 // it never does).
 std::string nccl_new_unique_id();
 
-class NcclCommunicator {
+class NcclCommunicator final : public DeviceCollectives {
  public:
   // Joins the group `unique_id` (from nccl_new_unique_id, the same on every rank) as rank `rank`
   // of `size` on CUDA device `device` (made current on the calling thread). Throws kInternal
@@ -50,14 +51,14 @@ class NcclCommunicator {
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
   int device() const { return device_; }
 
   // Enqueued on `stream` (capturable into a CUDA graph); `dtype` is kF32 or kBF16; buffers are
   // device pointers of `count` elements (all_gather's recv and reduce_scatter's send: size()
   // times that, rank-major as in communicator.h). Reductions sum.
-  void all_reduce_sum(void* inout, size_t count, DType dtype, cudaStream_t stream);
+  void all_reduce_sum(void* inout, size_t count, DType dtype, cudaStream_t stream) override;
   void all_gather(const void* send, void* recv, size_t count, DType dtype, cudaStream_t stream);
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DType dtype,
                           cudaStream_t stream);
