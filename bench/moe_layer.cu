@@ -79,6 +79,15 @@ int main(int argc, char** argv) {
       // NVFP4 experts: rows and result files named <preset>-nvfp4 (the peer measured FP8 only)
       Preset p = *it;
       if (opt.nvfp4) p.name += "-nvfp4";
+      // Expert parallel rank 0 of opt.ep: experts [0, E_local) of the E the router scores.
+      if (p.E % opt.ep != 0 || p.Is % opt.ep != 0)
+        throw std::runtime_error(p.name + ": --ep " + std::to_string(opt.ep) +
+                                 " does not divide its " + std::to_string(p.E) + " experts and " +
+                                 std::to_string(p.Is) + " shared-expert channels");
+      const int E_local = p.E / opt.ep;
+      if (opt.ep > 1) p.name += "-ep" + std::to_string(opt.ep) + "-rank0";
+      Preset local = p;  // this rank's shared expert, for the LoRA bytes
+      local.Is = p.Is / opt.ep;
       std::vector<std::pair<std::string, int>> modes;
       for (int b : opt.decode) modes.push_back({"decode", b});
       for (int t : opt.prefill) modes.push_back({"prefill", t});
@@ -88,7 +97,8 @@ int main(int argc, char** argv) {
       ops::cuda::MoeLayerConfig c;
       c.hidden = p.H;
       c.inter = p.I;
-      c.num_experts = p.E;
+      c.num_experts = E_local;
+      c.expert_begin = 0;
       c.top_k = p.k;
       c.route.kind = p.router;
       c.route.num_experts = p.E;
@@ -97,7 +107,7 @@ int main(int argc, char** argv) {
       c.route.n_group = p.n_group;
       c.route.topk_group = p.topk_group;
       c.route.routed_scaling_factor = p.scaling;
-      c.shared_inter = p.Is;
+      c.shared_inter = local.Is;
       c.shared_gate = p.shared_gate;
       c.max_tokens = max_tokens;
       c.num_slots = 8;
@@ -113,11 +123,13 @@ int main(int argc, char** argv) {
       const int max_decode = opt.decode.empty() ? 0 : *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
       // the baseline dequantizes FP8 experts and times decode rows only
-      if (opt.baseline && !opt.nvfp4 && max_decode > 0)
+      if (opt.baseline && !opt.nvfp4 && opt.ep == 1 && max_decode > 0)
         baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
-      std::fprintf(stderr, "[%s] weights %.2f GB, workspace %.2f GB\n", p.name.c_str(),
-                   (layer.expert_bytes() * double(p.E) + layer.router_bytes() + layer.shared_bytes()) / 1e9,
-                   layer.workspace_bytes() / 1e9);
+      std::fprintf(
+          stderr, "[%s] weights %.2f GB, workspace %.2f GB\n", p.name.c_str(),
+          (layer.expert_bytes() * double(E_local) + layer.router_bytes() + layer.shared_bytes()) /
+              1e9,
+          layer.workspace_bytes() / 1e9);
 
       for (const auto& [mode, T] : modes) {
         // Inputs rotate over kSets sets so consecutive replays route differently.
@@ -188,7 +200,7 @@ int main(int argc, char** argv) {
               MOELORA_CUDA_CHECK(cudaMemcpyAsync(s_cur.get(), slotbufs[set].get(), s_cur.bytes(), cudaMemcpyDeviceToDevice, main_stream.get()));
             };
             // Bytes of each input set's routing (one untimed replay per set).
-            double bytes_sum = 0;
+            double bytes_sum = 0, local_pairs_sum = 0;
             int distinct_sum = 0;
             std::vector<std::vector<int32_t>> set_ids(kSets);
             std::vector<std::vector<float>> set_w(kSets);
@@ -201,13 +213,21 @@ int main(int argc, char** argv) {
               set_w[set].resize(ids.size());
               MOELORA_CUDA_CHECK(cudaMemcpy(set_w[set].data(), layer.topk_weights(), ids.size() * 4, cudaMemcpyDeviceToHost));
               set_ids[set] = ids;
+              // The experts this rank holds ([0, E_local)); the other ranks' pairs read nothing
+              // here.
+              std::vector<int32_t> local_ids(ids.size(), -1);
               std::vector<char> seen(p.E, 0);
               int distinct = 0;
-              for (int32_t e : ids)
-                if (e >= 0 && !seen[e]) seen[e] = 1, ++distinct;
+              for (size_t i = 0; i < ids.size(); ++i) {
+                const int32_t e = ids[i];
+                if (e < 0 || e >= E_local) continue;
+                local_ids[i] = e;
+                local_pairs_sum += 1;
+                if (!seen[e]) seen[e] = 1, ++distinct;
+              }
               distinct_sum += distinct;
               double b = distinct * double(layer.expert_bytes()) + (routed_only ? 0.0 : layer.router_bytes() + layer.shared_bytes());
-              b += lora_bytes(p, lc, ids, slot_host[set], p.k, !routed_only);
+              b += lora_bytes(local, lc, local_ids, slot_host[set], p.k, !routed_only);
               bytes_sum += b;
             }
             // Timed replays back to back with no host synchronization in between (an idle GPU
@@ -342,7 +362,8 @@ int main(int argc, char** argv) {
             r.ideal_us = r.bytes / copy_bw * 1e6;
             r.tbps = r.bytes / (r.us_median * 1e-6) / 1e12;
             r.pct_copy = 100.0 * r.ideal_us / r.us_median;
-            const double flops = 2.0 * T * p.k * (3.0 * p.H * p.I) + (routed_only ? 0 : 2.0 * T * (3.0 * p.H * p.Is + p.H * p.E));
+            const double flops = 2.0 * (local_pairs_sum / kSets) * (3.0 * p.H * p.I) +
+                                 (routed_only ? 0 : 2.0 * T * (3.0 * p.H * local.Is + p.H * p.E));
             r.tflops = flops / (r.us_median * 1e-6) / 1e12;
             const std::string key = std::to_string(routed_only);
             if (lc.adapters == 0) {
@@ -356,6 +377,8 @@ int main(int argc, char** argv) {
             r.peer_us = peer_us_for(p.name, T, lc.name, routed_only);
             r.register_us = register_us;
             r.round_robin_us = round_robin_us;
+            r.ep = opt.ep;
+            r.allreduce_bytes = opt.ep > 1 ? 2.0 * T * p.H : 0;
             all_rows.push_back(r);
             std::printf("%-16s %-7s %6d %-22s %-6s %9.1f us  %6.2f TB/s  %5.1f%% roofline  %7.1f TF  ratio %.3f (ideal %.3f, %.3f)  peer %.1f us  register %.1f us  round-robin %.1f us  unfused %.1f us\n",
                         p.name.c_str(), mode.c_str(), T, lc.name.c_str(), routed_only ? "routed" : "full", r.us_median,

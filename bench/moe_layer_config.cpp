@@ -95,7 +95,8 @@ double lora_bytes(const Preset& p, const LoraConfig& lc, const std::vector<int32
   for (size_t t = 0; t < slots.size(); ++t) {
     if (slots[t] < 0) continue;
     slots_used[slots[t]] = 1;
-    for (int j = 0; j < k; ++j) pairs[{slots[t], ids[t * k + j]}] = 1;
+    for (int j = 0; j < k; ++j)
+      if (ids[t * k + j] >= 0) pairs[{slots[t], ids[t * k + j]}] = 1;  // -1: not this rank's
   }
   const double r = lc.rank, H = p.H, I = p.I;
   // per (slot, expert): gate_up A [r, H], B [2I, r]; down A [r, I], B [H, r] (bf16)
@@ -211,6 +212,12 @@ int parse_options(int argc, char** argv, Options& opt) {
                      v.c_str());
         return 2;
       }
+    } else if (a == "--ep") {
+      opt.ep = std::atoi(next().c_str());
+      if (opt.ep < 1) {
+        std::fprintf(stderr, "bench_moe_layer: --ep needs a positive rank count\n");
+        return 2;
+      }
     } else if (a == "--warmup-ms") {
       opt.warmup_ms = std::stof(next());
     } else if (a == "--help" || a == "-h") {
@@ -276,6 +283,11 @@ int parse_options(int argc, char** argv, Options& opt) {
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"
+          "  --ep N              expert parallelism: time rank 0 of N ranks (experts [0, E / N) "
+          "of the E the router\n"
+          "                      scores, 1 / N of the shared expert); rows named "
+          "<preset>-ep<N>-rank0, "
+          "no unfused baseline\n"
           "  --warmup-ms MS      warm-up replays before each timing (default 20; 0 under a "
           "profiler)\n"
           "  --out DIR           results directory (default bench/results/h200); one\n"

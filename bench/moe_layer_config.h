@@ -53,6 +53,9 @@ struct Options {
   ops::cuda::SideStreamScheduling side;  // the layer's default unless --lora-side-ctas
   ops::cuda::DecodeLoraPath decode_lora = ops::cuda::DecodeLoraPath::kSideStream;
   float warmup_ms = 20.f;  // warm-up replays before timing (0 under a profiler)
+  // Expert parallelism (--ep N): time rank 0 of N, holding experts [0, E / N) of the E the router
+  // scores and 1 / N of the shared expert's channels (rows and files named <preset>-ep<N>-rank0).
+  int ep = 1;
 };
 
 // Parses the command line into `opt`. Returns -1 to go on, else the exit status (0 after --help,

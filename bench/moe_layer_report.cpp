@@ -103,7 +103,8 @@ void write_results(const std::string& preset, const std::vector<Row>& all_rows,
        << ", \"unfused_baseline_us\": " << r.baseline_us << ", \"peer_us\": " << r.peer_us
        << ", \"register_decode_us\": " << r.register_us
        << ", \"round_robin_us\": " << r.round_robin_us
-       << ", \"cosine_vs_unfused\": " << r.check_cosine << "}" << (i + 1 < rows.size() ? "," : "")
+       << ", \"cosine_vs_unfused\": " << r.check_cosine << ", \"ep\": " << r.ep
+       << ", \"allreduce_bytes\": " << r.allreduce_bytes << "}" << (i + 1 < rows.size() ? "," : "")
        << "\n";
   }
   js << "  ],\n  \"targets\": [\n";
@@ -122,8 +123,17 @@ void write_results(const std::string& preset, const std::vector<Row>& all_rows,
      << "peer µs: SGLang's Triton fused_moe FP8 on an H200 (PERF.md), routed experts only; "
      << "register µs: the earlier register-fed decode GEMM in the same run; round-robin µs: the "
      << "stream GEMMs with a fixed share of work items per CTA instead of claimed ones, same "
-        "run.\n\n"
-     << "| preset | mode | tokens | LoRA | layer | µs (median) | µs (min) | experts | TB/s | % "
+        "run.\n\n";
+  if (!rows.empty() && rows.front().ep > 1)
+    md << "Expert parallel: rank 0 of " << rows.front().ep << " ranks (--ep), the router scoring "
+       << "every expert and the layer running the pairs of its experts (and its "
+       << "tensor-parallel share of the shared expert); experts, bytes and TFLOP/s count that "
+       << "rank's work. Each forward's partial output ([T, H] bf16, "
+       << rows.front().allreduce_bytes / rows.front().tokens
+       << " bytes per token; allreduce_bytes in the JSON) is summed over the ranks by an "
+          "all-reduce "
+          "that one GPU cannot time.\n\n";
+  md << "| preset | mode | tokens | LoRA | layer | µs (median) | µs (min) | experts | TB/s | % "
         "roofline | TFLOP/s | LoRA/no-LoRA | ideal | of ideal | peer µs | vs peer | register µs | "
         "round-robin µs | unfused µs | speedup |\n"
      << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";

@@ -23,6 +23,10 @@ struct Row {
   double register_us = 0;     // the register-fed decode GEMM's µs (0 = not run)
   double round_robin_us = 0;  // the stream GEMMs with round-robin work items (0 = not run)
   double check_cosine = 0;  // cosine of the output against the unfused baseline's (0 = not checked)
+  // Expert parallel rows (--ep N): the ranks, and the bytes each rank's partial output [T, H]
+  // bf16 adds to the all-reduce that sums the layer (not timed: one GPU has no peer).
+  int ep = 1;
+  double allreduce_bytes = 0;
 };
 
 // Writes moe_layer_<preset>.json and .md (and timeline_<preset>.md when `timelines` has the
