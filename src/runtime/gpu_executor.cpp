@@ -338,7 +338,7 @@ void for_each_dense_linear(const io::ModelConfig& c, int64_t layer,
 }
 
 uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
-                                  const ExecutorLimits& limits) {
+                                  const ExecutorLimits& limits, int expert_ranks) {
   // Counts elements (bf16 = 2 bytes) of weights and of the LoRA pool's (in + out) x rank per
   // target; shapes as in hf_config.h.
   const uint64_t H = static_cast<uint64_t>(c.hidden_size), V = static_cast<uint64_t>(c.vocab_size);
@@ -353,9 +353,10 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
       lora_elems += static_cast<uint64_t>(out + in) * R;
     });
     if (c.is_moe_layer(l)) {
-      const uint64_t E = static_cast<uint64_t>(c.num_experts);
+      const uint64_t E =
+          static_cast<uint64_t>(c.num_experts) / static_cast<uint64_t>(std::max(expert_ranks, 1));
       const uint64_t I = static_cast<uint64_t>(c.moe_intermediate_size);
-      weights += E * H * 4;  // router (fp32 at most)
+      weights += static_cast<uint64_t>(c.num_experts) * H * 4;  // router (fp32 at most), whole
       if (c.quant.method == io::QuantMethod::kNvfp4 && H % 128 == 0 && I % 128 == 0)
         weights += E * 3 * H * I * 9 / 16 + E * (2 * I + H) * 4;  // codes, group scales, row scale_2
       else

@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "core/device_collectives.h"
+#include "io/checkpoint.h"
 #include "runtime/executor.h"
 
 namespace moelora::runtime {
@@ -62,6 +64,15 @@ struct GpuExecutorOptions {
   bool moe_pdl_after_side_join = false;  // model::GpuModelOptions::moe_pdl_after_side_join
   bool show_progress = false;
   int device = 0;
+  // One rank of a tensor / expert parallel group (one process per GPU): the group that sums each
+  // half-layer's output (model::GpuModelOptions::collectives), and the cuts that turn the loaded
+  // checkpoint, or with random weights its config, into this rank's share (dist::shard_checkpoint
+  // and dist::rank_config; the runtime does not depend on dist). Every rank gets the same options
+  // but for these, and the ranks agree on the KV pool through the group (the fewest pages any of
+  // them can hold), so that the same steps fit on all of them. nullptr: the whole model.
+  DeviceCollectives* collectives = nullptr;
+  std::function<io::ModelWeights(const io::ModelWeights&)> shard_checkpoint;
+  std::function<io::ModelConfig(const io::ModelConfig&)> shard_config;
 };
 
 inline constexpr int64_t kDefaultMaxSeqLen = 8192;
@@ -210,9 +221,11 @@ void for_each_dense_linear(const io::ModelConfig& config, int64_t layer,
 
 // Device bytes the GPU model will need for `config` besides the KV cache, estimated from the
 // shapes (weights as the GPU model stores them, the adapter pool of num_slots x max_rank, and
-// the per-token workspaces). Used to size the KV cache before the model exists.
+// the per-token workspaces). Used to size the KV cache before the model exists. expert_ranks: the
+// routed experts (and their LoRA pools) are split over that many ranks (config.num_experts is
+// all of them; an expert-parallel rank holds 1 / expert_ranks).
 uint64_t estimate_gpu_model_bytes(const io::ModelConfig& config, bool fp8_experts,
-                                  const ExecutorLimits& limits);
+                                  const ExecutorLimits& limits, int expert_ranks = 1);
 // KV bytes per token over all layers as the paged cache stores them (bf16; GQA: K and V of every
 // KV head; MLA: the latent kv_lora_rank + rope part); Gated DeltaNet layers hold none.
 uint64_t estimate_kv_bytes_per_token(const io::ModelConfig& config);

@@ -433,6 +433,31 @@ int round_up(int64_t value, int64_t multiple) {
   return static_cast<int>((value + multiple - 1) / multiple * multiple);
 }
 
+// The smallest page count any rank of the group can hold: every rank runs the same steps, so
+// they all size their pools alike. An all-gather through the group's sum (each rank's count in
+// its own element, zeros elsewhere; counts below 2^24 are exact in fp32).
+int64_t fewest_pages_of_the_group(int64_t pages, DeviceCollectives& group) {
+  const int n = group.size();
+  std::vector<float> counts(static_cast<size_t>(n), 0.0f);
+  counts[static_cast<size_t>(group.rank())] = static_cast<float>(std::min<int64_t>(pages, 1 << 24));
+  cuda::DeviceBuffer device(counts.size() * sizeof(float));
+  cuda::Stream stream;
+  MOELORA_CUDA_CHECK(cudaMemcpyAsync(device.get(), counts.data(), counts.size() * sizeof(float),
+                                     cudaMemcpyHostToDevice, stream.get()));
+  group.all_reduce_sum(device.get(), counts.size(), DType::kF32, stream.get());
+  MOELORA_CUDA_CHECK(cudaMemcpyAsync(counts.data(), device.get(), counts.size() * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream.get()));
+  stream.synchronize();
+  int64_t fewest = pages;
+  for (int r = 0; r < n; ++r) {
+    MOELORA_CHECK(counts[static_cast<size_t>(r)] >= 1.0f, ErrorCode::kInternal, "rank ", r,
+                  " of the group reported ", counts[static_cast<size_t>(r)],
+                  " KV pages; the ranks disagree on the group");
+    fewest = std::min(fewest, static_cast<int64_t>(counts[static_cast<size_t>(r)]));
+  }
+  return fewest;
+}
+
 }  // namespace
 
 std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
@@ -468,6 +493,21 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
     weights = std::make_unique<io::ModelWeights>(io::load_checkpoint(o.model_dir, load));
     config = weights->config;
   }
+  // A rank of a tensor / expert parallel group: its share of the checkpoint (whose unsplit
+  // tensors stay in `whole` until the upload) or of the config.
+  const int ranks = o.collectives ? o.collectives->size() : 1;
+  std::unique_ptr<io::ModelWeights> whole;
+  if (o.collectives) {
+    MOELORA_CHECK(o.shard_checkpoint && o.shard_config, bad,
+                  "a GPU executor of a parallel group needs shard_checkpoint and shard_config");
+    if (weights) {
+      whole = std::move(weights);
+      weights = std::make_unique<io::ModelWeights>(o.shard_checkpoint(*whole));
+      config = weights->config;
+    } else {
+      config = o.shard_config(config);
+    }
+  }
   const bool fp8_experts = config.quant.method == io::QuantMethod::kFp8Block;
 
   model::GpuModelLimits m;
@@ -487,7 +527,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
                         static_cast<uint64_t>(l.max_sequences);
   uint64_t budget = o.kv_cache_bytes;
   if (budget == 0) {
-    const uint64_t model_bytes = estimate_gpu_model_bytes(config, fp8_experts, l);
+    const uint64_t model_bytes = estimate_gpu_model_bytes(config, fp8_experts, l, ranks);
     const uint64_t slack = (1ull << 30) + total / 50;  // cuBLAS, CUDA context, graphs, estimates
     const double usable = o.gpu_memory_fraction * static_cast<double>(free_before);
     MOELORA_CHECK(usable > static_cast<double>(model_bytes + slack) +
@@ -502,6 +542,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   }
   budget = std::min(budget, need);
   m.num_pages = std::max<int64_t>(1, static_cast<int64_t>(budget / page_bytes));
+  if (ranks > 1) m.num_pages = fewest_pages_of_the_group(m.num_pages, *o.collectives);
   m.kv_cache_bytes = static_cast<uint64_t>(m.num_pages) * page_bytes;
 
   model::GpuModelOptions mo;
@@ -511,10 +552,12 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.router_in_route = o.router_in_route;
   mo.moe_seam1_after_quant = o.moe_seam1_after_quant;
   mo.moe_pdl_after_side_join = o.moe_pdl_after_side_join;
+  mo.collectives = o.collectives;
   std::unique_ptr<model::GpuModel> model =
       o.random_weights ? model::GpuModel::random(config, o.random_seed, fp8_experts, m, mo)
                        : model::GpuModel::load(*weights, m, mo);
   weights.reset();  // the host copy (mmap) is not needed any more
+  whole.reset();
   return std::make_unique<GpuExecutor>(std::move(model), l, o);
 }
 

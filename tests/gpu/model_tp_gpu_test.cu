@@ -26,6 +26,7 @@
 #include "io/checkpoint.h"
 #include "io/peft.h"
 #include "model/gpu_model_cuda.cuh"
+#include "runtime/gpu_executor.h"
 #include "support/test_support.h"
 
 namespace moelora::model {
@@ -283,6 +284,90 @@ TEST(Sm90_GpuModelTensorParallel, KimiLikeAndFp8ExpertsTwoRanks) {
   MOELORA_REQUIRE_SM90();
   check_tensor_parallel("kimi_like", "base", {"lora_peft3d"}, 2);
   check_tensor_parallel("fp8", "deepseek_v3_fp8", {}, 2);
+}
+
+// The executor as a rank (GpuExecutorOptions::collectives): each rank's executor, built
+// concurrently (the ranks agree on the KV pool through the group), cuts its share of the
+// checkpoint and of the adapter and runs the same steps as the whole model's executor. Eager
+// steps: the test group cannot be captured into a graph.
+TEST(Sm90_GpuModelTensorParallel, ExecutorRanksFollowTheWholeExecutor) {
+  MOELORA_REQUIRE_SM90();
+  constexpr int kRanks = 2;
+  const fs::path dir = test::data_dir() / "parity" / "deepseek_v3";
+  runtime::GpuExecutorOptions options;
+  options.model_dir = dir / "base";
+  options.limits = {256, 8, 2, 16};
+  options.cuda_graphs = false;
+  options.gpu_memory_fraction = 0.2;
+  std::unique_ptr<runtime::Executor> whole = runtime::make_gpu_executor(options);
+  const io::ModelConfig config = whole->config();
+  const io::LoraAdapter adapter = io::load_adapter(dir / "lora_per_expert", config, "per_expert");
+  whole->write_slot(1, adapter);
+
+  SameDeviceGroup group(kRanks, static_cast<size_t>(256) * config.hidden_size * 4);
+  std::vector<std::unique_ptr<runtime::Executor>> ranks(kRanks);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r)
+      threads.emplace_back([&, r] {
+        runtime::GpuExecutorOptions o = options;
+        o.collectives = &group.rank(r);
+        o.shard_checkpoint = [r](const io::ModelWeights& w) {
+          return dist::shard_checkpoint(w, {r, kRanks});
+        };
+        o.shard_config = [r](const io::ModelConfig& c) {
+          return dist::rank_config(c, {r, kRanks});
+        };
+        ranks[r] = runtime::make_gpu_executor(o);
+      });
+    for (std::thread& t : threads) t.join();
+  }
+  ASSERT_TRUE(ranks[0] && ranks[1]);
+  EXPECT_EQ(ranks[0]->kv_capacity().pages, ranks[1]->kv_capacity().pages);
+  EXPECT_EQ(ranks[0]->config().num_attention_heads, config.num_attention_heads / kRanks);
+  for (int r = 0; r < kRanks; ++r)
+    ranks[r]->write_slot(1, dist::shard_adapter(adapter, config, {r, kRanks}));
+
+  // Three sequences (the adapter, the base, the adapter), prefilled together, then decode steps
+  // fed with the whole executor's greedy tokens.
+  const std::vector<int32_t> slots = {1, -1, 1};
+  std::vector<std::vector<int32_t>> tokens = {{5, 9, 14, 3, 7, 21, 8}, {11, 2, 30, 6}, {4, 4, 19}};
+  std::vector<runtime::SequenceHandle> whole_seqs;
+  std::vector<std::vector<runtime::SequenceHandle>> rank_seqs(kRanks);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    whole_seqs.push_back(whole->new_sequence());
+    for (int r = 0; r < kRanks; ++r) rank_seqs[r].push_back(ranks[r]->new_sequence());
+  }
+  int steps = 0, close = 0;
+  for (int step = 0; step < 5; ++step) {
+    auto batch_of = [&](const std::vector<runtime::SequenceHandle>& seqs) {
+      std::vector<runtime::BatchEntry> batch;
+      for (size_t i = 0; i < slots.size(); ++i) batch.push_back({seqs[i], tokens[i], slots[i]});
+      return batch;
+    };
+    const std::vector<Tensor> want = whole->forward(batch_of(whole_seqs));
+    std::vector<std::vector<Tensor>> got(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r)
+      threads.emplace_back([&, r] { got[r] = ranks[r]->forward(batch_of(rank_seqs[r])); });
+    for (std::thread& t : threads) t.join();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const std::string where = "step " + std::to_string(step) + " sequence " + std::to_string(i);
+      ASSERT_EQ(got[0][i].numel(), want[i].numel()) << where;
+      const std::vector<float> a(got[0][i].data<float>(),
+                                 got[0][i].data<float>() + want[i].numel()),
+          b(got[1][i].data<float>(), got[1][i].data<float>() + want[i].numel()),
+          w(want[i].data<float>(), want[i].data<float>() + want[i].numel());
+      EXPECT_EQ(a, b) << where << ": the ranks' logits differ";
+      // Routing is not visible through the executor: count the steps within the bound instead
+      // (a near-tied expert flipped by the partial sums moves a step out of it).
+      ++steps;
+      if (logits_within_bf16(expect_logits_close(a, w, where, /*strict=*/false))) ++close;
+      tokens[i] = {argmax(std::span<const float>(w))};
+    }
+  }
+  EXPECT_GE(close * 4, steps * 3) << close << " of " << steps
+                                  << " steps within the bf16 bound of the whole executor";
 }
 
 TEST(Sm90_GpuModelTensorParallel, ShareWithTheWrongExpertCountIsRefused) {
