@@ -145,9 +145,11 @@ int run_serve(const ServeArgs& args) {
   {
     const std::string device = a.device.empty() ? moelora::default_device() : a.device;
     moelora::tools::check_parallel_args(a.parallel, device);
-    MOELORA_CHECK(a.parallel.tp == 1 || !a.random_weights, ErrorCode::kUnsupported,
-                  "moelora serve: --random-weights draws weights on one GPU; --tp ", a.parallel.tp,
-                  " runs a checkpoint folder (--model) on the CPU backend");
+    MOELORA_CHECK(
+        a.parallel.tp == 1 || !a.random_weights || device == "cuda", ErrorCode::kUnsupported,
+        "moelora serve: --random-weights draws weights on the "
+        "GPU; --tp ",
+        a.parallel.tp, " --device cpu runs a checkpoint folder (--model) on the CPU backend");
   }
   if (a.parallel.launcher()) return moelora::tools::launch_serve_ranks(a.parallel);
   std::vector<moelora::model::AdapterSpec> specs;

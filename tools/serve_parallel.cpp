@@ -10,10 +10,15 @@
 
 #include "cli.h"
 #include "core/error.h"
+#include "dist/gpu_rank_model.h"
 #include "dist/launcher.h"
 #include "dist/sharded_executor.h"
 #include "dist/socket_group.h"
 #include "model/model.h"
+#include "runtime/gpu_executor.h"
+#if defined(MOELORA_WITH_NCCL)
+#include "nccl/nccl_communicator.h"
+#endif
 
 namespace moelora::tools {
 
@@ -62,8 +67,16 @@ std::unique_ptr<model::Model> load_model(const EngineOptions& o, bool show_progr
   return std::make_unique<model::Model>(model::Model::load(o.model_dir, options));
 }
 
+bool on_gpus(const EngineOptions& o) {
+  return o.device.rfind("cuda", 0) == 0;
+}
+
 std::unique_ptr<dist::SocketGroup> join(const ParallelArgs& a, const EngineOptions& o) {
   dist::SocketGroupOptions g;
+#if defined(MOELORA_WITH_NCCL)
+  // GPU ranks: rank 0 makes the NCCL group's id and every rank receives it at the join.
+  if (on_gpus(o) && a.dist_rank == 0) g.welcome = dist::nccl_new_unique_id();
+#endif
   g.rank = a.dist_rank;
   g.size = a.world();
   g.address = dist::parse_host_port(a.dist_init_addr, "--dist-init-addr");
@@ -80,7 +93,8 @@ std::unique_ptr<dist::SocketGroup> join(const ParallelArgs& a, const EngineOptio
 void add_parallel_options(CLI::App& app, ParallelArgs& a) {
   app.add_option("--tp", a.tp,
                  "ranks (processes) to shard the model over: attention heads tensor parallel, "
-                 "routed experts expert parallel, dense layers tensor parallel; CPU backend")
+                 "routed experts expert parallel, dense layers tensor parallel; --device cpu, or "
+                 "--device cuda with one GPU per rank over NCCL")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   app.add_option("--ep", a.ep,
@@ -138,12 +152,20 @@ void check_parallel_args(const ParallelArgs& a, const std::string& device) {
   MOELORA_CHECK(!a.moe_dispatch || a.dp_attention, ErrorCode::kInvalidArgument,
                 "--moe-dispatch needs --dp-attention (with tensor-parallel attention every rank "
                 "holds every token already)");
+  MOELORA_CHECK(a.tp == 1 || device != "cuda" || (!a.dp_attention && !a.moe_dispatch),
+                ErrorCode::kUnsupported,
+                "--dp-attention and --moe-dispatch run on the CPU reference only (--device cpu); "
+                "the GPU ranks split the attention heads (--tp alone)");
+#if !defined(MOELORA_WITH_NCCL)
   MOELORA_CHECK(a.tp == 1 || device != "cuda", ErrorCode::kUnsupported, "--tp ", a.tp,
-                " --device cuda: the GPU engine runs one GPU per process and its shards over "
-                "NCCL are not built yet; run --tp ",
-                a.tp,
-                " with --device cpu (the sharded CPU "
-                "reference) or one GPU with --tp 1");
+                " --device cuda: this build has no NCCL (the CUDA toolkit's, found by CMake next "
+                "to it); run --tp ",
+                a.tp, " with --device cpu (the sharded CPU reference) or one GPU with --tp 1");
+#else
+  MOELORA_CHECK(a.tp == 1 || device != "cuda" || runtime::cuda_device_available(),
+                ErrorCode::kUnsupported, "--tp ", a.tp,
+                " --device cuda: no CUDA device is visible on this machine; run --device cpu");
+#endif
   MOELORA_CHECK(a.dist_rank < a.tp, ErrorCode::kInvalidArgument, "--dist-rank ", a.dist_rank,
                 " is not a rank of --tp ", a.tp);
 }
@@ -203,9 +225,34 @@ int launch_serve_ranks(const ParallelArgs& a) {
   return code;
 }
 
+#if defined(MOELORA_WITH_NCCL)
+// This rank's GPU model: its NCCL communicator (the id from the join) on its node-local GPU, and
+// a GPU executor of its share.
+std::unique_ptr<dist::RankModel> gpu_rank_model(const ParallelArgs& a, const EngineOptions& o,
+                                                const dist::SocketGroup& group) {
+  const int device = a.dist_rank % (a.tp / a.nnodes);
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(a.dist_collective_timeout_s * 1000.0));
+  std::unique_ptr<dist::NcclCommunicator> nccl =
+      dist::NcclCommunicator::create(group.welcome(), a.dist_rank, a.tp, device, timeout);
+  runtime::GpuExecutorOptions g = runtime::gpu_executor_options(o);
+  g.device = device;
+  g.show_progress = g.show_progress && a.dist_rank == 0;
+  return std::make_unique<dist::GpuRankModel>(g, std::move(nccl),
+                                              dist::ShardSpec{a.dist_rank, a.tp});
+}
+#endif
+
 std::unique_ptr<runtime::Executor> make_rank0_executor(const ParallelArgs& a,
                                                        const EngineOptions& o) {
   std::unique_ptr<dist::SocketGroup> group = join(a, o);
+#if defined(MOELORA_WITH_NCCL)
+  if (on_gpus(o)) {
+    std::unique_ptr<dist::RankModel> rank = gpu_rank_model(a, o, *group);
+    return std::make_unique<dist::ShardedExecutor>(std::move(rank), std::move(group),
+                                                   runtime::executor_limits(o), join_timeout(a));
+  }
+#endif
   std::unique_ptr<model::Model> model = load_model(o, o.show_progress);
   return std::make_unique<dist::ShardedExecutor>(std::move(model), std::move(group),
                                                  runtime::executor_limits(o), sharded_options(a),
@@ -214,6 +261,12 @@ std::unique_ptr<runtime::Executor> make_rank0_executor(const ParallelArgs& a,
 
 int run_worker_rank(const ParallelArgs& a, const EngineOptions& o) {
   std::unique_ptr<dist::SocketGroup> group = join(a, o);
+#if defined(MOELORA_WITH_NCCL)
+  if (on_gpus(o)) {
+    dist::run_sharded_worker([&] { return gpu_rank_model(a, o, *group); }, *group);
+    return 0;
+  }
+#endif
   std::unique_ptr<model::Model> model;
   try {
     model = load_model(o, /*show_progress=*/false);

@@ -24,7 +24,7 @@ using Kind = ShardCommand::Kind;
 
 RankShard::RankShard(std::unique_ptr<model::Model> model, const runtime::ExecutorLimits& limits,
                      ShardSpec shard, const ShardedModelOptions& options)
-    : model_(std::move(model)) {
+    : model_(std::move(model)), options_(options) {
   MOELORA_CHECK(model_ != nullptr, ErrorCode::kInvalidArgument, "sharded executor: no model");
   MOELORA_CHECK(model_->adapters().names().empty(), ErrorCode::kInvalidArgument,
                 "the sharded executor manages the adapter slots itself; the model already has "
@@ -88,6 +88,12 @@ std::vector<Tensor> RankShard::forward(std::span<const BatchEntry> batch, Commun
   return last;
 }
 
+std::string RankShard::attention_kernel() const {
+  return concat("reference, ", sharded_->shard().size, " ranks (",
+                options_.attention == AttentionSplit::kDataParallel ? "data" : "tensor",
+                "-parallel attention)");
+}
+
 // ---- ShardedExecutor (rank 0) ----
 
 ShardedExecutor::ShardedExecutor(std::unique_ptr<model::Model> model,
@@ -96,18 +102,34 @@ ShardedExecutor::ShardedExecutor(std::unique_ptr<model::Model> model,
                                  const ShardedModelOptions& options,
                                  std::chrono::milliseconds ready_timeout)
     : limits_(limits),
-      options_(options),
       slow_timeout_(ready_timeout),
       group_(std::move(group)),
-      shard_(std::move(model), limits, ShardSpec{0, group_->size()}, options) {
+      shard_(std::make_unique<RankShard>(std::move(model), limits, ShardSpec{0, group_->size()},
+                                         options)) {
+  start(ready_timeout);
+}
+
+ShardedExecutor::ShardedExecutor(std::unique_ptr<RankModel> shard,
+                                 std::unique_ptr<SocketGroup> group,
+                                 const runtime::ExecutorLimits& limits,
+                                 std::chrono::milliseconds ready_timeout)
+    : limits_(limits),
+      slow_timeout_(ready_timeout),
+      group_(std::move(group)),
+      shard_(std::move(shard)) {
+  MOELORA_CHECK(shard_ != nullptr, ErrorCode::kInvalidArgument, "sharded executor: no rank model");
+  start(ready_timeout);
+}
+
+void ShardedExecutor::start(std::chrono::milliseconds ready_timeout) {
   MOELORA_CHECK(group_->rank() == 0, ErrorCode::kInvalidArgument,
                 "the sharded executor runs on rank 0; rank ", group_->rank(),
                 " runs run_sharded_worker");
-  MOELORA_CHECK(limits.max_batch_tokens > 0 && limits.max_sequences > 0 && limits.num_slots >= 0 &&
-                    limits.max_lora_rank > 0,
+  MOELORA_CHECK(limits_.max_batch_tokens > 0 && limits_.max_sequences > 0 &&
+                    limits_.num_slots >= 0 && limits_.max_lora_rank > 0,
                 ErrorCode::kInvalidArgument, "executor limits must be positive: max_batch_tokens ",
-                limits.max_batch_tokens, ", max_sequences ", limits.max_sequences, ", num_slots ",
-                limits.num_slots, ", max_lora_rank ", limits.max_lora_rank);
+                limits_.max_batch_tokens, ", max_sequences ", limits_.max_sequences, ", num_slots ",
+                limits_.num_slots, ", max_lora_rank ", limits_.max_lora_rank);
   group_->collect_replies("cutting its share of the model", ready_timeout);
 }
 
@@ -153,7 +175,7 @@ void ShardedExecutor::check_adapter(const io::LoraAdapter& adapter) const {
   MOELORA_CHECK(!adapter.dir.empty(), ErrorCode::kUnsupported, "adapter '", adapter.name,
                 "' has no folder: with several ranks every rank loads the adapter from its "
                 "folder, which all of them must be able to read");
-  shard_.model().adapters().check(adapter);
+  shard_->check_adapter(adapter);
 }
 
 void ShardedExecutor::write_slot(int32_t slot, const io::LoraAdapter& adapter) {
@@ -177,12 +199,13 @@ void ShardedExecutor::write_slot(int32_t slot, const io::LoraAdapter& adapter) {
     ShardCommand clear;
     clear.kind = Kind::kClearSlot;
     clear.slot = slot;
-    run_command(std::move(clear), concat("clearing slot ", slot), [&] { shard_.clear_slot(slot); });
+    run_command(std::move(clear), concat("clearing slot ", slot),
+                [&] { shard_->clear_slot(slot); });
     MOELORA_THROW(e.code(), "adapter '", adapter.name,
                   "' could not be loaded on every rank: ", e.what());
   }
   try {
-    shard_.write_slot(slot, adapter);
+    shard_->write_slot(slot, adapter);
   } catch (const std::exception& e) {  // the workers hold it and this rank does not
     group_->break_group(concat(what, " failed on rank 0: ", e.what()));
     throw;
@@ -193,7 +216,7 @@ void ShardedExecutor::clear_slot(int32_t slot) {
   ShardCommand clear;
   clear.kind = Kind::kClearSlot;
   clear.slot = slot;
-  run_command(std::move(clear), concat("clearing slot ", slot), [&] { shard_.clear_slot(slot); });
+  run_command(std::move(clear), concat("clearing slot ", slot), [&] { shard_->clear_slot(slot); });
 }
 
 SequenceHandle ShardedExecutor::new_sequence() {
@@ -205,14 +228,14 @@ SequenceHandle ShardedExecutor::new_sequence() {
 void ShardedExecutor::free_sequence(SequenceHandle sequence) {
   MOELORA_CHECK(live_.erase(sequence) == 1, ErrorCode::kInternal, "freeing sequence handle ",
                 sequence, ", which is not live");
-  shard_.free_sequence(sequence);
+  shard_->free_sequence(sequence);
   pending_frees_.push_back(sequence);
 }
 
 int64_t ShardedExecutor::sequence_length(SequenceHandle sequence) const {
   MOELORA_CHECK(live_.count(sequence) == 1, ErrorCode::kInternal, "sequence handle ", sequence,
                 " is not live");
-  return shard_.sequence_length(sequence);
+  return shard_->sequence_length(sequence);
 }
 
 std::vector<Tensor> ShardedExecutor::forward(std::span<const BatchEntry> batch) {
@@ -236,8 +259,9 @@ std::vector<Tensor> ShardedExecutor::forward(std::span<const BatchEntry> batch) 
     MOELORA_CHECK(b.slot >= -1 && b.slot < limits_.num_slots, ErrorCode::kInternal,
                   "sequence handle ", b.sequence, " runs on adapter slot ", b.slot,
                   ", not -1 (base) or one of the ", limits_.num_slots, " slots");
-    MOELORA_CHECK(b.slot == -1 || shard_.occupied(b.slot), ErrorCode::kInternal, "sequence handle ",
-                  b.sequence, " runs on adapter slot ", b.slot, ", which is empty");
+    MOELORA_CHECK(b.slot == -1 || shard_->occupied(b.slot), ErrorCode::kInternal,
+                  "sequence handle ", b.sequence, " runs on adapter slot ", b.slot,
+                  ", which is empty");
     MOELORA_CHECK(!live->second || *live->second == b.slot, ErrorCode::kInternal,
                   "sequence handle ", b.sequence, " was made for slot ", live->second.value_or(-1),
                   " but runs on slot ", b.slot);
@@ -253,7 +277,7 @@ std::vector<Tensor> ShardedExecutor::forward(std::span<const BatchEntry> batch) 
   for (const BatchEntry& b : batch)
     step.entries.push_back({b.sequence, b.slot, {b.tokens.begin(), b.tokens.end()}});
   std::vector<Tensor> logits =
-      run_command(std::move(step), "a forward", [&] { return shard_.forward(batch, *group_); });
+      run_command(std::move(step), "a forward", [&] { return shard_->forward(batch, *group_); });
   ++counters_.eager_forwards;
   return logits;
 }
@@ -263,27 +287,41 @@ std::string ShardedExecutor::broken_reason() const {
 }
 
 std::string ShardedExecutor::attention_kernel() const {
-  return concat("reference, ", group_->size(), " ranks (",
-                options_.attention == AttentionSplit::kDataParallel ? "data" : "tensor",
-                "-parallel attention)");
+  return shard_->attention_kernel();
+}
+
+runtime::ExecutorCounters ShardedExecutor::counters() const {
+  // A GPU rank counts its own eager forwards, captures and replays; the CPU shares count none.
+  const runtime::ExecutorCounters rank = shard_->counters();
+  if (rank.eager_forwards + rank.graph_replays + rank.graph_captures > 0) return rank;
+  return counters_;
 }
 
 // ---- the workers ----
 
 void run_sharded_worker(std::unique_ptr<model::Model> model, SocketGroup& group,
                         const runtime::ExecutorLimits& limits, const ShardedModelOptions& options) {
-  std::unique_ptr<RankShard> shard;
+  run_sharded_worker(
+      [&]() -> std::unique_ptr<RankModel> {
+        return std::make_unique<RankShard>(std::move(model), limits,
+                                           ShardSpec{group.rank(), group.size()}, options);
+      },
+      group);
+}
+
+void run_sharded_worker(const std::function<std::unique_ptr<RankModel>()>& make,
+                        SocketGroup& group) {
+  std::unique_ptr<RankModel> shard;
   std::string error;
   try {
-    shard = std::make_unique<RankShard>(std::move(model), limits,
-                                        ShardSpec{group.rank(), group.size()}, options);
+    shard = make();
   } catch (const std::exception& e) {
     error = e.what();
   }
   group.send_reply(error);
   MOELORA_CHECK(shard != nullptr, ErrorCode::kInternal, "rank ", group.rank(),
                 " could not cut its share: ", error);
-  const io::ModelConfig& config = shard->model().config();
+  const io::ModelConfig& config = shard->config();
   for (;;) {
     ShardCommand command;
     try {

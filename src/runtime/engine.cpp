@@ -511,21 +511,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& options) {
     check_options(options);
     MOELORA_CHECK(!options.model_dir.empty(), ErrorCode::kInvalidArgument, "model_dir is empty");
     if (is_cuda(options.device)) {
-      runtime::GpuExecutorOptions g;
-      g.model_dir = options.model_dir;
-      g.limits = runtime::executor_limits(options);
-      g.random_weights = options.random_weights;
-      g.random_seed = options.random_seed;
-      g.max_layers = options.max_layers;
-      g.max_seq_len = options.max_seq_len;
-      g.kv_cache_bytes = options.kv_cache_bytes;
-      g.gpu_memory_fraction = options.gpu_memory_fraction;
-      g.cuda_graphs = options.cuda_graphs;
-      g.attention = options.attention;
-      g.router_in_route = options.router_in_route;
-      g.moe_seam1_after_quant = options.moe_seam1_after_quant;
-      g.moe_pdl_after_side_join = options.moe_pdl_after_side_join;
-      g.show_progress = options.show_progress;
+      const runtime::GpuExecutorOptions g = runtime::gpu_executor_options(options);
       executor = runtime::make_gpu_executor(g);
     } else {
       MOELORA_CHECK(!options.random_weights, ErrorCode::kUnsupported,

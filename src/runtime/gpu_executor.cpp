@@ -7,6 +7,7 @@
 #include <set>
 
 #include "model/model.h"
+#include "moelora/engine.h"
 
 namespace moelora::runtime {
 
@@ -335,6 +336,25 @@ void for_each_dense_linear(const io::ModelConfig& c, int64_t layer,
     fn(I, H);  // up
     fn(H, I);  // down
   }
+}
+
+GpuExecutorOptions gpu_executor_options(const EngineOptions& options) {
+  GpuExecutorOptions g;
+  g.model_dir = options.model_dir;
+  g.limits = executor_limits(options);
+  g.random_weights = options.random_weights;
+  g.random_seed = options.random_seed;
+  g.max_layers = options.max_layers;
+  g.max_seq_len = options.max_seq_len;
+  g.kv_cache_bytes = options.kv_cache_bytes;
+  g.gpu_memory_fraction = options.gpu_memory_fraction;
+  g.cuda_graphs = options.cuda_graphs;
+  g.attention = options.attention;
+  g.router_in_route = options.router_in_route;
+  g.moe_seam1_after_quant = options.moe_seam1_after_quant;
+  g.moe_pdl_after_side_join = options.moe_pdl_after_side_join;
+  g.show_progress = options.show_progress;
+  return g;
 }
 
 uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,

@@ -77,6 +77,9 @@ struct GpuExecutorOptions {
 
 inline constexpr int64_t kDefaultMaxSeqLen = 8192;
 
+// The GPU executor's options of an engine's (model, limits, KV budget, graphs, kernels).
+GpuExecutorOptions gpu_executor_options(const EngineOptions& options);
+
 // Whether this build has CUDA and a device is visible (never throws).
 bool cuda_device_available();
 

@@ -12,6 +12,8 @@
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <barrier>
 #include <memory>
 #include <random>
@@ -20,7 +22,10 @@
 #include <vector>
 
 #include "core/device_collectives.h"
+#include "dist/gpu_rank_model.h"
 #include "dist/shard_checkpoint.h"
+#include "dist/sharded_executor.h"
+#include "dist/socket_group.h"
 #include "gpu/gpu_test_util.cuh"
 #include "gpu/model_gpu_driver.cuh"
 #include "io/checkpoint.h"
@@ -364,6 +369,106 @@ TEST(Sm90_GpuModelTensorParallel, ExecutorRanksFollowTheWholeExecutor) {
       ++steps;
       if (logits_within_bf16(expect_logits_close(a, w, where, /*strict=*/false))) ++close;
       tokens[i] = {argmax(std::span<const float>(w))};
+    }
+  }
+  EXPECT_GE(close * 4, steps * 3) << close << " of " << steps
+                                  << " steps within the bf16 bound of the whole executor";
+}
+
+// The serving path of `moelora serve --tp 2 --device cuda` on one GPU: rank 0's ShardedExecutor
+// and a worker thread running run_sharded_worker, joined by a SocketGroup over localhost for the
+// commands, each holding a GpuRankModel whose collectives are the test group (NCCL's place). An
+// adapter written through rank 0 (each rank loads it from its folder and cuts its share), then
+// prefill and decode steps: rank 0's logits against the whole executor's.
+TEST(Sm90_GpuModelTensorParallel, ShardedExecutorOverGpuRanks) {
+  MOELORA_REQUIRE_SM90();
+  constexpr int kRanks = 2;
+  const fs::path dir = test::data_dir() / "parity" / "qwen3_moe";
+  runtime::GpuExecutorOptions options;
+  options.model_dir = dir / "base";
+  options.limits = {256, 8, 2, 16};
+  options.cuda_graphs = false;
+  options.gpu_memory_fraction = 0.2;
+  std::unique_ptr<runtime::Executor> whole = runtime::make_gpu_executor(options);
+  const io::ModelConfig config = whole->config();
+  const io::LoraAdapter adapter = io::load_adapter(dir / "lora_peft3d", config, "peft3d");
+  whole->write_slot(0, adapter);
+
+  SameDeviceGroup devices(kRanks, static_cast<size_t>(256) * config.hidden_size * 4);
+  const std::chrono::milliseconds timeout(60000);
+  dist::Listener listener = dist::Listener::bind({"127.0.0.1", 0});
+  const int port = listener.port();
+  std::vector<std::string> errors(kRanks);
+  std::vector<std::vector<std::vector<float>>> got;  // [step][sequence][V], rank 0's
+  std::vector<std::vector<int32_t>> fed;             // [step][sequence]: tokens fed after it
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        dist::SocketGroupOptions o;
+        o.rank = r;
+        o.size = kRanks;
+        o.address = {"127.0.0.1", port};
+        o.listen_fd = r == 0 ? dup(listener.fd()) : -1;
+        o.join_timeout = timeout;
+        o.collective_timeout = timeout;
+        std::unique_ptr<dist::SocketGroup> group = dist::SocketGroup::join(o);
+        auto make = [&] {
+          return std::make_unique<dist::GpuRankModel>(options, devices.rank(r),
+                                                      dist::ShardSpec{r, kRanks});
+        };
+        if (r != 0) {
+          dist::run_sharded_worker([&]() -> std::unique_ptr<dist::RankModel> { return make(); },
+                                   *group);
+          return;
+        }
+        dist::ShardedExecutor ex(make(), std::move(group), options.limits, timeout);
+        EXPECT_EQ(ex.kv_capacity().pages, whole->kv_capacity().pages);
+        EXPECT_EQ(ex.config().num_attention_heads, config.num_attention_heads);  // the whole's
+        ex.write_slot(0, adapter);
+        const std::vector<int32_t> slots = {0, -1};
+        std::vector<std::vector<int32_t>> tokens = {{5, 9, 14, 3, 7}, {11, 2, 30}};
+        const std::vector<runtime::SequenceHandle> seqs = {ex.new_sequence(), ex.new_sequence()};
+        for (int step = 0; step < 4; ++step) {
+          std::vector<runtime::BatchEntry> batch;
+          for (size_t i = 0; i < seqs.size(); ++i) batch.push_back({seqs[i], tokens[i], slots[i]});
+          const std::vector<Tensor> logits = ex.forward(batch);
+          got.emplace_back();
+          fed.emplace_back();
+          for (size_t i = 0; i < seqs.size(); ++i) {
+            got.back().emplace_back(logits[i].data<float>(),
+                                    logits[i].data<float>() + logits[i].numel());
+            tokens[i] = {argmax(std::span<const float>(got.back().back()))};
+            fed.back().push_back(tokens[i][0]);
+          }
+        }
+        for (runtime::SequenceHandle h : seqs) ex.free_sequence(h);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  ASSERT_EQ(got.size(), 4u);
+
+  // The whole executor fed the same tokens (rank 0's greedy ones).
+  const std::vector<int32_t> slots = {0, -1};
+  std::vector<std::vector<int32_t>> tokens = {{5, 9, 14, 3, 7}, {11, 2, 30}};
+  const std::vector<runtime::SequenceHandle> seqs = {whole->new_sequence(), whole->new_sequence()};
+  int steps = 0, close = 0;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<runtime::BatchEntry> batch;
+    for (size_t i = 0; i < seqs.size(); ++i) batch.push_back({seqs[i], tokens[i], slots[i]});
+    const std::vector<Tensor> want = whole->forward(batch);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const std::vector<float> w(want[i].data<float>(), want[i].data<float>() + want[i].numel());
+      ++steps;
+      if (logits_within_bf16(expect_logits_close(
+              got[step][i], w, "step " + std::to_string(step) + " sequence " + std::to_string(i),
+              /*strict=*/false)))
+        ++close;
+      tokens[i] = {fed[step][i]};
     }
   }
   EXPECT_GE(close * 4, steps * 3) << close << " of " << steps

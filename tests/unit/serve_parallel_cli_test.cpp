@@ -246,7 +246,7 @@ TEST(ServeParallelCli, BadParallelFlagsAreRefusedNamingTheFlag) {
       {"--device cpu --tp 2 --ep 1",
        "--ep 1 with --tp 2: the routed experts are split over the "
        "same ranks as the attention heads"},
-      {"--device cuda --tp 2", "the GPU engine runs one GPU per process"},
+      {"--device cuda --tp 2 --dp-attention", "run on the CPU reference only"},
       {"--device cpu --tp 3 --nnodes 2 --dist-init-addr 127.0.0.1:1",
        "--tp 3 is not divisible by "
        "--nnodes 2"},
@@ -264,6 +264,12 @@ TEST(ServeParallelCli, BadParallelFlagsAreRefusedNamingTheFlag) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << r.output;
   }
+  // GPU ranks where they cannot run: a build without NCCL, or a machine without a GPU.
+  const CommandResult r = run_moelora(base + "--device cuda --tp 2");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(r.output.find("this build has no NCCL") != std::string::npos ||
+              r.output.find("no CUDA device is visible") != std::string::npos)
+      << r.output;
 }
 
 }  // namespace
