@@ -61,7 +61,7 @@ struct Options {
   std::string attention = "auto";
   std::string router_gemm = "route";
   bool seam1_after_quant = false;
-  bool pdl_after_side_join = false;
+  bool pdl_after_side_join = true;
   bool no_timeline = false;
   std::string out;
   uint64_t seed = 0;
@@ -221,7 +221,7 @@ int run(const Options& o) {
   // Output names of runs off the default paths, so that an A/B pair can share one --out folder.
   const std::string variant = std::string(o.router_gemm == "cublas" ? "_router_cublas" : "") +
                               (o.seam1_after_quant ? "_seam1_after_quant" : "") +
-                              (o.pdl_after_side_join ? "_pdl_after_join" : "");
+                              (o.pdl_after_side_join ? "" : "_plain_after_join");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -234,7 +234,7 @@ int run(const Options& o) {
       std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " +
       o.attention + " --router-gemm " + o.router_gemm +
       (o.seam1_after_quant ? " --seam1-after-quant" : "") +
-      (o.pdl_after_side_join ? " --pdl-after-side-join" : "") +
+      (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; 'main idle before' is the gap on the main queue before the "
       "kernel's launches (launch latency, or a wait on the side stream).\n\n";
@@ -405,10 +405,10 @@ int main(int argc, char** argv) {
   app.add_flag("--seam1-after-quant", o.seam1_after_quant,
                "MoE layers: start the seam-1 LoRA side work after the quant kernel instead of the "
                "align (docs/gpu_moe.md, SideStreamScheduling)");
-  app.add_flag("--pdl-after-side-join", o.pdl_after_side_join,
-               "MoE layers: launch the activation and finalize programmatically after the side "
-               "stream's LoRA events (SideStreamScheduling::pdl_after_side_join; default: plain "
-               "launches after them)");
+  app.add_flag("--pdl-after-side-join,!--no-pdl-after-side-join", o.pdl_after_side_join,
+               "MoE layers: the activation and finalize launched programmatically after the side "
+               "stream's LoRA events (SideStreamScheduling::pdl_after_side_join, the default); "
+               "--no-pdl-after-side-join: plain launches after them, the schedule before");
   app.add_flag("--no-timeline", o.no_timeline,
                "Record no CUPTI kernel timeline (for Nsight Compute, which cannot attach beside "
                "it): the recorded steps run between cudaProfilerStart and Stop and only their "

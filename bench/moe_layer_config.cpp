@@ -203,6 +203,8 @@ int parse_options(int argc, char** argv, Options& opt) {
       opt.side.seam1_after_quant = true;
     } else if (a == "--pdl-after-side-join") {
       opt.side.pdl_after_side_join = true;
+    } else if (a == "--no-pdl-after-side-join") {
+      opt.side.pdl_after_side_join = false;
     } else if (a == "--lora-side-ctas") {
       const std::string v = next();
       opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
@@ -277,9 +279,10 @@ int parse_options(int argc, char** argv, Options& opt) {
           "  --seam1-after-quant the side stream's seam-1 LoRA kernels start after the quant "
           "kernel (default:\n"
           "                      after the align), so GEMM1 reaches the SMs first\n"
-          "  --pdl-after-side-join  the activation and finalize launched programmatically after "
-          "the side\n"
-          "                      stream's LoRA events (default: plain launches after them)\n"
+          "  --no-pdl-after-side-join  the activation and finalize launched plainly after the "
+          "side stream's\n"
+          "                      LoRA events (default: programmatic launches after them; "
+          "--pdl-after-side-join)\n"
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"

@@ -137,7 +137,7 @@ struct EngineOptions {
   // after the quant kernel instead of the align, and the activation / finalize launched
   // programmatically after the side stream's events (model::GpuModelOptions).
   bool moe_seam1_after_quant = false;
-  bool moe_pdl_after_side_join = false;
+  bool moe_pdl_after_side_join = true;
 };
 
 struct SamplingParams {

@@ -74,7 +74,7 @@ struct GpuModelOptions {
   // bench_decode_step): the seam-1 LoRA work released after the quant kernel instead of the
   // align, and the activation / finalize launched programmatically after their LoRA events.
   bool moe_seam1_after_quant = false;
-  bool moe_pdl_after_side_join = false;
+  bool moe_pdl_after_side_join = true;
   // Tensor / expert parallelism: this model is rank collectives->rank() of collectives->size(), its
   // config and weights that rank's share (dist::shard_checkpoint: the rank's heads, intermediate
   // channels and routed experts [r E / n, (r + 1) E / n) of the config's num_experts), and the

@@ -61,7 +61,7 @@ struct GpuExecutorOptions {
   std::string attention = "auto";
   bool router_in_route = true;  // model::GpuModelOptions::router_in_route
   bool moe_seam1_after_quant = false;    // model::GpuModelOptions::moe_seam1_after_quant
-  bool moe_pdl_after_side_join = false;  // model::GpuModelOptions::moe_pdl_after_side_join
+  bool moe_pdl_after_side_join = true;   // model::GpuModelOptions::moe_pdl_after_side_join
   bool show_progress = false;
   int device = 0;
   // One rank of a tensor / expert parallel group (one process per GPU): the group that sums each

@@ -32,7 +32,9 @@ TEST_F(Sm90_MoeLayer, ProgrammaticLaunchesAfterTheSideStreamEventsAreBitEqual) {
     for (const std::vector<int32_t>& slots :
          {std::vector<int32_t>(T, 0),
           std::vector<int32_t>{0, -1, 1, 1, -1, 0, 0, 1, -1, -1, 1, 0, 0, 0, 1, -1}}) {
-      layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{});
+      ops::cuda::SideStreamScheduling plain_launches;
+      plain_launches.pdl_after_side_join = false;
+      layer.set_side_stream_scheduling(plain_launches);
       const Tensor plain = run(layer, x, slots, logits);
       ops::cuda::SideStreamScheduling programmatic;
       programmatic.pdl_after_side_join = true;
@@ -123,9 +125,20 @@ TEST_F(Sm90_MoeLayer, LayersSharingOneWorkspaceEqualLayersWithTheirOwn) {
     large_shared.forward(args(xl_d, out_l));
     small_shared.forward(args(xs_d, out_s2));
   });
+  // Each layer's routing of its last forward stays its own after the other layer ran (the GPU
+  // model reads every layer's back, GpuModel::moe_topk_ids).
+  auto routing = [&](const ops::cuda::MoeLayerCuda& layer, int k) {
+    std::vector<int32_t> ids(static_cast<size_t>(T) * k);
+    MOELORA_CUDA_CHECK(
+        cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
+    return ids;
+  };
+  const std::vector<int32_t> small_ids = routing(small_own, 2), large_ids = routing(large_own, 4);
   for (int replay = 0; replay < 2; ++replay) {
     MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
     main_->synchronize();
+    EXPECT_EQ(routing(small_shared, 2), small_ids) << "the small layer's routing was overwritten";
+    EXPECT_EQ(routing(large_shared, 4), large_ids) << "the large layer's routing was overwritten";
     EXPECT_EQ(test::max_abs_diff(cuda::to_host(out_s1, DType::kBF16, {T, 256}).to_f32(), small_ref),
               0.0);
     EXPECT_EQ(test::max_abs_diff(cuda::to_host(out_l, DType::kBF16, {T, 384}).to_f32(), large_ref),

@@ -290,8 +290,10 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.router_tickets =
         m.state.reserve(router_route_tickets(m.router_route_tokens) * sizeof(int32_t));
   }
-  m.ids = m.ws.reserve(P * 4);
-  m.tw = m.ws.reserve(P * 4);
+  // The routing stays in the layer's own arena, not the shared workspace: topk_ids() /
+  // topk_weights() report this layer's last forward after the later layers have run.
+  m.ids = m.state.reserve(P * 4);
+  m.tw = m.state.reserve(P * 4);
   m.offsets = m.ws.reserve((E + 1) * 4);
   m.sorted_pair = m.ws.reserve(P * 4);
   m.sorted_token = m.ws.reserve(P * 4);
@@ -558,10 +560,10 @@ MoeLayerCuda::DeviceView MoeLayerCuda::device_view() const {
   return v;
 }
 const int32_t* MoeLayerCuda::topk_ids() const {
-  return impl_->x<int32_t>(impl_->ids);
+  return impl_->s<int32_t>(impl_->ids);
 }
 const float* MoeLayerCuda::topk_weights() const {
-  return impl_->x<float>(impl_->tw);
+  return impl_->s<float>(impl_->tw);
 }
 
 }  // namespace moelora::ops::cuda

@@ -141,8 +141,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     }
     ra.correction_bias = m.has_bias ? m.w<float>(m.bias) : nullptr;
     ra.num_tokens = f.num_tokens;
-    ra.topk_ids = m.x<int32_t>(m.ids);
-    ra.topk_weights = m.x<float>(m.tw);
+    ra.topk_ids = m.s<int32_t>(m.ids);
+    ra.topk_weights = m.s<float>(m.tw);
     ra.max_tokens = T;
     // x feeds the quant kernel (and the LoRA shrink) after the routing; the slot map the alignment.
     ra.prefetch[0] = {f.x, static_cast<size_t>(T) * H * sizeof(__nv_bfloat16)};
@@ -161,8 +161,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     if (shared) enqueue_shared_expert(/*with_lora=*/false);
     route_tokens(/*gemv_quant=*/true);
     MoeGemvArgs g;
-    g.topk_ids = m.x<int32_t>(m.ids);
-    g.topk_weights = m.x<float>(m.tw);
+    g.topk_ids = m.s<int32_t>(m.ids);
+    g.topk_weights = m.s<float>(m.tw);
     g.num_tokens = f.num_tokens;
     g.tokens = T;
     g.top_k = k;
@@ -196,7 +196,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
 
   // 2. align
   MoeAlignDeviceArgs aa;
-  aa.topk_ids = m.x<int32_t>(m.ids);
+  aa.topk_ids = m.s<int32_t>(m.ids);
   aa.slot = lora ? f.slot : nullptr;
   aa.max_tokens = T;
   aa.top_k = k;
@@ -584,7 +584,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   MoeFinalizeArgs fa;
   fa.y = m.x<__nv_bfloat16>(m.y);
   fa.delta = lora && !epilogue_lora ? m.x<__nv_bfloat16>(m.d2) : nullptr;
-  fa.topk_weights = m.x<float>(m.tw);
+  fa.topk_weights = m.s<float>(m.tw);
   fa.pair_pos = m.x<int32_t>(m.pair_pos);
   fa.slot = lora ? f.slot : nullptr;
   fa.shared = shared ? m.x<__nv_bfloat16>(m.sout) : nullptr;
