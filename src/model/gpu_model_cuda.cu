@@ -84,6 +84,19 @@ void GpuModelImpl::project_branch(const ForwardShape& shape, const Layer& layer,
   branch_delta_pending_ = project(shape, layer, x, w, branch_, {{target, 0}}, branch_delta_);
 }
 
+void GpuModelImpl::add_pending_branch_delta(const ForwardShape& shape) {
+  if (!branch_delta_pending_) return;
+  ops::cuda::AddRowsArgs add;
+  add.y = branch_;
+  add.delta = branch_delta_;
+  add.row_slot = device_step_.token_slot;
+  add.tokens = shape.tokens;
+  add.num_tokens = device_step_.num_tokens;
+  add.cols = hidden_;
+  ops::cuda::launch_add_rows(add, main_.get());
+  branch_delta_pending_ = false;
+}
+
 bool GpuModelImpl::project(const ForwardShape& shape, const Layer& layer, const bf16* x,
                            const Linear& w, bf16* y,
                            std::initializer_list<std::pair<int, int>> loras, bf16* lora_delta) {
@@ -199,17 +212,7 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
     ffn(shape, layer);
     reduce_branch(shape);
   }
-  if (branch_delta_pending_) {  // a dense last layer's down_proj: add its delta before the head
-    ops::cuda::AddRowsArgs add;
-    add.y = branch_;
-    add.delta = branch_delta_;
-    add.row_slot = d.token_slot;
-    add.tokens = shape.tokens;
-    add.num_tokens = d.num_tokens;
-    add.cols = H;
-    ops::cuda::launch_add_rows(add, main);
-    branch_delta_pending_ = false;
-  }
+  add_pending_branch_delta(shape);  // a dense last layer's down_proj: its delta before the head
 
   // Output head on each sequence's last row only: gather, final (residual-fused) norm, lm_head.
   gd::launch_gather_rows(branch_, shape.tokens, d.last_row, shape.seqs, H, last_branch_, main);

@@ -42,20 +42,9 @@ void GpuModelImpl::set_local_experts(Layer& layer, int64_t held) const {
 
 void GpuModelImpl::reduce_branch(const ForwardShape& shape) {
   if (options_.collectives == nullptr || options_.collectives->size() == 1) return;
-  cudaStream_t main = main_.get();
-  if (branch_delta_pending_) {  // the projection's LoRA delta is a partial sum too
-    ops::cuda::AddRowsArgs add;
-    add.y = branch_;
-    add.delta = branch_delta_;
-    add.row_slot = device_step_.token_slot;
-    add.tokens = shape.tokens;
-    add.num_tokens = device_step_.num_tokens;
-    add.cols = hidden_;
-    ops::cuda::launch_add_rows(add, main);
-    branch_delta_pending_ = false;
-  }
+  add_pending_branch_delta(shape);  // the projection's LoRA delta is a partial sum too
   options_.collectives->all_reduce_sum(branch_, static_cast<size_t>(shape.tokens) * hidden_,
-                                       DType::kBF16, main);
+                                       DType::kBF16, main_.get());
 }
 
 void GpuModelImpl::ffn(const ForwardShape& shape, const Layer& layer) {

@@ -347,6 +347,8 @@ class GpuModelImpl final : public GpuModel {
                       int target);
   // resid += branch_ (+ its pending LoRA delta); hnorm = norm(resid).
   void branch_norm(const ForwardShape& shape, const bf16* weight);
+  // branch_ += its pending LoRA delta (add_rows), where no RMSNorm will add it.
+  void add_pending_branch_delta(const ForwardShape& shape);
 
   // The base GEMMs of `gemms` and the LoRA of every target of `loras`, all reading x [T, in]
   // (q/k/v of one fused GEMM; MLA's q_a and kv_a; gate and up): one shrink launch for all targets

@@ -291,6 +291,17 @@ TEST(Sm90_GpuModelTensorParallel, KimiLikeAndFp8ExpertsTwoRanks) {
   check_tensor_parallel("fp8", "deepseek_v3_fp8", {}, 2);
 }
 
+// The options of the executor tests: a parity fixture's checkpoint, eager steps (the test group
+// cannot be captured), room for two adapter slots.
+runtime::GpuExecutorOptions executor_options(const fs::path& dir) {
+  runtime::GpuExecutorOptions options;
+  options.model_dir = dir / "base";
+  options.limits = {256, 8, 2, 16};
+  options.cuda_graphs = false;
+  options.gpu_memory_fraction = 0.2;
+  return options;
+}
+
 // The executor as a rank (GpuExecutorOptions::collectives): each rank's executor, built
 // concurrently (the ranks agree on the KV pool through the group), cuts its share of the
 // checkpoint and of the adapter and runs the same steps as the whole model's executor. Eager
@@ -299,11 +310,7 @@ TEST(Sm90_GpuModelTensorParallel, ExecutorRanksFollowTheWholeExecutor) {
   MOELORA_REQUIRE_SM90();
   constexpr int kRanks = 2;
   const fs::path dir = test::data_dir() / "parity" / "deepseek_v3";
-  runtime::GpuExecutorOptions options;
-  options.model_dir = dir / "base";
-  options.limits = {256, 8, 2, 16};
-  options.cuda_graphs = false;
-  options.gpu_memory_fraction = 0.2;
+  const runtime::GpuExecutorOptions options = executor_options(dir);
   std::unique_ptr<runtime::Executor> whole = runtime::make_gpu_executor(options);
   const io::ModelConfig config = whole->config();
   const io::LoraAdapter adapter = io::load_adapter(dir / "lora_per_expert", config, "per_expert");
@@ -384,11 +391,7 @@ TEST(Sm90_GpuModelTensorParallel, ShardedExecutorOverGpuRanks) {
   MOELORA_REQUIRE_SM90();
   constexpr int kRanks = 2;
   const fs::path dir = test::data_dir() / "parity" / "qwen3_moe";
-  runtime::GpuExecutorOptions options;
-  options.model_dir = dir / "base";
-  options.limits = {256, 8, 2, 16};
-  options.cuda_graphs = false;
-  options.gpu_memory_fraction = 0.2;
+  const runtime::GpuExecutorOptions options = executor_options(dir);
   std::unique_ptr<runtime::Executor> whole = runtime::make_gpu_executor(options);
   const io::ModelConfig config = whole->config();
   const io::LoraAdapter adapter = io::load_adapter(dir / "lora_peft3d", config, "peft3d");
