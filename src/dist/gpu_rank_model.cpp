@@ -65,8 +65,8 @@ int64_t GpuRankModel::sequence_length(runtime::SequenceHandle handle) const {
   return it == local_.end() ? 0 : executor_->sequence_length(it->second);
 }
 
-std::vector<Tensor> GpuRankModel::forward(std::span<const runtime::BatchEntry> batch,
-                                          Communicator& /*control*/) {
+std::vector<runtime::BatchEntry> GpuRankModel::local_batch(
+    std::span<const runtime::BatchEntry> batch) {
   std::vector<runtime::BatchEntry> local;
   local.reserve(batch.size());
   for (const runtime::BatchEntry& b : batch) {
@@ -74,7 +74,25 @@ std::vector<Tensor> GpuRankModel::forward(std::span<const runtime::BatchEntry> b
     if (it == local_.end()) it = local_.emplace(b.sequence, executor_->new_sequence()).first;
     local.push_back({it->second, b.tokens, b.slot});
   }
-  return executor_->forward(local);
+  return local;
+}
+
+std::vector<Tensor> GpuRankModel::forward(std::span<const runtime::BatchEntry> batch,
+                                          Communicator& /*control*/) {
+  return executor_->forward(local_batch(batch));
+}
+
+std::vector<int32_t> GpuRankModel::forward_sample(std::span<const runtime::BatchEntry> batch,
+                                                  std::span<const ops::SampleRowParams> params,
+                                                  std::span<const float> uniforms,
+                                                  Communicator& /*control*/) {
+  return executor_->forward_sample(local_batch(batch), params, uniforms);
+}
+
+void GpuRankModel::step(std::span<const runtime::BatchEntry> batch, Communicator& /*control*/) {
+  const std::vector<ops::SampleRowParams> greedy(batch.size());
+  const std::vector<float> uniforms(batch.size(), 0.5f);
+  executor_->forward_sample(local_batch(batch), greedy, uniforms);
 }
 
 uint64_t GpuRankModel::job_kv_bytes() const {

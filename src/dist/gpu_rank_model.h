@@ -39,6 +39,16 @@ class GpuRankModel final : public RankModel {
   int64_t sequence_length(runtime::SequenceHandle handle) const override;
   std::vector<Tensor> forward(std::span<const runtime::BatchEntry> batch,
                               Communicator& control) override;
+  bool samples_on_device() const override { return true; }
+  std::vector<int32_t> forward_sample(std::span<const runtime::BatchEntry> batch,
+                                      std::span<const ops::SampleRowParams> params,
+                                      std::span<const float> uniforms,
+                                      Communicator& control) override;
+  std::vector<Tensor> last_logits(std::span<const size_t> rows) override {
+    return executor_->last_logits(rows);
+  }
+  // Greedy device sampling, tokens dropped: the same kernels (and decode graphs) as rank 0's.
+  void step(std::span<const runtime::BatchEntry> batch, Communicator& control) override;
 
   // Every rank holds its heads' share of each sequence's cache (replicated KV heads and MLA's
   // latent counted on each rank that holds them).
@@ -57,6 +67,9 @@ class GpuRankModel final : public RankModel {
   std::vector<bool> occupied_;
   // rank 0's handle -> this rank's executor's sequence, made at the handle's first forward
   std::map<runtime::SequenceHandle, runtime::SequenceHandle> local_;
+
+  // The batch with this rank's sequence handles (made at a handle's first forward).
+  std::vector<runtime::BatchEntry> local_batch(std::span<const runtime::BatchEntry> batch);
 };
 
 }  // namespace moelora::dist

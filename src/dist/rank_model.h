@@ -16,6 +16,7 @@
 #include "dist/communicator.h"
 #include "io/hf_config.h"
 #include "io/peft.h"
+#include "ops/sample/sample.h"
 #include "runtime/executor.h"
 
 namespace moelora::dist {
@@ -38,6 +39,19 @@ class RankModel {
   // shares reduce over it; GPU ranks have their own collectives).
   virtual std::vector<Tensor> forward(std::span<const runtime::BatchEntry> batch,
                                       Communicator& control) = 0;
+  // GPU ranks sample on the device (runtime::Executor::forward_sample): rank 0 gets the tokens
+  // (and last_logits the rows asked for) without copying every logit to the host, and the
+  // workers, whose results nobody reads, run `step`. The CPU shares return logits.
+  virtual bool samples_on_device() const { return false; }
+  virtual std::vector<int32_t> forward_sample(std::span<const runtime::BatchEntry> batch,
+                                              std::span<const ops::SampleRowParams> params,
+                                              std::span<const float> uniforms,
+                                              Communicator& control);
+  virtual std::vector<Tensor> last_logits(std::span<const size_t> rows);
+  // A worker's forward: the same model work, results dropped.
+  virtual void step(std::span<const runtime::BatchEntry> batch, Communicator& control) {
+    forward(batch, control);
+  }
 
   // The job's attention caches and linear-attention states over every rank.
   virtual uint64_t job_kv_bytes() const = 0;

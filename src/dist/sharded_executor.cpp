@@ -94,6 +94,21 @@ std::string RankShard::attention_kernel() const {
                 "-parallel attention)");
 }
 
+std::vector<int32_t> RankModel::forward_sample(std::span<const BatchEntry> batch,
+                                               std::span<const ops::SampleRowParams> params,
+                                               std::span<const float> uniforms,
+                                               Communicator& control) {
+  (void)batch, (void)params, (void)uniforms, (void)control;
+  MOELORA_THROW(ErrorCode::kInternal,
+                "this rank model returns logits (samples_on_device() is false)");
+}
+
+std::vector<Tensor> RankModel::last_logits(std::span<const size_t> rows) {
+  (void)rows;
+  MOELORA_THROW(ErrorCode::kInternal,
+                "this rank model returns logits (samples_on_device() is false)");
+}
+
 // ---- ShardedExecutor (rank 0) ----
 
 ShardedExecutor::ShardedExecutor(std::unique_ptr<model::Model> model,
@@ -238,7 +253,7 @@ int64_t ShardedExecutor::sequence_length(SequenceHandle sequence) const {
   return shard_->sequence_length(sequence);
 }
 
-std::vector<Tensor> ShardedExecutor::forward(std::span<const BatchEntry> batch) {
+ShardCommand ShardedExecutor::forward_command(std::span<const BatchEntry> batch) {
   MOELORA_CHECK(!batch.empty(), ErrorCode::kInternal, "forward of an empty batch");
   MOELORA_CHECK(static_cast<int64_t>(batch.size()) <= limits_.max_sequences, ErrorCode::kInternal,
                 "forward of ", batch.size(), " sequences; the limit is ", limits_.max_sequences);
@@ -276,10 +291,33 @@ std::vector<Tensor> ShardedExecutor::forward(std::span<const BatchEntry> batch) 
   step.kind = Kind::kForward;
   for (const BatchEntry& b : batch)
     step.entries.push_back({b.sequence, b.slot, {b.tokens.begin(), b.tokens.end()}});
-  std::vector<Tensor> logits =
-      run_command(std::move(step), "a forward", [&] { return shard_->forward(batch, *group_); });
+  return step;
+}
+
+std::vector<Tensor> ShardedExecutor::forward(std::span<const BatchEntry> batch) {
+  std::vector<Tensor> logits = run_command(forward_command(batch), "a forward",
+                                           [&] { return shard_->forward(batch, *group_); });
   ++counters_.eager_forwards;
   return logits;
+}
+
+std::vector<int32_t> ShardedExecutor::forward_sample(std::span<const BatchEntry> batch,
+                                                     std::span<const ops::SampleRowParams> params,
+                                                     std::span<const float> uniforms) {
+  if (!shard_->samples_on_device()) return Executor::forward_sample(batch, params, uniforms);
+  MOELORA_CHECK(params.size() == batch.size() && uniforms.size() == batch.size(),
+                ErrorCode::kInternal, "forward_sample of ", batch.size(), " entries with ",
+                params.size(), " sampling params and ", uniforms.size(), " uniforms");
+  std::vector<int32_t> tokens = run_command(forward_command(batch), "a forward", [&] {
+    return shard_->forward_sample(batch, params, uniforms, *group_);
+  });
+  ++counters_.eager_forwards;
+  return tokens;
+}
+
+std::vector<Tensor> ShardedExecutor::last_logits(std::span<const size_t> rows) {
+  if (!shard_->samples_on_device()) return Executor::last_logits(rows);
+  return shard_->last_logits(rows);
 }
 
 std::string ShardedExecutor::broken_reason() const {
@@ -348,7 +386,7 @@ void run_sharded_worker(const std::function<std::unique_ptr<RankModel>()>& make,
           std::vector<BatchEntry> batch;
           for (const ShardCommand::Entry& e : command.entries)
             batch.push_back({e.sequence, e.tokens, e.slot});
-          shard->forward(batch, group);  // the logits are rank 0's
+          shard->step(batch, group);  // the results are rank 0's
           break;
         }
         case Kind::kStop: break;

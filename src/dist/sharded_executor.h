@@ -96,6 +96,12 @@ class ShardedExecutor final : public runtime::Executor {
   int64_t max_sequence_length() const override { return shard_->max_sequence_length(); }
 
   std::vector<Tensor> forward(std::span<const runtime::BatchEntry> batch) override;
+  // GPU ranks: the tokens sampled on rank 0's device (RankModel::samples_on_device); the CPU
+  // shares: Executor's host sampling of forward()'s logits.
+  std::vector<int32_t> forward_sample(std::span<const runtime::BatchEntry> batch,
+                                      std::span<const ops::SampleRowParams> params,
+                                      std::span<const float> uniforms) override;
+  std::vector<Tensor> last_logits(std::span<const size_t> rows) override;
   runtime::ExecutorCounters counters() const override;
   // The group's first failure once a rank was lost or a forward failed part-way.
   std::string broken_reason() const override;
@@ -109,6 +115,9 @@ class ShardedExecutor final : public runtime::Executor {
   // `what` names the command in errors.
   template <typename Local>
   auto run_command(ShardCommand command, const std::string& what, Local&& local);
+  // Checks a forward's batch (everything a rank could refuse, before the command goes out) and
+  // makes its command; records each sequence's slot.
+  ShardCommand forward_command(std::span<const runtime::BatchEntry> batch);
   // The constructors' common part: checks, then waits for every worker's ready reply.
   void start(std::chrono::milliseconds ready_timeout);
 

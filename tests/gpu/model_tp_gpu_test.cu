@@ -445,6 +445,18 @@ TEST(Sm90_GpuModelTensorParallel, ShardedExecutorOverGpuRanks) {
             fed.back().push_back(tokens[i][0]);
           }
         }
+        // The engine's path: tokens sampled on rank 0's device, the workers stepping alike.
+        std::vector<runtime::BatchEntry> batch;
+        for (size_t i = 0; i < seqs.size(); ++i) batch.push_back({seqs[i], tokens[i], slots[i]});
+        const std::vector<ops::SampleRowParams> greedy(seqs.size());
+        const std::vector<float> uniforms(seqs.size(), 0.5f);
+        const std::vector<int32_t> sampled = ex.forward_sample(batch, greedy, uniforms);
+        const std::vector<size_t> rows = {0, 1};
+        const std::vector<Tensor> last = ex.last_logits(rows);
+        for (size_t i = 0; i < seqs.size(); ++i)
+          EXPECT_EQ(sampled[i], argmax(std::span<const float>(
+                                    last[i].data<float>(), static_cast<size_t>(last[i].numel()))))
+              << "sequence " << i << ": the device's greedy token is not its logits' argmax";
         for (runtime::SequenceHandle h : seqs) ex.free_sequence(h);
       } catch (const std::exception& e) {
         errors[r] = e.what();
