@@ -19,6 +19,7 @@
 #include <string>
 
 #include "gpu/gpu_test_util.cuh"
+#include "gpu/moe_adapter_case.cuh"
 #include "ops/moe/moe.h"
 #include "ops/moe/moe_layer_cuda.cuh"
 #include "ops/quant/quant.h"
@@ -29,9 +30,10 @@ namespace moelora::moe_layer_case {
 
 using test::upload_vector;
 
-inline Tensor bf16_round(const Tensor& t) {
-  return t.to(DType::kBF16).to_f32();
-}
+using moe_adapter_case::bf16_round;
+using moe_adapter_case::HostAdapter;
+using moe_adapter_case::make_adapter;
+using moe_adapter_case::random_factors;
 
 // Device bf16 [numel] -> host F32 tensor of `shape`.
 inline Tensor download_bf16(const __nv_bfloat16* device, const Shape& shape) {
@@ -159,39 +161,6 @@ inline LayerFixture make_host_layer(const LayerSpec& s, std::mt19937_64& rng) {
     }
   }
   return f;
-}
-
-// An adapter with strong deltas (so that a wrong slot is obvious), bf16-representable factors.
-struct HostAdapter {
-  LoraFactors gate_up, down, shared_gate, shared_up, shared_down;
-  ops::MoeLoraRef ref() const { return {&gate_up, &down, &shared_gate, &shared_up, &shared_down}; }
-  ops::cuda::MoeLayerAdapter gpu() const {
-    return {&gate_up, &down, &shared_gate, &shared_up, &shared_down};
-  }
-};
-
-inline LoraFactors random_factors(int ea, int eb, int r, int in, int out, float scaling,
-                           std::mt19937_64& rng) {
-  LoraFactors f;
-  f.a = bf16_round(test::random_normal({ea, r, in}, rng, 1.0f / std::sqrt(static_cast<float>(in))));
-  f.b = bf16_round(test::random_normal({eb, out, r}, rng, 1.0f / std::sqrt(static_cast<float>(r))));
-  f.scaling = scaling;
-  return f;
-}
-
-inline HostAdapter make_adapter(const ops::cuda::MoeLayerConfig& c, int rank, bool shared_outer,
-                         std::mt19937_64& rng) {
-  const int E = c.num_experts, H = c.hidden, I = c.inter, Is = c.shared_inter;
-  HostAdapter a;
-  a.gate_up = random_factors(shared_outer ? 1 : E, E, rank, H, 2 * I, 0.8f, rng);
-  a.down = random_factors(E, shared_outer ? 1 : E, rank, I, H, 0.8f, rng);
-  if (Is > 0) {
-    a.shared_gate = random_factors(1, 1, rank, H, Is, 0.7f, rng);
-    a.shared_up =
-        random_factors(1, 1, std::max(1, rank / 2), H, Is, 1.1f, rng);  // other rank and scaling
-    a.shared_down = random_factors(1, 1, rank, Is, H, 0.7f, rng);
-  }
-  return a;
 }
 
 // Smallest top-k selection margin over the tokens of x, from fp64 logits: softmax routers
