@@ -7,7 +7,7 @@
 //                 [--synth-layout per-expert|shared-outer|peft-3d]
 //                 [--adapter-dist uniform|distinct|skewed] [--base-share F] [--json FILE]
 //                 [--device cpu|cuda] [--seed S] [--max-batch-tokens N] [--prefill-chunk N]
-//                 [--max-layers N] [--gpu-memory-fraction F] [--adapter-slots N]
+//                 [--max-layers N|fit] [--gpu-memory-fraction F] [--adapter-slots N]
 //                 [--max-lora-rank R] [--attention auto|flashinfer|moelora]
 //
 // --device defaults to cuda when this build has CUDA and a device is visible, else cpu.
@@ -15,7 +15,10 @@
 // GPU model draws them on the device, so presets of real sizes (qwen3-30b-a3b, kimi-k2.5 with
 // --max-layers) run in seconds; --random-adapters K registers K seeded random adapters of
 // --synth-rank in --synth-layout the same way (Engine::register_random_adapter). --max-layers N
-// runs the first N decoder layers only (per-layer figures stay comparable).
+// runs the first N decoder layers only (per-layer figures stay comparable); --max-layers fit runs
+// the most leading layers whose weights, adapter pool, workspaces and the KV cache of the largest
+// batch at input + output tokens fit --gpu-memory-fraction of the free device memory
+// (runtime::gpu_layers_that_fit, the executor's own memory plan), and prints the split.
 //
 // The adapter pool is sized from the run, not from the engine defaults (8 slots of rank 64: for
 // Kimi-K2.5 shapes, 384 experts and hidden 7168, that is ~8 GB of device memory per MoE layer):
@@ -85,6 +88,7 @@
 #include <string>
 #include <vector>
 
+#include "bench.h"
 #include "cli.h"
 #include "core/error.h"
 #include "core/progress.h"
@@ -101,35 +105,7 @@ namespace {
 namespace fs = std::filesystem;
 using moelora::ErrorCode;
 using Clock = std::chrono::steady_clock;
-
-struct BenchArgs {
-  std::string model_dir;
-  std::string preset;
-  std::string adapters = "none";
-  std::vector<std::string> adapter_list;  // --adapter NAME=DIR (repeatable)
-  int64_t synth_adapters = 0;
-  int64_t synth_rank = 16;
-  std::string synth_layout = "per-expert";
-  std::string synth_targets = "all";
-  std::string dist = "uniform";
-  double base_share = 0.0;
-  int64_t input_len = 128;
-  int64_t output_len = 32;
-  std::string batch_sizes = "16,32,64";
-  std::string json;
-  std::string device;  // "" = cuda when available, else cpu
-  uint64_t seed = 0;
-  int64_t max_batch_tokens = 0;  // 0 = auto
-  int64_t prefill_chunk = 0;
-  bool random_weights = false;
-  std::string quant;  // "" = fp8 with --random-weights, else bf16
-  int64_t random_adapters = 0;
-  int64_t max_layers = 0;
-  double gpu_memory_fraction = 0.9;
-  int64_t adapter_slots = 0;       // 0 = the run's adapters (at least 1)
-  int64_t max_lora_rank = 0;       // 0 = the run's largest rank, rounded up to a multiple of 8
-  std::string attention = "auto";  // EngineOptions::attention
-};
+using namespace moelora::cli::bench;
 
 // Unwraps a public-API result, turning a failed Status into the library's exception.
 void check(const moelora::Status& status) {
@@ -142,10 +118,6 @@ double peak_rss_mb() {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // Linux: kilobytes
 }
 
-struct Ttft {
-  double mean = 0, p50 = 0, max = 0;  // milliseconds
-};
-
 Ttft summarize(std::vector<double> ms) {
   Ttft t;
   if (ms.empty()) return t;
@@ -156,28 +128,6 @@ Ttft summarize(std::vector<double> ms) {
   t.max = ms.back();
   return t;
 }
-
-struct RunResult {
-  int64_t batch_size = 0;
-  bool lora = false;
-  int64_t adapters_in_batch = 0;  // distinct adapters among the requests
-  int64_t base_requests = 0;
-  double prefill_tps = 0, decode_tps = 0, overall_tps = 0, latency_s = 0;
-  Ttft ttft;
-  double peak_rss_mb = 0, peak_kv_mb = 0;
-  std::optional<double> peak_gpu_mb;  // GPU runs: device bytes in use at the peak
-  int64_t steps = 0;
-  int64_t kv_blocked_steps = 0;               // steps where a request waited for KV pages
-  int64_t decode_steps = 0;                   // decode-only steps
-  double decode_s = 0;                        // their time
-  std::optional<double> step_bytes;           // GPU runs: the byte model of a decode step
-  std::vector<std::vector<int32_t>> outputs;  // per request
-  std::vector<std::string> adapter_of;        // per request ("" = base)
-  // LoRA runs, against the no-LoRA run of the same B.
-  std::optional<double> pct_overall, pct_decode, pct_prefill;
-  std::optional<bool> base_match;
-  std::optional<int64_t> adapter_changed;
-};
 
 std::vector<std::vector<int32_t>> random_prompts(int64_t batch, int64_t len, int64_t vocab,
                                                  uint64_t seed) {
@@ -318,98 +268,6 @@ void compare_with_baseline(RunResult& lora, const RunResult& base) {
   lora.adapter_changed = changed;
 }
 
-std::string fmt(double v, const char* format = "%.1f") {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
-}
-
-nlohmann::json opt_json(const std::optional<double>& v) {
-  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-}
-
-std::string iso_date() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  return buf;
-}
-
-// The commit of the source tree the benchmark runs in (the working directory's repository), with
-// "-dirty" when the tree has uncommitted changes (the binary may then be of code no commit holds),
-// or "unknown" outside a repository.
-std::string git_commit() {
-  FILE* pipe = popen("git describe --always --dirty --abbrev=12 2>/dev/null", "r");
-  if (pipe == nullptr) return "unknown";
-  char buf[64] = {0};
-  const bool got = std::fgets(buf, sizeof buf, pipe) != nullptr;
-  pclose(pipe);
-  std::string commit = got ? buf : "";
-  while (!commit.empty() && (commit.back() == '\n' || commit.back() == ' ')) commit.pop_back();
-  return commit.empty() ? "unknown" : commit;
-}
-
-// ---- byte model of a decode step (see the file comment)
-
-// Distinct experts B uniformly routed tokens touch: E (1 - (1 - k/E)^B).
-double distinct_experts(double experts, double top_k, double tokens) {
-  if (experts <= 0 || tokens <= 0) return 0;
-  return experts * (1.0 - std::pow(1.0 - std::min(top_k, experts) / experts, tokens));
-}
-
-struct StepBytes {
-  double base = 0;  // weights + KV of a no-LoRA step
-  double lora = 0;  // the adapters' factors on top
-};
-
-// One decode step of `batch` sequences at mean context `context`; `adapters` distinct adapters of
-// `rank` share `adapter_tokens` of the rows evenly.
-StepBytes decode_step_bytes(const moelora::io::ModelConfig& c, int64_t batch, double context,
-                            int64_t adapters, int64_t adapter_tokens, int64_t rank,
-                            bool shared_outer) {
-  const bool fp8 =
-      c.quant.method == moelora::io::QuantMethod::kFp8Block && c.moe_intermediate_size % 128 == 0;
-  const double H = static_cast<double>(c.hidden_size), V = static_cast<double>(c.vocab_size);
-  const double E = static_cast<double>(c.num_experts),
-               k = static_cast<double>(c.num_experts_per_tok);
-  const double I = static_cast<double>(c.moe_intermediate_size);
-  const double R = static_cast<double>(rank);
-  StepBytes b;
-  b.base = V * H * 2;  // lm_head
-  double dense_lora = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    moelora::runtime::for_each_dense_linear(c, l, [&](int64_t out, int64_t in) {
-      b.base += static_cast<double>(out) * static_cast<double>(in) * 2;
-      dense_lora += static_cast<double>(out + in) * R * 2;
-    });
-    if (!c.is_moe_layer(l)) continue;
-    // NVFP4 experts stay packed on the GPU where H and I are multiples of 128 (codes, an e4m3
-    // scale per 16, scale_2 per row)
-    const bool nvfp4 = c.quant.method == moelora::io::QuantMethod::kNvfp4 && c.hidden_size % 128 == 0 &&
-                       c.moe_intermediate_size % 128 == 0;
-    const double expert_bytes = nvfp4 ? 3 * H * I * 0.5625 + (2 * I + H) * 4
-                                : fp8 ? 3 * H * I * (1.0 + 4.0 / (128 * 128))
-                                      : 3 * H * I * 2;
-    b.base += E * H * 2 + distinct_experts(E, k, static_cast<double>(batch)) * expert_bytes;
-    if (adapters > 0) {
-      const double touched = distinct_experts(
-          E, k, static_cast<double>(adapter_tokens) / static_cast<double>(adapters));
-      // gate_up: A [R, H], B [2I, R]; down: A [R, I], B [H, R]; bf16
-      const double per_expert =
-          shared_outer ? (2 * I * R + R * I) * 2 : (R * H + 2 * I * R + R * I + H * R) * 2;
-      const double shared = shared_outer ? (R * H + H * R) * 2 : 0;
-      b.lora += static_cast<double>(adapters) * (touched * per_expert + shared);
-    }
-  }
-  b.lora += static_cast<double>(adapters) * dense_lora;
-  b.base += static_cast<double>(batch) * context *
-            static_cast<double>(moelora::runtime::estimate_kv_bytes_per_token(c));
-  // Linear-attention layers read and write each sequence's state once per step.
-  b.base += 2.0 * static_cast<double>(batch) *
-            static_cast<double>(moelora::runtime::linear_attention_state_bytes(c));
-  return b;
-}
-
 int run_bench(const BenchArgs& arg_in) {
   const auto bad = ErrorCode::kInvalidArgument;
   BenchArgs a = arg_in;
@@ -421,8 +279,21 @@ int run_bench(const BenchArgs& arg_in) {
                 "weights; the CPU backend needs files: drop --random-weights)");
   MOELORA_CHECK(a.random_adapters == 0 || a.random_weights, bad,
                 "--random-adapters needs --random-weights (use --synth-adapters with files)");
-  MOELORA_CHECK(a.random_adapters >= 0 && a.max_layers >= 0, bad,
-                "--random-adapters and --max-layers must be >= 0");
+  MOELORA_CHECK(a.random_adapters >= 0, bad, "--random-adapters must be >= 0");
+  // --max-layers N, or "fit": the most layers the device holds with this run's KV cache (GPU;
+  // chosen below once the engine's limits are known; all layers until then).
+  const bool fit_layers = a.max_layers == "fit";
+  int64_t max_layers = 0;
+  if (!fit_layers) {
+    char* end = nullptr;
+    max_layers = std::strtoll(a.max_layers.c_str(), &end, 10);
+    MOELORA_CHECK(!a.max_layers.empty() && *end == '\0' && max_layers >= 0, bad,
+                  "--max-layers: expected a layer count >= 0 (0 = all) or 'fit', got '",
+                  a.max_layers, "'");
+  }
+  MOELORA_CHECK(!fit_layers || (gpu && (a.random_weights || !a.model_dir.empty())), bad,
+                "--max-layers fit needs --device cuda and either --random-weights or --model DIR "
+                "(the layers that fit are chosen from the device's free memory)");
   MOELORA_CHECK(a.synth_rank >= 1, bad, "--synth-rank must be >= 1, got ", a.synth_rank);
   MOELORA_CHECK(a.adapter_slots >= 0 && a.adapter_slots <= INT32_MAX && a.max_lora_rank >= 0, bad,
                 "--adapter-slots and --max-lora-rank must be >= 0 (0 = sized from the run), got ",
@@ -473,7 +344,7 @@ int run_bench(const BenchArgs& arg_in) {
     model_dir = scratch->path() / "model";
     fs::create_directories(model_dir);
     const moelora::io::ModelConfig preset =
-        moelora::cli::preset_config(a.preset, a.max_layers, quant);
+        moelora::cli::preset_config(a.preset, max_layers, quant);
     std::ofstream out(model_dir / "config.json");
     out << moelora::io::model_config_to_json(preset).dump(2) << "\n";
     MOELORA_CHECK(out.good(), ErrorCode::kInvalidArgument, "cannot write ",
@@ -484,7 +355,7 @@ int run_bench(const BenchArgs& arg_in) {
                  model_dir.string().c_str());
     std::vector<std::string> synth = {
         "--preset", a.preset, "--seed", std::to_string(a.seed), "--out", model_dir.string()};
-    if (a.max_layers > 0) synth.insert(synth.end(), {"--layers", std::to_string(a.max_layers)});
+    if (max_layers > 0) synth.insert(synth.end(), {"--layers", std::to_string(max_layers)});
     if (!a.quant.empty()) synth.insert(synth.end(), {"--quant", a.quant});
     moelora::cli::run_subcommand("synth", synth);
   }
@@ -502,8 +373,8 @@ int run_bench(const BenchArgs& arg_in) {
       a.dist != "distinct" || !specs.empty() || a.base_share == 1.0, bad,
       "--adapter-dist distinct needs adapters (--adapters, --adapter or --synth-adapters)");
 
-  const moelora::io::ModelConfig config =
-      moelora::runtime::first_layers(moelora::io::load_model_config(model_dir), a.max_layers);
+  moelora::io::ModelConfig config =
+      moelora::runtime::first_layers(moelora::io::load_model_config(model_dir), max_layers);
   // Random adapters (GPU): registered by name, drawn on the device.
   const bool shared_outer = a.synth_layout == "shared-outer";
   MOELORA_CHECK(a.random_adapters == 0 || shared_outer || a.synth_layout == "per-expert", bad,
@@ -563,12 +434,39 @@ int run_bench(const BenchArgs& arg_in) {
   options.host_adapter_cache = static_cast<int32_t>(registered.size());
   options.max_lora_rank = pool_rank;
   options.show_progress = true;
-  options.max_layers = a.max_layers;
+  options.max_layers = max_layers;
   options.random_weights = a.random_weights;
   options.random_seed = a.seed;
   options.gpu_memory_fraction = a.gpu_memory_fraction;
   options.attention = a.attention;
   if (gpu) options.max_seq_len = std::max<int64_t>(a.input_len + a.output_len, 64);
+  if (fit_layers) {
+    // The free memory now (the bandwidth probe's buffers are gone), as the executor will see it.
+    const uint64_t free_bytes = device_report.total_bytes - moelora::runtime::gpu_memory_in_use();
+    const moelora::runtime::GpuExecutorOptions executor =
+        moelora::runtime::gpu_executor_options(options);
+    const int64_t all = config.num_hidden_layers;
+    max_layers = moelora::runtime::gpu_layers_that_fit(config, executor, free_bytes,
+                                                       device_report.total_bytes);
+    MOELORA_CHECK(max_layers >= 1, ErrorCode::kOutOfRange,
+                  "--max-layers fit: not even one decoder layer of ", config.model_type,
+                  " fits with the KV cache of ", max_batch, " sequences of ",
+                  a.input_len + a.output_len, " tokens in ", a.gpu_memory_fraction, " of the ",
+                  free_bytes >> 20, " MiB free on ", device_report.name,
+                  "; use smaller batches, shorter sequences or fewer adapter slots");
+    config = moelora::runtime::first_layers(config, max_layers);
+    options.max_layers = max_layers;
+    const moelora::runtime::GpuMemoryPlan plan =
+        moelora::runtime::plan_gpu_memory(config, executor, device_report.total_bytes);
+    std::printf(
+        "--max-layers fit: %lld of %lld decoder layers (model ~%.1f GiB with the adapter pool "
+        "and workspaces, KV cache %.1f GiB, %.1f GiB kept free; %.2f of %.1f GiB free)\n",
+        static_cast<long long>(max_layers), static_cast<long long>(all),
+        static_cast<double>(plan.model_bytes) / (1ull << 30),
+        static_cast<double>(plan.full_kv_bytes) / (1ull << 30),
+        static_cast<double>(plan.slack_bytes) / (1ull << 30), a.gpu_memory_fraction,
+        static_cast<double>(free_bytes) / (1ull << 30));
+  }
   moelora::Result<std::unique_ptr<moelora::Engine>> created = moelora::Engine::create(options);
   if (!created.status() && !a.preset.empty()) {
     // e.g. a preset the backend cannot run (Qwen3.5's Gated DeltaNet layers on the GPU)
@@ -598,6 +496,21 @@ int run_bench(const BenchArgs& arg_in) {
       a.device.c_str(), moelora::num_threads(), options.adapter_slots, options.max_loras_per_batch,
       static_cast<long long>(options.max_lora_rank), engine.model_info().attention_kernel.c_str());
   const moelora::ModelInfo& info = engine.model_info();
+  BenchSetup setup;
+  setup.gpu = gpu;
+  setup.device = device_report;
+  setup.copy_bandwidth = copy_bandwidth;
+  setup.quant = quant;
+  setup.model_dir = model_dir;
+  setup.max_layers = max_layers;
+  setup.layers_fit = fit_layers;
+  setup.max_rank = max_rank;
+  setup.shared_outer = shared_outer;
+  setup.max_batch_tokens = options.max_batch_tokens;
+  setup.prefill_chunk = options.prefill_chunk;
+  setup.adapter_slots = options.adapter_slots;
+  setup.max_lora_rank = options.max_lora_rank;
+  setup.specs = specs;
   if (info.kv_cache_pages > 0) {
     std::printf(
         "KV cache: %lld pages of %lld tokens (%lld tokens); each request reserves the pages of "
@@ -656,204 +569,16 @@ int run_bench(const BenchArgs& arg_in) {
     runs.push_back(lora);
   }
 
-  // Byte model, roofline and the PERF.md targets (GPU runs only).
-  const double context = static_cast<double>(a.input_len) + static_cast<double>(a.output_len) / 2;
-  const int64_t layers = std::max<int64_t>(config.num_hidden_layers, 1);
-  nlohmann::json targets = nlohmann::json::array();
-  struct TargetLine {
-    std::string id, config;
-    double value, target;
-  };
-  std::vector<TargetLine> target_lines;
-  auto step_ms = [](const RunResult& r) {
-    return r.decode_steps > 0 ? 1e3 * r.decode_s / static_cast<double>(r.decode_steps) : 0.0;
-  };
-  if (gpu) {
-    const RunResult* base = nullptr;
-    for (RunResult& r : runs) {
-      if (!r.lora) base = &r;
-      const StepBytes bytes =
-          decode_step_bytes(config, r.batch_size, context, r.adapters_in_batch,
-                            r.batch_size - r.base_requests, max_rank, shared_outer);
-      r.step_bytes = bytes.base + bytes.lora;
-      if (base == nullptr || step_ms(r) <= 0 || step_ms(*base) <= 0) continue;
-      const std::string cfg =
-          (a.preset.empty() ? config.model_type : a.preset) + " B=" + std::to_string(r.batch_size) +
-          " in=" + std::to_string(a.input_len) + " out=" + std::to_string(a.output_len);
-      if (!r.lora) {
-        const double ideal_ms = 1e3 * bytes.base / copy_bandwidth;
-        target_lines.push_back({"E2", cfg + " no LoRA", ideal_ms / step_ms(r), 0.80});
-        continue;
-      }
-      const double ratio = step_ms(*base) / step_ms(r);  // decode throughput, LoRA / no-LoRA
-      const std::string lora_cfg = cfg + " r" + std::to_string(max_rank) + " " +
-                                   std::to_string(r.adapters_in_batch) + " adapter" +
-                                   (r.adapters_in_batch == 1 ? "" : "s") + " " +
-                                   (shared_outer ? "shared-outer" : "per-expert");
-      if (r.adapters_in_batch == 1) {
-        const double ideal = bytes.base / (bytes.base + bytes.lora);
-        target_lines.push_back({"E1",
-                                lora_cfg + " (over the ideal ratio " + fmt(ideal, "%.3f") + ")",
-                                ratio / ideal, 0.97});
-        if (shared_outer) target_lines.push_back({"E1", lora_cfg + " (absolute)", ratio, 0.95});
-      }
-      if (r.adapters_in_batch == 4 || r.adapters_in_batch == 8)
-        target_lines.push_back({"E3", lora_cfg, ratio, 0.92});
-    }
-    for (const TargetLine& t : target_lines) {
-      targets.push_back({{"id", t.id},
-                         {"config", t.config},
-                         {"value", t.value},
-                         {"target", t.target},
-                         {"met", t.value >= t.target}});
-    }
-  }
-
-  std::printf(
-      "\n| B | adapters | prefill tok/s | decode tok/s | overall tok/s | TTFT ms mean / p50 / max "
-      "| "
-      "latency s | peak RSS MB | KV MB | %% of no-LoRA overall (decode) | decode step ms "
-      "(us/layer) "
-      "| peak GPU MB | %% of byte roofline |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (const RunResult& r : runs) {
-    std::string adapters = "none";
-    if (r.lora) {
-      adapters = std::to_string(r.adapters_in_batch) + " " + a.dist;
-      if (r.base_requests > 0) adapters += ", " + std::to_string(r.base_requests) + " base";
-    }
-    std::string pct = "-";
-    if (r.pct_overall)
-      pct = fmt(*r.pct_overall) + " % (" + (r.pct_decode ? fmt(*r.pct_decode) + " %" : "-") + ")";
-    const double ms = step_ms(r);
-    const std::string step =
-        ms > 0 ? fmt(ms, "%.3f") + " (" + fmt(1e3 * ms / static_cast<double>(layers)) + ")" : "-";
-    const std::string gpu_mb = r.peak_gpu_mb ? fmt(*r.peak_gpu_mb, "%.0f") : "-";
-    const std::string roof =
-        r.step_bytes && ms > 0 && copy_bandwidth > 0
-            ? fmt(100.0 * (*r.step_bytes / copy_bandwidth) / (ms * 1e-3)) + " %"
-            : "-";
-    std::printf("| %lld | %s | %s | %s | %s | %s / %s / %s | %s | %s | %s | %s | %s | %s | %s |\n",
-                static_cast<long long>(r.batch_size), adapters.c_str(), fmt(r.prefill_tps).c_str(),
-                fmt(r.decode_tps).c_str(), fmt(r.overall_tps).c_str(), fmt(r.ttft.mean).c_str(),
-                fmt(r.ttft.p50).c_str(), fmt(r.ttft.max).c_str(), fmt(r.latency_s, "%.3f").c_str(),
-                fmt(r.peak_rss_mb, "%.0f").c_str(), fmt(r.peak_kv_mb, "%.1f").c_str(), pct.c_str(),
-                step.c_str(), gpu_mb.c_str(), roof.c_str());
-  }
-  if (!target_lines.empty()) {
-    std::printf("\n| target | config | value | target | met |\n|---|---|---|---|---|\n");
-    for (const TargetLine& t : target_lines) {
-      std::printf("| %s | %s | %.3f | %.2f | %s |\n", t.id.c_str(), t.config.c_str(), t.value,
-                  t.target, t.value >= t.target ? "yes" : "NO");
-    }
-  }
-  for (const RunResult& r : runs) {
-    if (!r.lora) continue;
-    const std::string base_check =
-        r.base_requests == 0 ? std::string("no base-only requests")
-                             : std::to_string(r.base_requests) + " base-only requests " +
-                                   (*r.base_match ? "match" : "DO NOT MATCH") + " the no-LoRA run";
-    std::printf("check B=%lld: %s; %lld of %lld adapter requests changed the output\n",
-                static_cast<long long>(r.batch_size), base_check.c_str(),
-                static_cast<long long>(r.adapter_changed.value_or(0)),
-                static_cast<long long>(r.batch_size - r.base_requests));
-  }
-
+  setup.config = config;
+  setup.kv_cache_pages = info.kv_cache_pages;
+  setup.kv_page_size = info.kv_page_size;
+  setup.attention_kernel = info.attention_kernel;
+  const std::vector<TargetLine> targets = bench_targets(a, setup, runs);
+  print_bench_report(a, setup, runs, targets);
   if (!a.json.empty()) {
-    nlohmann::json j;
-    j["benchmark"] = "moelora bench";
-    j["date"] = iso_date();
-    char host[256] = {0};
-    gethostname(host, sizeof host - 1);
-    j["host"] = {{"name", host},
-                 {"hardware_threads", static_cast<int64_t>(sysconf(_SC_NPROCESSORS_ONLN))}};
-    j["device"] = a.device;
-    j["threads"] = moelora::num_threads();
-    j["commit"] = git_commit();
-    if (gpu) {
-      j["gpu"] = {
-          {"name", device_report.name},
-          {"sm", std::to_string(device_report.sm_major) + std::to_string(device_report.sm_minor)},
-          {"num_sms", device_report.num_sms},
-          {"driver", device_report.driver_version},
-          {"cuda_runtime", device_report.runtime_version},
-          {"memory_gb", static_cast<double>(device_report.total_bytes) / 1e9},
-          {"sm_clock_mhz", device_report.sm_clock_khz / 1000},
-          {"memory_clock_mhz", device_report.memory_clock_khz / 1000}};
-      j["copy_bandwidth_gbps"] = copy_bandwidth / 1e9;
-      j["random_weights"] = a.random_weights;
-      j["quant"] = quant;
-    }
-    j["model"] = {{"dir", a.preset.empty() ? model_dir.string() : std::string()},
-                  {"preset", a.preset},
-                  {"model_type", config.model_type},
-                  {"layers", config.num_hidden_layers},
-                  {"max_layers", a.max_layers},
-                  {"hidden", config.hidden_size},
-                  {"experts", config.num_experts},
-                  {"top_k", config.num_experts_per_tok},
-                  {"vocab", config.vocab_size}};
-    j["input_len"] = a.input_len;
-    j["output_len"] = a.output_len;
-    j["seed"] = a.seed;
-    j["max_batch_tokens"] = options.max_batch_tokens;
-    j["prefill_chunk"] = options.prefill_chunk;
-    j["adapter_slots"] = options.adapter_slots;
-    j["max_lora_rank"] = options.max_lora_rank;
-    j["kv_cache_pages"] = info.kv_cache_pages;
-    j["kv_page_size"] = info.kv_page_size;
-    j["attention_kernel"] = info.attention_kernel;
-    j["adapters"] = nlohmann::json::array();
-    for (const auto& s : specs) {
-      j["adapters"].push_back({{"name", s.name},
-                               {"dir", s.dir.empty() ? "random (" + a.synth_layout + ", rank " +
-                                                           std::to_string(a.synth_rank) + ")"
-                                                     : s.dir.string()}});
-    }
-    j["adapter_dist"] = a.dist;
-    j["base_share"] = a.base_share;
-    j["runs"] = nlohmann::json::array();
-    for (const RunResult& r : runs) {
-      nlohmann::json run = {
-          {"batch_size", r.batch_size},
-          {"lora", r.lora},
-          {"adapters_in_batch", r.adapters_in_batch},
-          {"base_requests", r.base_requests},
-          {"prefill_tokens_per_s", r.prefill_tps},
-          {"decode_tokens_per_s", r.decode_tps},
-          {"overall_tokens_per_s", r.overall_tps},
-          {"latency_s", r.latency_s},
-          {"ttft_ms", {{"mean", r.ttft.mean}, {"p50", r.ttft.p50}, {"max", r.ttft.max}}},
-          {"peak_rss_mb", r.peak_rss_mb},
-          {"peak_kv_cache_mb", r.peak_kv_mb},
-          {"steps", r.steps},
-          {"kv_blocked_steps", r.kv_blocked_steps},
-          {"decode_steps", r.decode_steps}};
-      const double ms = step_ms(r);
-      run["decode_step_ms"] = ms > 0 ? nlohmann::json(ms) : nlohmann::json(nullptr);
-      run["decode_us_per_layer"] =
-          ms > 0 ? nlohmann::json(1e3 * ms / static_cast<double>(layers)) : nlohmann::json(nullptr);
-      run["peak_gpu_memory_mb"] = opt_json(r.peak_gpu_mb);
-      run["step_bytes_mb"] =
-          r.step_bytes ? nlohmann::json(*r.step_bytes / 1e6) : nlohmann::json(nullptr);
-      run["roofline_fraction"] =
-          r.step_bytes && ms > 0 && copy_bandwidth > 0
-              ? nlohmann::json((*r.step_bytes / copy_bandwidth) / (ms * 1e-3))
-              : nlohmann::json(nullptr);
-      run["pct_of_no_lora"] = r.pct_overall ? nlohmann::json{{"overall", opt_json(r.pct_overall)},
-                                                             {"decode", opt_json(r.pct_decode)},
-                                                             {"prefill", opt_json(r.pct_prefill)}}
-                                            : nlohmann::json(nullptr);
-      run["base_requests_match"] =
-          r.base_match ? nlohmann::json(*r.base_match) : nlohmann::json(nullptr);
-      run["adapter_requests_changed"] =
-          r.adapter_changed ? nlohmann::json(*r.adapter_changed) : nlohmann::json(nullptr);
-      j["runs"].push_back(run);
-    }
-    j["targets"] = targets;
     std::ofstream out(a.json);
     MOELORA_CHECK(out.good(), bad, "--json: cannot write ", a.json);
-    out << j.dump(2) << "\n";
+    out << bench_json(a, setup, runs, targets).dump(2) << "\n";
     MOELORA_CHECK(out.good(), bad, "--json: writing ", a.json, " failed");
     std::printf("\nwrote %s\n", a.json.c_str());
   }
@@ -911,7 +636,9 @@ std::function<int()> setup_bench(CLI::App& app) {
                  "GPU with --random-weights: K random adapters of --synth-rank / --synth-layout, "
                  "drawn on the device")
       ->capture_default_str();
-  app.add_option("--max-layers", a->max_layers, "Run only the first N decoder layers (0 = all)")
+  app.add_option("--max-layers", a->max_layers,
+                 "Run only the first N decoder layers (0 = all), or 'fit': the most layers the "
+                 "GPU holds with the KV cache of the largest batch at input + output tokens")
       ->capture_default_str();
   app.add_option("--gpu-memory-fraction", a->gpu_memory_fraction,
                  "GPU: share of the free device memory the engine may use (KV cache sizing)")

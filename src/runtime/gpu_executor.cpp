@@ -403,6 +403,46 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
   return weights + S * lora_elems * 2 + workspace + states;
 }
 
+GpuMemoryPlan plan_gpu_memory(const io::ModelConfig& config, const GpuExecutorOptions& o,
+                              uint64_t device_total_bytes, int expert_ranks) {
+  GpuMemoryPlan plan;
+  const bool fp8_experts = config.quant.method == io::QuantMethod::kFp8Block;
+  plan.model_bytes = estimate_gpu_model_bytes(config, fp8_experts, o.limits, expert_ranks);
+  const int64_t page = std::max(o.page_size, 1);
+  plan.max_seq_len = o.max_seq_len > 0 ? o.max_seq_len : kDefaultMaxSeqLen;
+  if (config.max_position_embeddings > 0)
+    plan.max_seq_len = std::min(plan.max_seq_len, config.max_position_embeddings);
+  plan.max_pages_per_seq = (plan.max_seq_len + page - 1) / page;
+  plan.page_bytes =
+      std::max<uint64_t>(estimate_kv_bytes_per_token(config), 1) * static_cast<uint64_t>(page);
+  plan.full_kv_bytes = plan.page_bytes * static_cast<uint64_t>(plan.max_pages_per_seq) *
+                       static_cast<uint64_t>(std::max(o.limits.max_sequences, 1));
+  plan.slack_bytes = (1ull << 30) + device_total_bytes / 50;
+  return plan;
+}
+
+int64_t gpu_layers_that_fit(const io::ModelConfig& config, const GpuExecutorOptions& o,
+                            uint64_t free_bytes, uint64_t device_total_bytes, int expert_ranks) {
+  const double usable = o.gpu_memory_fraction * static_cast<double>(free_bytes);
+  auto fits = [&](int64_t layers) {
+    const GpuMemoryPlan plan =
+        plan_gpu_memory(first_layers(config, layers), o, device_total_bytes, expert_ranks);
+    return static_cast<double>(plan.model_bytes) + static_cast<double>(plan.full_kv_bytes) +
+               static_cast<double>(plan.slack_bytes) <=
+           usable;
+  };
+  // Every term grows with the layers: the largest count that fits, by bisection.
+  int64_t lo = 0, hi = config.num_hidden_layers;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (fits(mid))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // ============================================================================ stubs
 
 #if !MOELORA_WITH_CUDA

@@ -80,6 +80,29 @@ inline constexpr int64_t kDefaultMaxSeqLen = 8192;
 // The GPU executor's options of an engine's (model, limits, KV budget, graphs, kernels).
 GpuExecutorOptions gpu_executor_options(const EngineOptions& options);
 
+// What make_gpu_executor plans for the device memory of `config` (already cut to
+// options.max_layers and to the rank's share), from the shapes alone: the model
+// (estimate_gpu_model_bytes), KV pages over all layers (one page, the pages of one full-length
+// sequence, every sequence at full length) and the slack it keeps free for the CUDA context,
+// cuBLAS, graphs and the estimate's error (1 GiB + 2 % of the device).
+struct GpuMemoryPlan {
+  uint64_t model_bytes = 0;
+  uint64_t page_bytes = 0;
+  int64_t max_seq_len = 0;  // options.max_seq_len, or the default, capped by the config's positions
+  int64_t max_pages_per_seq = 0;
+  uint64_t full_kv_bytes = 0;  // limits.max_sequences sequences of max_seq_len tokens
+  uint64_t slack_bytes = 0;
+};
+GpuMemoryPlan plan_gpu_memory(const io::ModelConfig& config, const GpuExecutorOptions& options,
+                              uint64_t device_total_bytes, int expert_ranks = 1);
+
+// The most leading decoder layers of `config` (1 .. config.num_hidden_layers) whose plan, with
+// every sequence's KV cache at full length, fits options.gpu_memory_fraction of `free_bytes` (the
+// device's free memory before the model is made); 0 when not even one layer does. Benchmarks
+// of models larger than one device run that many layers (`moelora bench --max-layers fit`).
+int64_t gpu_layers_that_fit(const io::ModelConfig& config, const GpuExecutorOptions& options,
+                            uint64_t free_bytes, uint64_t device_total_bytes, int expert_ranks = 1);
+
 // Whether this build has CUDA and a device is visible (never throws).
 bool cuda_device_available();
 

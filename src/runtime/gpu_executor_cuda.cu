@@ -516,19 +516,15 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   m.num_slots = l.num_slots;
   m.max_rank = round_up(l.max_lora_rank, 8);
   m.page_size = o.page_size;
-  int64_t max_seq_len = o.max_seq_len > 0 ? o.max_seq_len : kDefaultMaxSeqLen;
-  if (config.max_position_embeddings > 0)
-    max_seq_len = std::min(max_seq_len, config.max_position_embeddings);
-  m.max_pages_per_seq = round_up(max_seq_len, o.page_size) / o.page_size;
-  const uint64_t kv_per_token = std::max<uint64_t>(estimate_kv_bytes_per_token(config), 1);
-  const uint64_t page_bytes = kv_per_token * static_cast<uint64_t>(o.page_size);
+  const GpuMemoryPlan plan = plan_gpu_memory(config, o, total, ranks);
+  const int64_t max_seq_len = plan.max_seq_len;
+  m.max_pages_per_seq = static_cast<int>(plan.max_pages_per_seq);
+  const uint64_t page_bytes = plan.page_bytes;
   // Never more than every sequence at full length needs.
-  const uint64_t need = page_bytes * static_cast<uint64_t>(m.max_pages_per_seq) *
-                        static_cast<uint64_t>(l.max_sequences);
+  const uint64_t need = plan.full_kv_bytes;
   uint64_t budget = o.kv_cache_bytes;
   if (budget == 0) {
-    const uint64_t model_bytes = estimate_gpu_model_bytes(config, fp8_experts, l, ranks);
-    const uint64_t slack = (1ull << 30) + total / 50;  // cuBLAS, CUDA context, graphs, estimates
+    const uint64_t model_bytes = plan.model_bytes, slack = plan.slack_bytes;
     const double usable = o.gpu_memory_fraction * static_cast<double>(free_before);
     MOELORA_CHECK(usable > static_cast<double>(model_bytes + slack) +
                                static_cast<double>(page_bytes) * m.max_pages_per_seq,

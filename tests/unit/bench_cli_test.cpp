@@ -64,6 +64,8 @@ TEST(BenchCli, TableAndJson) {
   EXPECT_EQ(j["output_len"], 4);
   EXPECT_EQ(j["adapter_dist"], "skewed");
   EXPECT_EQ(j["model"]["model_type"], "qwen3_moe");
+  EXPECT_EQ(j["model"]["max_layers"], 0);
+  EXPECT_EQ(j["model"]["max_layers_fit"], false);
   EXPECT_TRUE(j["targets"].is_array());
   ASSERT_EQ(j["runs"].size(), 4u);  // per B: no-LoRA, LoRA
   for (size_t i = 0; i < 4; ++i) {
@@ -187,6 +189,12 @@ TEST(BenchCli, ErrorsAreOneClearLine) {
       {"bench --model " + quote(q) + " --batch-sizes 4,x", "--batch-sizes: 'x' is not an integer"},
       {"bench --model " + quote(q) + " --adapters a", "must be given as NAME=DIR"},
       {"bench --model " + quote(q) + " --base-share 2", "--base-share must be in [0, 1]"},
+      {"bench --device cpu --model " + quote(q) + " --max-layers two",
+       "--max-layers: expected a layer count >= 0 (0 = all) or 'fit', got 'two'"},
+      {"bench --device cpu --model " + quote(q) + " --max-layers -1",
+       "--max-layers: expected a layer count >= 0 (0 = all) or 'fit', got '-1'"},
+      {"bench --device cpu --model " + quote(q) + " --max-layers fit",
+       "--max-layers fit needs --device cuda"},
   };
   if (!cuda_device_available())
     cases.push_back({"bench --model " + quote(q) + " --device cuda", "device 'cuda'"});

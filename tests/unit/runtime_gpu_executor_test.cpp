@@ -302,5 +302,55 @@ TEST(GpuExecutorHost, EstimatesScaleWithTheShapes) {
   EXPECT_EQ(shapes, expected);
 }
 
+// The executor's memory plan and the layer count `moelora bench --max-layers fit` runs: the plan
+// is the executor's arithmetic (model estimate, KV pages of full-length sequences, 1 GiB + 2 % of
+// the device kept free), and the fit is the largest leading layer count whose plan fits
+// gpu_memory_fraction of the free memory.
+TEST(GpuExecutorHost, MemoryPlanAndTheLayersThatFit) {
+  io::ModelConfig qwen = io::load_model_config(fixture("qwen3_moe") / "base");
+  qwen.num_hidden_layers = 12;  // more layers to choose from (the per-layer lists are cut below)
+  qwen.mlp_only_layers.clear();
+  GpuExecutorOptions o;
+  o.limits = {256, 8, 2, 16};
+  o.page_size = 64;
+  o.max_seq_len = 300;
+  o.gpu_memory_fraction = 0.5;
+  const uint64_t total = 80ull << 30;
+
+  const GpuMemoryPlan plan = plan_gpu_memory(qwen, o, total);
+  EXPECT_EQ(plan.model_bytes, estimate_gpu_model_bytes(qwen, false, o.limits));
+  EXPECT_EQ(plan.max_seq_len, 300);
+  EXPECT_EQ(plan.max_pages_per_seq, 5);  // ceil(300 / 64)
+  EXPECT_EQ(plan.page_bytes, estimate_kv_bytes_per_token(qwen) * 64);
+  EXPECT_EQ(plan.full_kv_bytes, plan.page_bytes * 5 * 8);
+  EXPECT_EQ(plan.slack_bytes, (1ull << 30) + total / 50);
+  // The default length, capped by the model's positions.
+  o.max_seq_len = 0;
+  EXPECT_EQ(plan_gpu_memory(qwen, o, total).max_seq_len,
+            std::min(kDefaultMaxSeqLen, qwen.max_position_embeddings));
+  o.max_seq_len = 300;
+  // An expert-parallel rank holds a share of the experts.
+  EXPECT_LT(plan_gpu_memory(qwen, o, total, 4).model_bytes, plan.model_bytes);
+
+  // What k leading layers need; the free memory that holds exactly k of them.
+  auto need = [&](int64_t k) {
+    const GpuMemoryPlan p = plan_gpu_memory(first_layers(qwen, k), o, total);
+    return p.model_bytes + p.full_kv_bytes + p.slack_bytes;
+  };
+  for (int64_t k = 2; k <= qwen.num_hidden_layers; ++k) EXPECT_GT(need(k), need(k - 1));
+  for (const int64_t k : {1, 5, 11}) {
+    const uint64_t free_exact = static_cast<uint64_t>(static_cast<double>(need(k)) / 0.5) + 2;
+    EXPECT_EQ(gpu_layers_that_fit(qwen, o, free_exact, total), k) << k;
+    EXPECT_EQ(gpu_layers_that_fit(qwen, o, free_exact - 4, total), k - 1) << k;
+  }
+  EXPECT_EQ(gpu_layers_that_fit(qwen, o, 1ull << 50, total), qwen.num_hidden_layers);
+  EXPECT_EQ(gpu_layers_that_fit(qwen, o, 1ull << 30, total), 0);  // below the slack alone
+  // A longer sequence or more of them leave room for fewer layers.
+  const uint64_t free_eleven = static_cast<uint64_t>(static_cast<double>(need(11)) / 0.5) + 2;
+  GpuExecutorOptions longer = o;
+  longer.max_seq_len = 512;
+  EXPECT_LT(gpu_layers_that_fit(qwen, longer, free_eleven, total), 11);
+}
+
 }  // namespace
 }  // namespace moelora::runtime
