@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device_collectives.h"
 #include "core/error.h"
 #include "dist/parallel_attention.h"
 #include "dist/parallel_gdn.h"
@@ -182,10 +183,23 @@ io::ModelWeights shard_checkpoint(const io::ModelWeights& w, ShardSpec tp) {
   s.config = rank_config(c, tp);
   s.dir = w.dir;
   s.weight_prefix = w.weight_prefix;
-  s.embed_tokens = w.embed_tokens;
+  // The vocabulary's rows (embedding, lm_head) by vocab_shard: an equal share when V divides.
+  const VocabShard vocab = vocab_shard(c.vocab_size, tp.rank, tp.size);
+  const ShardRange vocab_rows{vocab.begin, vocab.begin + vocab.count};
+  s.embed_tokens = vocab.split ? slice_dim(w.embed_tokens, 0, vocab_rows.begin, vocab_rows.end,
+                                           "model.embed_tokens.weight")
+                               : w.embed_tokens;
   s.final_norm = w.final_norm;
-  s.lm_head = w.lm_head;
   s.tied_embeddings = w.tied_embeddings;
+  if (!vocab.split) {
+    s.lm_head = w.lm_head;
+  } else if (w.tied_embeddings) {
+    s.lm_head = w.lm_head;
+    s.lm_head.weight = s.embed_tokens;
+    s.lm_head.out_features = vocab.count;
+  } else {
+    s.lm_head = rows_of(w.lm_head, vocab_rows, tp);
+  }
   s.ignored_tensors = w.ignored_tensors;
   s.layers.resize(w.layers.size());
   for (size_t l = 0; l < w.layers.size(); ++l) {

@@ -4,8 +4,11 @@
 // the ordinary GpuModel::load and a DeviceCollectives group sums the partial outputs.
 //
 // Split over n ranks (one group for TP and EP, as the anchor serves Qwen3.5 TP4 / EP4):
-//   embedding, lm_head, norms, router (and its correction bias), MLA's query and KV latent
-//   projections (q_a_proj, kv_a_proj_with_mqa): whole on every rank;
+//   embedding and lm_head: vocabulary rows [r V / n, (r + 1) V / n) when n divides V (the GPU
+//     model looks up its rows and sums the embedding over the ranks, and gathers the logits),
+//     else whole (vocab_shard, core/device_collectives.h);
+//   norms, router (and its correction bias), MLA's query and KV latent projections (q_a_proj,
+//   kv_a_proj_with_mqa): whole on every rank;
 //   GQA attention: query heads [r Hq / n, (r + 1) Hq / n) with their q_proj rows (Qwen3.5's
 //     [q | gate] per head) and KV heads [r Hkv / n, ...), or the one KV head the rank's query
 //     heads read when n > Hkv (held alike by n / Hkv ranks); o_proj's columns of the query heads;

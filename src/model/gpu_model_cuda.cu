@@ -188,8 +188,14 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
   embed.tokens = shape.tokens;
   embed.num_tokens = d.num_tokens;
   embed.hidden = H;
-  embed.vocab = vocab_;
+  embed.vocab = vocab_rows_;
+  embed.first_id = vocab_begin_;
   ops::cuda::launch_embedding(embed, main);
+  // A split vocabulary: each rank wrote its ids' rows and zeros elsewhere; the sum is the lookup
+  // (one nonzero term per row, exact in bf16).
+  if (vocab_split_)
+    options_.collectives->all_reduce_sum(resid_, static_cast<size_t>(shape.tokens) * H,
+                                         DType::kBF16, main);
 
   branch_delta_pending_ = false;
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -218,8 +224,24 @@ void GpuModelImpl::forward(const ForwardShape& shape) {
   gd::launch_gather_rows(branch_, shape.tokens, d.last_row, shape.seqs, H, last_branch_, main);
   gd::launch_gather_rows(resid_, shape.tokens, d.last_row, shape.seqs, H, last_resid_, main);
   rms_norm(last_branch_, last_resid_, final_norm_, last_norm_, shape.seqs, d.num_seqs, H);
-  gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, last_norm_, H, lm_head_, logits_,
-                CUDA_R_32F, vocab_, shape.seqs, vocab_, H);
+  if (!vocab_split_) {
+    gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, last_norm_, H, lm_head_,
+                  logits_, CUDA_R_32F, vocab_, shape.seqs, vocab_, H);
+  } else {
+    // This rank's vocabulary columns, gathered from every rank ([ranks, seqs, V / ranks]) and
+    // laid out as the rows of logits_ [seqs, V].
+    gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, last_norm_, H, lm_head_,
+                  local_logits_, CUDA_R_32F, vocab_rows_, shape.seqs, vocab_rows_, H);
+    const size_t block = static_cast<size_t>(shape.seqs) * vocab_rows_;
+    options_.collectives->all_gather(local_logits_, gathered_logits_, block, DType::kF32, main);
+    for (int r = 0; r < options_.collectives->size(); ++r) {
+      MOELORA_CUDA_CHECK(
+          cudaMemcpy2DAsync(logits_ + static_cast<size_t>(r) * vocab_rows_, sizeof(float) * vocab_,
+                            gathered_logits_ + static_cast<size_t>(r) * block,
+                            sizeof(float) * vocab_rows_, sizeof(float) * vocab_rows_,
+                            static_cast<size_t>(shape.seqs), cudaMemcpyDeviceToDevice, main));
+    }
+  }
   if (shape.sample) {
     ops::cuda::SampleArgs s;
     s.logits = logits_;

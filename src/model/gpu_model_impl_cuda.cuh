@@ -410,6 +410,11 @@ class GpuModelImpl final : public GpuModel {
   GpuModelOptions options_;
   size_t free_at_start_ = 0;
   int hidden_ = 0, vocab_ = 0;
+  // The vocabulary rows this model holds of its embedding and lm_head (vocab_shard: a rank of a
+  // group whose size divides V holds [vocab_begin_, + vocab_rows_), looks up only those ids and
+  // sums the embedding over the group, and gathers the logits); else all V.
+  int vocab_begin_ = 0, vocab_rows_ = 0;
+  bool vocab_split_ = false;
 
   cuda::Stream main_, side_;
   cuda::Event fork_, join_;
@@ -462,6 +467,9 @@ class GpuModelImpl final : public GpuModel {
   float* lora_partial_ = nullptr;
   bf16 *last_branch_ = nullptr, *last_resid_ = nullptr, *last_norm_ = nullptr;
   float* logits_ = nullptr;
+  // Split vocabulary: this rank's logits [max_seqs, vocab_rows_] and every rank's, gathered
+  // [ranks, max_seqs, vocab_rows_] (rank-major, as the all-gather delivers them).
+  float *local_logits_ = nullptr, *gathered_logits_ = nullptr;
   int32_t* sampled_ = nullptr;
 
   std::unique_ptr<PinnedBuffer> step_host_;

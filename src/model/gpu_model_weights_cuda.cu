@@ -43,6 +43,13 @@ GpuModelImpl::GpuModelImpl(const io::ModelConfig& config, const GpuModelLimits& 
   num_sms_ = cuda::device_info(options_.device).num_sms;
   hidden_ = static_cast<int>(config_.hidden_size);
   vocab_ = static_cast<int>(config_.vocab_size);
+  const VocabShard vocab = options_.collectives
+                               ? vocab_shard(config_.vocab_size, options_.collectives->rank(),
+                                             options_.collectives->size())
+                               : vocab_shard(config_.vocab_size, 0, 1);
+  vocab_begin_ = static_cast<int>(vocab.begin);
+  vocab_rows_ = static_cast<int>(vocab.count);
+  vocab_split_ = vocab.split;
   layers_.resize(static_cast<size_t>(config_.num_hidden_layers));
 }
 
@@ -54,10 +61,24 @@ void GpuModelImpl::upload(const io::ModelWeights& weights) {
   std::optional<ProgressBar> bar;
   if (options_.show_progress)
     bar.emplace("Uploading weights to the GPU", static_cast<uint64_t>(L + 1), "layers");
+  // A rank of a split vocabulary uploads its rows (dist::shard_checkpoint cut them).
   embed_ =
-      upload_plain(weights.embed_tokens, {config_.vocab_size, config_.hidden_size}, "embed_tokens");
+      upload_plain(weights.embed_tokens, {vocab_rows_, config_.hidden_size},
+                   vocab_split_ ? "embed_tokens (this rank's vocabulary rows)" : "embed_tokens");
   final_norm_ = upload_plain(weights.final_norm, {config_.hidden_size}, "norm");
-  lm_head_ = weights.tied_embeddings ? embed_ : upload_linear(weights.lm_head).w;
+  if (weights.tied_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    MOELORA_CHECK(weights.lm_head.out_features == vocab_rows_ &&
+                      weights.lm_head.in_features == config_.hidden_size,
+                  ErrorCode::kInvalidArgument, "GpuModel: lm_head is [",
+                  weights.lm_head.out_features, ", ", weights.lm_head.in_features, "], expected [",
+                  vocab_rows_, ", ", config_.hidden_size, "]",
+                  vocab_split_ ? " (this rank's vocabulary rows: cut the checkpoint with "
+                                 "dist::shard_checkpoint)"
+                               : "");
+    lm_head_ = upload_linear(weights.lm_head).w;
+  }
   if (bar) bar->advance();
   for (int64_t l = 0; l < L; ++l) {
     upload_layer(weights.layers[static_cast<size_t>(l)], l);
@@ -93,11 +114,11 @@ void GpuModelImpl::randomize(uint64_t seed, bool fp8_experts) {
   std::optional<ProgressBar> bar;
   if (options_.show_progress)
     bar.emplace("Drawing random weights on the GPU", static_cast<uint64_t>(L + 1), "layers");
-  embed_ = alloc_weight<bf16>(static_cast<size_t>(config_.vocab_size * H));
-  gd::launch_fill_bf16(embed_, config_.vocab_size * H,
-                       {gd::FillKind::kNormal, 0.0f, 1.0f, next_seed()}, main_.get());
+  embed_ = alloc_weight<bf16>(static_cast<size_t>(vocab_rows_) * H);
+  gd::launch_fill_bf16(embed_, vocab_rows_ * H, {gd::FillKind::kNormal, 0.0f, 1.0f, next_seed()},
+                       main_.get());
   final_norm_ = norm(H);
-  lm_head_ = config_.tie_word_embeddings ? embed_ : linear(config_.vocab_size, H).w;
+  lm_head_ = config_.tie_word_embeddings ? embed_ : linear(vocab_rows_, H).w;
   if (bar) bar->advance();
   for (int64_t l = 0; l < L; ++l) {
     Layer& layer = layers_[static_cast<size_t>(l)];
@@ -591,6 +612,10 @@ void GpuModelImpl::finish_construction() {
   last_resid_ = alloc<bf16>(static_cast<size_t>(B) * H);
   last_norm_ = alloc<bf16>(static_cast<size_t>(B) * H);
   logits_ = alloc<float>(static_cast<size_t>(B) * vocab_);
+  if (vocab_split_) {
+    local_logits_ = alloc<float>(static_cast<size_t>(B) * vocab_rows_);
+    gathered_logits_ = alloc<float>(static_cast<size_t>(B) * vocab_);
+  }
   sampled_ = alloc<int32_t>(B);
 
   // ---- step metadata: one block, host mirror pinned ----

@@ -59,7 +59,8 @@ class NcclCommunicator final : public DeviceCollectives {
   // device pointers of `count` elements (all_gather's recv and reduce_scatter's send: size()
   // times that, rank-major as in communicator.h). Reductions sum.
   void all_reduce_sum(void* inout, size_t count, DType dtype, cudaStream_t stream) override;
-  void all_gather(const void* send, void* recv, size_t count, DType dtype, cudaStream_t stream);
+  void all_gather(const void* send, void* recv, size_t count, DType dtype,
+                  cudaStream_t stream) override;
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DType dtype,
                           cudaStream_t stream);
   void broadcast(void* buf, size_t count, DType dtype, int root, cudaStream_t stream);

@@ -365,7 +365,10 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
   const uint64_t R =
       static_cast<uint64_t>((std::max<int64_t>(limits.max_lora_rank, 1) + 7) / 8 * 8);
   const uint64_t S = static_cast<uint64_t>(std::max(limits.num_slots, 0));
-  uint64_t weights = V * H * (c.tie_word_embeddings ? 1 : 2) * 2;  // embedding + lm_head
+  // embedding + lm_head: a rank holds its vocabulary rows when the ranks divide V (vocab_shard)
+  const uint64_t vocab_rows =
+      static_cast<uint64_t>(vocab_shard(c.vocab_size, 0, std::max(expert_ranks, 1)).count);
+  uint64_t weights = vocab_rows * H * (c.tie_word_embeddings ? 1 : 2) * 2;
   uint64_t lora_elems = 0;                                         // per slot
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     for_each_dense_linear(c, l, [&](int64_t out, int64_t in) {
@@ -395,8 +398,12 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
        2 * static_cast<uint64_t>(std::max<int64_t>(c.num_experts_per_tok, 1)) *
            static_cast<uint64_t>(std::max<int64_t>(c.moe_intermediate_size, 0)),
        2 * static_cast<uint64_t>(std::max<int64_t>(c.intermediate_size, 0))});
+  // ... and the logits [max_seqs, V] fp32 (a split vocabulary: also the rank's columns and the
+  // gathered blocks).
+  const uint64_t logits_copies = vocab_rows < V ? 2 : 1;
   const uint64_t workspace =
-      8 * T * width * 4 + static_cast<uint64_t>(std::max(limits.max_sequences, 1)) * V * 4;
+      8 * T * width * 4 + static_cast<uint64_t>(std::max(limits.max_sequences, 1)) *
+                              (logits_copies * V + (vocab_rows < V ? vocab_rows : 0)) * 4;
   // Linear-attention states: one per sequence of a step.
   const uint64_t states =
       linear_attention_state_bytes(c) * static_cast<uint64_t>(std::max(limits.max_sequences, 1));

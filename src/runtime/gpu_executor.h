@@ -249,7 +249,8 @@ void for_each_dense_linear(const io::ModelConfig& config, int64_t layer,
 // shapes (weights as the GPU model stores them, the adapter pool of num_slots x max_rank, and
 // the per-token workspaces). Used to size the KV cache before the model exists. expert_ranks: the
 // routed experts (and their LoRA pools) are split over that many ranks (config.num_experts is
-// all of them; an expert-parallel rank holds 1 / expert_ranks).
+// all of them; an expert-parallel rank holds 1 / expert_ranks), and so are the embedding and
+// lm_head rows when the ranks divide the vocabulary (vocab_shard).
 uint64_t estimate_gpu_model_bytes(const io::ModelConfig& config, bool fp8_experts,
                                   const ExecutorLimits& limits, int expert_ranks = 1);
 // KV bytes per token over all layers as the paged cache stores them (bf16; GQA: K and V of every

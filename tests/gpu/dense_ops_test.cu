@@ -167,6 +167,68 @@ TEST(Sm90_DenseOps, EmbeddingGathersRowsExactly) {
   }
 }
 
+// A split vocabulary (vocab_shard): each of n ranks looks up the ids of its rows
+// [first_id, first_id + V / n) in its share of the table and writes zero rows for the others, so
+// the ranks' outputs summed are the whole table's lookup, row by row exactly.
+TEST(Sm90_DenseOps, EmbeddingOfOneVocabularyShardSumsToTheWholeLookup) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(302));
+  const int V = 96, H = 64, T = 41, ranks = 4, shard = V / ranks;
+  const std::vector<uint16_t> table = random_bf16(rng, static_cast<size_t>(V) * H, 1.0f);
+  std::vector<int32_t> ids(T);
+  std::uniform_int_distribution<int32_t> id_dist(0, V - 1);
+  for (auto& id : ids) id = id_dist(rng);
+  ids[0] = 0, ids[1] = V - 1, ids[2] = shard - 1, ids[3] = shard;  // the shards' edges
+  Tensor table_t = Tensor::empty(DType::kBF16, {V, H});
+  std::memcpy(table_t.raw_data(), table.data(), table.size() * 2);
+  const Tensor ref = ops::embedding_ref(table_t, std::span<const int32_t>(ids));
+  auto ids_d = upload_vector(ids);
+  std::vector<int> owners(T, 0);  // how many ranks wrote a nonzero-able row for each token
+  for (int r = 0; r < ranks; ++r) {
+    const std::vector<uint16_t> rows(table.begin() + static_cast<size_t>(r) * shard * H,
+                                     table.begin() + static_cast<size_t>(r + 1) * shard * H);
+    auto table_d = upload_vector(rows);
+    auto out_d = upload_vector(std::vector<uint16_t>(static_cast<size_t>(T) * H, 0x7f7f));
+    ops::cuda::EmbeddingArgs a;
+    a.table = table_d.as<__nv_bfloat16>();
+    a.ids = ids_d.as<int32_t>();
+    a.out = out_d.as<__nv_bfloat16>();
+    a.tokens = T;
+    a.hidden = H;
+    a.vocab = shard;
+    a.first_id = r * shard;
+    ops::cuda::launch_embedding(a, nullptr);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> out = download_vector<uint16_t>(out_d, static_cast<size_t>(T) * H);
+    for (int t = 0; t < T; ++t) {
+      const bool mine = ids[t] >= r * shard && ids[t] < (r + 1) * shard;
+      owners[t] += mine;
+      for (int h = 0; h < H; ++h) {
+        const uint16_t got = out[static_cast<size_t>(t) * H + h];
+        if (mine) {
+          ASSERT_EQ(bf16_bits_to_f32(got), ref.data<float>()[static_cast<size_t>(t) * H + h])
+              << "rank " << r << " row " << t << " col " << h;
+        } else {
+          ASSERT_EQ(got, 0) << "rank " << r << " row " << t << " (id " << ids[t]
+                            << ") belongs to another rank";
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) EXPECT_EQ(owners[t], 1) << "row " << t;
+  // A negative first id is refused, naming it.
+  ops::cuda::EmbeddingArgs bad;
+  bad.table = reinterpret_cast<const __nv_bfloat16*>(ids_d.get());
+  bad.ids = ids_d.as<int32_t>();
+  bad.out = reinterpret_cast<__nv_bfloat16*>(ids_d.get());
+  bad.tokens = 1;
+  bad.hidden = H;
+  bad.vocab = shard;
+  bad.first_id = -1;
+  EXPECT_TRUE(test::contains(test::error_of([&] { ops::cuda::launch_embedding(bad, nullptr); }),
+                             "first_id >= 0"));
+}
+
 // ---------------------------------------------------------------- rms_norm
 
 struct NormCase {

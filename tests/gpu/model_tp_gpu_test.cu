@@ -1,7 +1,9 @@
 // Sm90 tensor- and expert-parallel GpuModel on one GPU: the ranks of a group as threads sharing
 // the device (NCCL cannot place two ranks on one GPU, so the group here is SameDeviceGroup, which
-// keeps NCCL's all-reduce contract), each rank a GpuModel loaded from its dist::shard_checkpoint
-// share with its dist::shard_adapter adapters. On the parity fixtures (Qwen3-MoE with a dense
+// keeps NCCL's all-reduce and all-gather contracts), each rank a GpuModel loaded from its
+// dist::shard_checkpoint share with its dist::shard_adapter adapters (the fixtures' vocabulary of
+// 512 divides: every rank holds its rows of the embedding and lm_head, sums the lookup over the
+// group and gathers the logits). On the parity fixtures (Qwen3-MoE with a dense
 // layer, Qwen3.5-MoE with Gated DeltaNet and gated attention, DeepSeek-V3 and Kimi-like MLA, the
 // FP8 DeepSeek checkpoint), 2 and 4 ranks (KV heads held by two ranks at 4), a batch of adapter and
 // base sequences prefilled and decoded teacher-forced with the whole model's tokens:
@@ -69,7 +71,8 @@ __global__ void sum_ranks_kernel(RankBuffers buffers, int ranks, T* out, size_t 
   }
 }
 
-// A group whose ranks are threads on one device. all_reduce_sum: each rank publishes its buffer
+// A group whose ranks are threads on one device. all_reduce_sum (all_gather alike, copying the
+// ranks' blocks instead of summing them): each rank publishes its buffer
 // and an event on its stream and meets the others at a host barrier; its stream then waits for
 // every rank's event, sums all buffers in rank order into its own scratch and records a second
 // event; after a second barrier it waits for every rank's sum to be done (so no rank overwrites a
@@ -85,7 +88,7 @@ class SameDeviceGroup {
 
  private:
   struct Shared {
-    explicit Shared(int n) : size(n), barrier(n), buffers(n), ready(n), summed(n) {
+    explicit Shared(int n) : size(n), barrier(n), buffers(n), sends(n), ready(n), summed(n) {
       for (int r = 0; r < n; ++r) {
         EXPECT_EQ(cudaEventCreateWithFlags(&ready[r], cudaEventDisableTiming), cudaSuccess);
         EXPECT_EQ(cudaEventCreateWithFlags(&summed[r], cudaEventDisableTiming), cudaSuccess);
@@ -100,6 +103,7 @@ class SameDeviceGroup {
     int size;
     std::barrier<> barrier;
     std::vector<void*> buffers;
+    std::vector<const void*> sends;
     std::vector<cudaEvent_t> ready, summed;
   };
 
@@ -144,6 +148,28 @@ class SameDeviceGroup {
       if (fits)
         EXPECT_EQ(cudaMemcpyAsync(inout, scratch_, bytes, cudaMemcpyDeviceToDevice, stream),
                   cudaSuccess);
+    }
+
+    // Every rank copies each rank's block into its recv; the second barrier keeps a rank's send
+    // alive until every copy of it is enqueued behind the events.
+    void all_gather(const void* send, void* recv, size_t count, DType dtype,
+                    CUstream_st* stream) override {
+      EXPECT_TRUE(dtype == DType::kF32 || dtype == DType::kBF16) << dtype_name(dtype);
+      const size_t bytes = count * (dtype == DType::kF32 ? 4 : 2);
+      Shared& s = *shared_;
+      s.sends[rank_] = send;
+      EXPECT_EQ(cudaEventRecord(s.ready[rank_], stream), cudaSuccess);
+      s.barrier.arrive_and_wait();
+      for (int r = 0; r < s.size; ++r) {
+        EXPECT_EQ(cudaStreamWaitEvent(stream, s.ready[r], 0), cudaSuccess);
+        EXPECT_EQ(cudaMemcpyAsync(static_cast<char*>(recv) + static_cast<size_t>(r) * bytes,
+                                  s.sends[r], bytes, cudaMemcpyDeviceToDevice, stream),
+                  cudaSuccess);
+      }
+      EXPECT_EQ(cudaEventRecord(s.summed[rank_], stream), cudaSuccess);
+      s.barrier.arrive_and_wait();
+      for (int r = 0; r < s.size; ++r)
+        EXPECT_EQ(cudaStreamWaitEvent(stream, s.summed[r], 0), cudaSuccess);
     }
 
    private:
@@ -519,10 +545,20 @@ TEST(Sm90_GpuModelTensorParallel, ShareWithTheWrongExpertCountIsRefused) {
   GpuModelOptions o;
   o.show_progress = false;
   o.collectives = &group.rank(1);
-  // Rank 1 of 4 given the share cut for 2 ranks: 4 experts where 2 are expected.
-  const io::ModelWeights share = dist::shard_checkpoint(weights, {1, 2});
-  const std::string message = test::error_message([&] { GpuModel::load(share, small_limits(), o); },
-                                                  ErrorCode::kInvalidArgument);
+  // Rank 1 of 4 given the share cut for 2 ranks: its vocabulary rows are refused first (256
+  // where a rank of 4 holds 128 of the 512) ...
+  io::ModelWeights share = dist::shard_checkpoint(weights, {1, 2});
+  std::string message = test::error_message([&] { GpuModel::load(share, small_limits(), o); },
+                                            ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("embed_tokens (this rank's vocabulary rows): expected shape [128, "),
+            std::string::npos)
+      << message;
+  // ... and with the right rows, its 4 experts where 2 are expected.
+  const io::ModelWeights right_vocabulary = dist::shard_checkpoint(weights, {1, 4});
+  share.embed_tokens = right_vocabulary.embed_tokens;
+  share.lm_head = right_vocabulary.lm_head;
+  message = test::error_message([&] { GpuModel::load(share, small_limits(), o); },
+                                ErrorCode::kInvalidArgument);
   EXPECT_NE(message.find("rank 1 of 4 holds 4 routed experts of 8"), std::string::npos) << message;
 }
 

@@ -8,8 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "core/device_collectives.h"
 #include "dist/shard_checkpoint.h"
 #include "io/checkpoint.h"
 #include "io/peft.h"
@@ -111,6 +113,13 @@ TEST(DistShardCheckpoint, Qwen3MoeGqaHeadsChannelsAndExperts) {
       EXPECT_EQ(s.config.num_experts, 8);          // the router scores every expert
       EXPECT_EQ(s.config.intermediate_size, 96 / n);
       const int64_t d = c.head_dim, per = 4 / n;
+      // The vocabulary (512) divides: the rank's rows of the embedding and of lm_head.
+      const int64_t v = c.vocab_size / n;
+      EXPECT_EQ(s.config.vocab_size, c.vocab_size);  // the model's vocabulary, not the share
+      expect_rows(s.embed_tokens.to_f32(), w.embed_tokens.to_f32(), range(r * v, (r + 1) * v),
+                  "embed_tokens");
+      ASSERT_EQ(s.lm_head.out_features, v);
+      expect_rows(as_f32(s.lm_head), as_f32(w.lm_head), range(r * v, (r + 1) * v), "lm_head");
       // At 4 ranks the query heads r read KV head r / 2: ranks 0, 1 hold head 0, ranks 2, 3 head 1.
       const int64_t kv = n == 2 ? r : r / 2;
       for (size_t l = 0; l < w.layers.size(); ++l) {
@@ -149,6 +158,31 @@ TEST(DistShardCheckpoint, Qwen3MoeGqaHeadsChannelsAndExperts) {
   }
   EXPECT_EQ(expert_range(c, {3, 4}).begin, 6);
   EXPECT_EQ(expert_range(c, {3, 4}).end, 8);
+}
+
+// The vocabulary's rows: an equal share when the ranks divide it, else (and for one rank) all of
+// them; tied embeddings share the embedding's rows with lm_head.
+TEST(DistShardCheckpoint, VocabularyRowsFollowVocabShard) {
+  EXPECT_EQ(vocab_shard(512, 3, 4).begin, 384);
+  EXPECT_EQ(vocab_shard(512, 3, 4).count, 128);
+  EXPECT_TRUE(vocab_shard(512, 3, 4).split);
+  for (const auto& [vocab, size] :
+       std::vector<std::pair<int64_t, int>>{{511, 2}, {512, 1}, {100, 3}}) {
+    const VocabShard whole = vocab_shard(vocab, 0, size);
+    EXPECT_EQ(whole.begin, 0);
+    EXPECT_EQ(whole.count, vocab);
+    EXPECT_FALSE(whole.split);
+  }
+  io::ModelWeights w = load("qwen3_moe");
+  w.tied_embeddings = true;
+  w.lm_head.weight = w.embed_tokens;
+  const io::ModelWeights s = shard_checkpoint(w, {1, 2});
+  const int64_t v = w.config.vocab_size / 2;
+  ASSERT_EQ(s.embed_tokens.dim(0), v);
+  EXPECT_TRUE(s.tied_embeddings);
+  EXPECT_EQ(s.lm_head.out_features, v);
+  EXPECT_EQ(s.lm_head.weight.raw_data(), s.embed_tokens.raw_data());
+  expect_rows(s.embed_tokens.to_f32(), w.embed_tokens.to_f32(), range(v, 2 * v), "embed_tokens");
 }
 
 TEST(DistShardCheckpoint, Qwen35GatedAttentionAndGatedDeltaNetChannels) {

@@ -18,16 +18,16 @@ __global__ void __launch_bounds__(kEmbeddingThreads)
   const int token = blockIdx.x;
   const int valid = args.num_tokens ? *args.num_tokens : args.tokens;
   if (token >= valid) return;
-  const int32_t id = args.ids[token];
+  const int64_t id = static_cast<int64_t>(args.ids[token]) - args.first_id;
   const int vectors = args.hidden / 8;
   uint4* dst = reinterpret_cast<uint4*>(args.out + static_cast<int64_t>(token) * args.hidden);
   if (id < 0 || id >= args.vocab) {
-    // An id the host should have rejected: a zero row, never an out-of-bounds read.
+    // Another rank's id, or one the host should have rejected: a zero row, never an
+    // out-of-bounds read.
     for (int v = threadIdx.x; v < vectors; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
     return;
   }
-  const uint4* src =
-      reinterpret_cast<const uint4*>(args.table + static_cast<int64_t>(id) * args.hidden);
+  const uint4* src = reinterpret_cast<const uint4*>(args.table + id * args.hidden);
   for (int v = threadIdx.x; v < vectors; v += blockDim.x) dst[v] = src[v];
 }
 
@@ -45,8 +45,9 @@ void launch_embedding(const EmbeddingArgs& args, cudaStream_t stream) {
                 "embedding: table, ids and out must be device pointers (got null)");
   MOELORA_CHECK(args.hidden > 0 && args.hidden % 8 == 0, ErrorCode::kInvalidArgument,
                 "embedding: hidden must be a positive multiple of 8, got ", args.hidden);
-  MOELORA_CHECK(args.vocab > 0, ErrorCode::kInvalidArgument, "embedding: vocab must be > 0, got ",
-                args.vocab);
+  MOELORA_CHECK(args.vocab > 0 && args.first_id >= 0, ErrorCode::kInvalidArgument,
+                "embedding: vocab must be > 0 and first_id >= 0, got ", args.vocab, " and ",
+                args.first_id);
   MOELORA_CHECK(aligned16(args.table) && aligned16(args.out), ErrorCode::kInvalidArgument,
                 "embedding: table and out must be 16-byte aligned");
   embedding_gather_kernel<<<args.tokens, kEmbeddingThreads, 0, stream>>>(args);
