@@ -57,8 +57,8 @@
 // "commit", "copy_bandwidth_gbps" (a 1 GiB device-to-device copy timed in the same run, read +
 // write counted), and per run "peak_gpu_memory_mb" (device bytes in use at the peak, from
 // cudaMemGetInfo after every step), "decode_step_ms", "decode_us_per_layer", "step_bytes_mb" and
-// "roofline_fraction" (the byte model below over the measured step time), and fill `targets`
-// with the E1-E3 entries of PERF.md that the runs measure:
+// "roofline_fraction" (the byte model below, runtime/step_bytes.h, over the measured step time),
+// and fill `targets` with the E1-E3 entries of PERF.md that the runs measure:
 //   E1  a run with 1 adapter: (LoRA / no-LoRA decode throughput) / (ideal ratio from bytes),
 //       target 0.97; with shared-outer adapters also the plain ratio, target 0.95;
 //   E2  a no-LoRA run: ideal decode step time (bytes / copy bandwidth) / measured, target 0.80;

@@ -1,7 +1,8 @@
 // `moelora bench`: what its two sources share (the command's documentation is in bench.cpp).
 //
 //   bench.cpp         the options, the engine set up for the run, the timed batches, --help
-//   bench_report.cpp  the byte model of a decode step, the PERF.md targets (E1-E3), the Markdown
+//   bench_report.cpp  the PERF.md targets (E1-E3) from the byte model of a decode step
+//                     (runtime/step_bytes.h), the Markdown
 //                     table on stdout and the --json file
 #pragma once
 
@@ -78,22 +79,6 @@ struct RunResult {
     return decode_steps > 0 ? 1e3 * decode_s / static_cast<double>(decode_steps) : 0.0;
   }
 };
-
-// ---- byte model of a decode step (bench.cpp's file comment)
-
-// Distinct experts B uniformly routed tokens touch: E (1 - (1 - k/E)^B).
-double distinct_experts(double experts, double top_k, double tokens);
-
-struct StepBytes {
-  double base = 0;  // weights + KV of a no-LoRA step
-  double lora = 0;  // the adapters' factors on top
-};
-
-// One decode step of `batch` sequences at mean context `context`; `adapters` distinct adapters of
-// `rank` share `adapter_tokens` of the rows evenly.
-StepBytes decode_step_bytes(const io::ModelConfig& c, int64_t batch, double context,
-                            int64_t adapters, int64_t adapter_tokens, int64_t rank,
-                            bool shared_outer);
 
 // ---- the report
 
