@@ -2,8 +2,7 @@
 //
 //   bench.cpp         the options, the engine set up for the run, the timed batches, --help
 //   bench_report.cpp  the PERF.md targets (E1-E3) from the byte model of a decode step
-//                     (runtime/step_bytes.h), the Markdown
-//                     table on stdout and the --json file
+//                     (runtime/step_bytes.h), the Markdown table on stdout and the --json file
 #pragma once
 
 #include <cstdint>
