@@ -112,6 +112,21 @@ TEST(BenchCli, TableAndJson) {
        ++pos)
     ++rows;
   EXPECT_EQ(rows, 4u) << rendered.output;
+  // --svg: one bar per run, each LoRA bar labelled with its decode share of the no-LoRA run.
+  const fs::path chart = tmp / "runs.svg";
+  const auto drawn =
+      test::run_command("python3 " + quote(report) + " --svg " + quote(chart) + " " + quote(json));
+  ASSERT_EQ(drawn.exit_code, 0) << drawn.output;
+  const std::string svg = test::read_text_file(chart);
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u) << svg.substr(0, 200);
+  size_t bars = 0;
+  for (size_t pos = 0; (pos = svg.find("class=\"run\"", pos)) != std::string::npos; ++pos) ++bars;
+  EXPECT_EQ(bars, 4u);
+  char decode_share[32];
+  std::snprintf(decode_share, sizeof decode_share, ">%.0f%%<",
+                j["runs"][1]["pct_of_no_lora"]["decode"].get<double>());
+  EXPECT_TRUE(contains(svg, decode_share)) << decode_share;
+  EXPECT_TRUE(contains(svg, "qwen3_moe, 3 layers"));
   const auto broken =
       test::run_command("python3 " + quote(report) + " " + quote(tmp / "missing.json"));
   EXPECT_NE(broken.exit_code, 0);
