@@ -57,32 +57,25 @@
 // "commit", "copy_bandwidth_gbps" (a 1 GiB device-to-device copy timed in the same run, read +
 // write counted), and per run "peak_gpu_memory_mb" (device bytes in use at the peak, from
 // cudaMemGetInfo after every step), "decode_step_ms", "decode_us_per_layer", "step_bytes_mb" and
-// "roofline_fraction" (the byte model below, runtime/step_bytes.h, over the measured step time),
+// "roofline_fraction" (runtime::decode_step_bytes over the measured step time: every weight read
+// once, the D(B) experts uniform routing touches, the KV cache at the run's mean decode context
+// input + output / 2, each adapter's factors for its share of the batch; runtime/step_bytes.h),
 // and fill `targets` with the E1-E3 entries of PERF.md that the runs measure:
 //   E1  a run with 1 adapter: (LoRA / no-LoRA decode throughput) / (ideal ratio from bytes),
 //       target 0.97; with shared-outer adapters also the plain ratio, target 0.95;
 //   E2  a no-LoRA run: ideal decode step time (bytes / copy bandwidth) / measured, target 0.80;
 //   E3  runs with 4 or 8 distinct adapters: LoRA / no-LoRA decode throughput, target 0.92.
-// Byte model of one decode step of B tokens (PERF.md "Byte roofline"): every non-expert weight
-// once (attention, dense MLPs, shared experts, routers, lm_head), D(B) = E (1 - (1 - k/E)^B)
-// experts per MoE layer (FP8: 1 byte per weight + block scales; bf16: 2), the KV cache of every
-// sequence at the run's mean decode context (input + output / 2), and with LoRA each adapter's
-// factors for its share of the batch: dense targets whole, routed experts for the D(B / K)
-// experts its tokens touch (shared-outer: the shared factors once). A CPU run measures none of
-// the targets, so `targets` stays empty there.
+// A CPU run measures none of the targets, so `targets` stays empty there.
 #include <sys/resource.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <string>

@@ -400,10 +400,10 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
        2 * static_cast<uint64_t>(std::max<int64_t>(c.intermediate_size, 0))});
   // ... and the logits [max_seqs, V] fp32 (a split vocabulary: also the rank's columns and the
   // gathered blocks).
-  const uint64_t logits_copies = vocab_rows < V ? 2 : 1;
+  const uint64_t logits_per_seq = V + (vocab_rows < V ? V + vocab_rows : 0);
   const uint64_t workspace =
-      8 * T * width * 4 + static_cast<uint64_t>(std::max(limits.max_sequences, 1)) *
-                              (logits_copies * V + (vocab_rows < V ? vocab_rows : 0)) * 4;
+      8 * T * width * 4 +
+      static_cast<uint64_t>(std::max(limits.max_sequences, 1)) * logits_per_seq * 4;
   // Linear-attention states: one per sequence of a step.
   const uint64_t states =
       linear_attention_state_bytes(c) * static_cast<uint64_t>(std::max(limits.max_sequences, 1));

@@ -234,6 +234,17 @@ TEST(GpuExecutorHost, EstimatesScaleWithTheShapes) {
   EXPECT_LT(estimate_gpu_model_bytes(one, false, none), bf16);
   EXPECT_EQ(first_layers(qwen, 0), qwen);
   EXPECT_EQ(first_layers(qwen, 99), qwen);
+  // Two ranks: a vocabulary they divide (512) is split, its embedding and lm_head halved, and the
+  // logits workspace grows by the gathered blocks and the rank's columns; one they do not (511)
+  // stays whole. The experts' halving is the same in both, so it drops out of the difference.
+  io::ModelConfig odd = qwen;
+  odd.vocab_size = 511;
+  const auto rank_saving = [&](const io::ModelConfig& c) {
+    return static_cast<int64_t>(estimate_gpu_model_bytes(c, false, none, 1)) -
+           static_cast<int64_t>(estimate_gpu_model_bytes(c, false, none, 2));
+  };
+  EXPECT_EQ(rank_saving(qwen) - rank_saving(odd),
+            256 * qwen.hidden_size * 2 * 2 - int64_t{4} * (512 + 256) * 4);
 
   // NVFP4 experts stay packed when H and I are multiples of 128: 9/16 of a byte per weight
   // (codes + e4m3 group scales) and an fp32 scale_2 per row, against FP8's byte and 128 x 128
