@@ -62,6 +62,9 @@ struct Options {
   std::string router_gemm = "route";
   bool seam1_after_quant = false;
   bool pdl_after_side_join = true;
+  int seam2_in_finalize = -1;           // EngineOptions::moe_seam2_in_finalize_max_tokens
+  int gemm_sms_left = -1;               // EngineOptions::moe_gemm_sms_left_for_lora
+  int seam2_shrink_in_activation = -1;  // EngineOptions::moe_seam2_shrink_in_activation
   bool no_timeline = false;
   std::string out;
   uint64_t seed = 0;
@@ -219,9 +222,16 @@ int run(const Options& o) {
   const int64_t layers = config.num_hidden_layers;
   if (!o.out.empty()) fs::create_directories(o.out);
   // Output names of runs off the default paths, so that an A/B pair can share one --out folder.
-  const std::string variant = std::string(o.router_gemm == "cublas" ? "_router_cublas" : "") +
-                              (o.seam1_after_quant ? "_seam1_after_quant" : "") +
-                              (o.pdl_after_side_join ? "" : "_plain_after_join");
+  const std::string variant =
+      std::string(o.router_gemm == "cublas" ? "_router_cublas" : "") +
+      (o.seam1_after_quant ? "_seam1_after_quant" : "") +
+      (o.pdl_after_side_join ? "" : "_plain_after_join") +
+      (o.seam2_in_finalize >= 0 ? "_seam2_in_finalize_" + std::to_string(o.seam2_in_finalize)
+                                : "") +
+      (o.gemm_sms_left >= 0 ? "_gemm_sms_left_" + std::to_string(o.gemm_sms_left) : "") +
+      (o.seam2_shrink_in_activation >= 0
+           ? "_seam2_shrink_in_act_" + std::to_string(o.seam2_shrink_in_activation)
+           : "");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -234,7 +244,10 @@ int run(const Options& o) {
       std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " +
       o.attention + " --router-gemm " + o.router_gemm +
       (o.seam1_after_quant ? " --seam1-after-quant" : "") +
-      (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") +
+      (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
+      std::to_string(o.seam2_in_finalize) + " --gemm-sms-left-for-lora " +
+      std::to_string(o.gemm_sms_left) + " --seam2-shrink-in-activation " +
+      std::to_string(o.seam2_shrink_in_activation) +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; 'main idle before' is the gap on the main queue before the "
       "kernel's launches (launch latency, or a wait on the side stream).\n\n";
@@ -257,6 +270,9 @@ int run(const Options& o) {
       options.router_in_route = o.router_gemm == "route";
       options.moe_seam1_after_quant = o.seam1_after_quant;
       options.moe_pdl_after_side_join = o.pdl_after_side_join;
+      options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
+      options.moe_gemm_sms_left_for_lora = o.gemm_sms_left;
+      options.moe_seam2_shrink_in_activation = o.seam2_shrink_in_activation;
       const int64_t prefill_steps =
           (batch * o.context + options.max_batch_tokens - 1) / options.max_batch_tokens;
       const int64_t max_new_tokens = prefill_steps + o.warm_steps + o.steps + 4;
@@ -366,6 +382,9 @@ int run(const Options& o) {
                           {"router_gemm", o.router_gemm},
                           {"seam1_after_quant", o.seam1_after_quant},
                           {"pdl_after_side_join", o.pdl_after_side_join},
+                          {"seam2_in_finalize", o.seam2_in_finalize},
+                          {"gemm_sms_left_for_lora", o.gemm_sms_left},
+                          {"seam2_shrink_in_activation", o.seam2_shrink_in_activation},
                           {"runs", results}};
     std::ofstream(base.string() + ".json") << doc.dump(2) << "\n";
   }
@@ -409,6 +428,24 @@ int main(int argc, char** argv) {
                "MoE layers: the activation and finalize launched programmatically after the side "
                "stream's LoRA events (SideStreamScheduling::pdl_after_side_join, the default); "
                "--no-pdl-after-side-join: plain launches after them, the schedule before");
+  app.add_option("--seam2-in-finalize", o.seam2_in_finalize,
+                 "MoE layers: decode steps of at most N tokens form the seam-2 LoRA expand in the "
+                 "finalize kernel instead of on the side stream (0 = never, -1 = the layer's "
+                 "default; SideStreamScheduling::seam2_expand_in_finalize_max_tokens)")
+      ->check(CLI::Range(-1, 1 << 30))
+      ->capture_default_str();
+  app.add_option("--gemm-sms-left-for-lora", o.gemm_sms_left,
+                 "MoE layers: SMs the expert GEMMs of a decode step with LoRA leave to the side "
+                 "stream's LoRA kernels (0 = none, -1 = the layer's default; "
+                 "SideStreamScheduling::gemm_sms_left_for_lora)")
+      ->check(CLI::Range(-1, 1024))
+      ->capture_default_str();
+  app.add_option("--seam2-shrink-in-activation", o.seam2_shrink_in_activation,
+                 "MoE layers, with the seam-2 expand in the finalize: its shrink in the "
+                 "activation kernel (1) or on the side stream (0); -1 = the layer's default "
+                 "(SideStreamScheduling::seam2_shrink_in_activation)")
+      ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
   app.add_flag("--no-timeline", o.no_timeline,
                "Record no CUPTI kernel timeline (for Nsight Compute, which cannot attach beside "
                "it): the recorded steps run between cudaProfilerStart and Stop and only their "

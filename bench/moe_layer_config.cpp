@@ -205,6 +205,24 @@ int parse_options(int argc, char** argv, Options& opt) {
       opt.side.pdl_after_side_join = true;
     } else if (a == "--no-pdl-after-side-join") {
       opt.side.pdl_after_side_join = false;
+    } else if (a == "--gemm-sms-left-for-lora") {
+      const std::string v = next();
+      opt.side.gemm_sms_left_for_lora = std::stoi(v);
+      if (opt.side.gemm_sms_left_for_lora < -1) {
+        std::fprintf(stderr, "bench_moe_layer: --gemm-sms-left-for-lora must be >= -1, got '%s'\n",
+                     v.c_str());
+        return 2;
+      }
+    } else if (a == "--seam2-shrink-in-activation") {
+      opt.side.seam2_shrink_in_activation = true;
+    } else if (a == "--seam2-in-finalize") {
+      const std::string v = next();
+      opt.side.seam2_expand_in_finalize_max_tokens = std::stoi(v);
+      if (opt.side.seam2_expand_in_finalize_max_tokens < -1) {
+        std::fprintf(stderr, "bench_moe_layer: --seam2-in-finalize must be >= -1, got '%s'\n",
+                     v.c_str());
+        return 2;
+      }
     } else if (a == "--lora-side-ctas") {
       const std::string v = next();
       opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
@@ -283,6 +301,17 @@ int parse_options(int argc, char** argv, Options& opt) {
           "side stream's\n"
           "                      LoRA events (default: programmatic launches after them; "
           "--pdl-after-side-join)\n"
+          "  --seam2-in-finalize N  decode batches of at most N tokens form the seam-2 LoRA "
+          "expand in the\n"
+          "                      finalize kernel (only the shrink stays on the side stream); 0 "
+          "= never,\n"
+          "                      -1 = the layer's default (64)\n"
+          "  --gemm-sms-left-for-lora N  decode with LoRA: the expert GEMMs leave N SMs to the "
+          "side stream's\n"
+          "                      LoRA kernels (0 = none, -1 = the layer's default)\n"
+          "  --seam2-shrink-in-activation  with the seam-2 expand in the finalize: its shrink "
+          "in the\n"
+          "                      activation kernel (no seam-2 kernel on the side stream)\n"
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"

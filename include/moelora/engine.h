@@ -138,6 +138,16 @@ struct EngineOptions {
   // programmatically after the side stream's events (model::GpuModelOptions).
   bool moe_seam1_after_quant = false;
   bool moe_pdl_after_side_join = true;
+  // Decode forwards of at most this many tokens form the seam-2 LoRA expand in the MoE finalize
+  // kernel instead of on the side stream (0 = never, -1 = the layer's measured default;
+  // model::GpuModelOptions).
+  int moe_seam2_in_finalize_max_tokens = -1;
+  // Decode forwards with LoRA: SMs the persistent expert GEMMs leave to the side stream's LoRA
+  // kernels (-1 = the layer's measured default; model::GpuModelOptions).
+  int moe_gemm_sms_left_for_lora = -1;
+  // With the seam-2 expand in the finalize: its shrink in the activation kernel (-1 = the layer's
+  // default, 0 = on the side stream, 1 = in the activation; model::GpuModelOptions).
+  int moe_seam2_shrink_in_activation = -1;
 };
 
 struct SamplingParams {

@@ -39,6 +39,14 @@ __global__ void slow_writer_kernel(int* counter, uint64_t ns) {
   *counter += 1;
 }
 
+// The same writer that lets its dependents launch at once, as the MoE layer's LoRA shrink kernels
+// on the side stream do.
+__global__ void slow_triggering_writer_kernel(int* counter, uint64_t ns) {
+  cuda::sm90::launch_dependents();
+  spin_for_ns(ns);
+  *counter += 1;
+}
+
 // Main stream, the programmatic primary: lets its dependent launch at once, then runs `ns`.
 __global__ void long_primary_kernel(int* primary_done, uint64_t* primary_end_ns, uint64_t ns) {
   cuda::sm90::launch_dependents();
@@ -48,7 +56,8 @@ __global__ void long_primary_kernel(int* primary_done, uint64_t* primary_end_ns,
 }
 
 // The dependent: reads the side stream's value before its wait (what the event must guarantee)
-// and the primary's after it (what the programmatic wait guarantees).
+// and the primary's after it (what the programmatic wait guarantees), and the side value again
+// after the wait.
 __global__ void dependent_kernel(const int* counter, const int* primary_done, int* seen,
                                  uint64_t* dependent_start_ns) {
   if (threadIdx.x == 0) *dependent_start_ns = global_ns();
@@ -56,6 +65,7 @@ __global__ void dependent_kernel(const int* counter, const int* primary_done, in
   cuda::sm90::grid_dependency_wait();
   seen[0] = side_value;
   seen[1] = *primary_done;
+  seen[2] = *reinterpret_cast<const volatile int*>(counter);
 }
 
 // Streams, events and buffers of one test (made after the device check: CI has no GPU).
@@ -64,17 +74,18 @@ struct PdlEventRig {
   cuda::Event fork, join;
   cuda::DeviceBuffer counter = test::upload_vector(std::vector<int>{0});
   cuda::DeviceBuffer primary_done = test::upload_vector(std::vector<int>{0});
-  cuda::DeviceBuffer seen = test::upload_vector(std::vector<int>{-1, -1});
+  cuda::DeviceBuffer seen = test::upload_vector(std::vector<int>{-1, -1, -1});
   cuda::DeviceBuffer times =
       test::upload_vector(std::vector<uint64_t>{0, 0});  // primary end, dependent start
   uint64_t writer_ns = 2'000'000;
+  bool writer_triggers = false;  // the writer lets its dependents launch at its start
 
   // side: writer (2 ms), record; main: primary (0.5 ms), wait, dependent (pdl).
   void enqueue(cudaStream_t main_stream) {
     fork.record(main_stream);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(side.get(), fork.get(), 0));
-    cuda::launch_kernel(slow_writer_kernel, dim3(1), dim3(1), 0, side.get(), false,
-                        counter.as<int>(), writer_ns);
+    cuda::launch_kernel(writer_triggers ? slow_triggering_writer_kernel : slow_writer_kernel,
+                        dim3(1), dim3(1), 0, side.get(), false, counter.as<int>(), writer_ns);
     join.record(side.get());
     cuda::launch_kernel(long_primary_kernel, dim3(1), dim3(32), 0, main_stream, false,
                         primary_done.as<int>(), times.as<uint64_t>(), uint64_t{500'000});
@@ -84,7 +95,8 @@ struct PdlEventRig {
                         static_cast<const int*>(primary_done.as<int>()), seen.as<int>(),
                         times.as<uint64_t>() + 1);
   }
-  std::vector<int> seen_values() const { return test::download_vector<int>(seen, 2); }
+  // {side value before the wait, primary's value, side value after the wait}
+  std::vector<int> seen_values() const { return test::download_vector<int>(seen, 3); }
   // Microseconds the dependent started before the primary ended (negative: after it).
   double early_start_us() const {
     const std::vector<uint64_t> t = test::download_vector<uint64_t>(times, 2);
@@ -142,6 +154,35 @@ TEST_F(PdlAfterEventWait, ReportsWhetherTheDependentStartsEarlyOnceTheEventIsDon
       "dependent started %.1f us (eager) / %.1f us (graph replay) before its 500 us primary "
       "ended\n",
       eager_us, graph_us);
+}
+
+// A side-stream writer that lets its dependents launch at its start (the LoRA shrink kernels do):
+// the dependent's reads after its griddepcontrol.wait see the write, eagerly and in graph
+// replays. Whether its reads before the wait did is only reported: in a graph the event's edge
+// into the programmatic launch may become programmatic too, so the MoE finalize reads the seam-2
+// shrink's partials only after its wait (ops/moe/moe_cuda.cuh, MoeFinalizeArgs::lora_expand).
+TEST_F(PdlAfterEventWait, ReadsAfterTheWaitSeeATriggeringSideWriter) {
+  rig_->writer_triggers = true;
+  int stale_before_wait = 0;
+  for (int step = 1; step <= 2; ++step) {
+    rig_->enqueue(rig_->main.get());
+    rig_->main.synchronize();
+    const std::vector<int> s = rig_->seen_values();
+    EXPECT_EQ(s[2], step) << "eager step " << step;
+    stale_before_wait += s[0] != step;
+  }
+  test::CapturedGraph graph(rig_->main.get(), [&](cudaStream_t s) { rig_->enqueue(s); });
+  int stale_in_graph = 0;
+  for (int step = 3; step <= 4; ++step) {
+    graph.launch();
+    const std::vector<int> s = rig_->seen_values();
+    EXPECT_EQ(s[2], step) << "graph replay " << step - 2;
+    stale_in_graph += s[0] != step;
+  }
+  std::printf(
+      "a triggering side writer: stale reads before the wait in %d of 2 eager steps, %d of "
+      "2 graph replays\n",
+      stale_before_wait, stale_in_graph);
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 // Sm90 MoeLayerCuda as a model uses it: the layers of one model sharing one workspace
 // (MoeSharedWorkspace), one rank's experts of an expert-parallel layer (expert_begin: two halves
-// summed against the whole layer), and the engine's side-stream schedule with the activation and
-// finalize launched programmatically after the LoRA events; each against layers built alone or
-// the plain schedule, bit for bit where the arithmetic is the same.
+// summed against the whole layer), the engine's side-stream schedule with the activation and
+// finalize launched programmatically after the LoRA events, and the seam-2 expand formed in the
+// finalize; each against layers built alone or the plain schedule, bit for bit where the
+// arithmetic is the same.
 #include <gtest/gtest.h>
 
 #include "gpu/moe_layer_fixture.cuh"
+#include "ops/moe/moe_cuda.cuh"
 
 namespace moelora {
 namespace {
@@ -65,6 +67,108 @@ TEST_F(Sm90_MoeLayer, ProgrammaticLaunchesAfterTheSideStreamEventsAreBitEqual) {
       }
       MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
     }
+  }
+}
+
+// The seam-2 expand formed in the finalize kernel (SideStreamScheduling::
+// seam2_expand_in_finalize_max_tokens): the same bits as the side stream's expand + the plain
+// finalize, eagerly and in graph replays, with base tokens and four adapters in one batch (ranks
+// 24 / 5 / 16 / 13, one shared-outer, so both register instances, rank tails and the shared B
+// run), with and without Qwen's gated shared expert; the rows match the reference per token. A
+// pool of rank 40 and a top-k of 10 are past the fold's limits and keep the side-stream expand.
+// With the shrink moved into the activation kernel as well, the rows match the reference.
+TEST_F(Sm90_MoeLayer, Seam2ExpandInTheFinalizeEqualsTheSideStreamExpand) {
+  struct Case {
+    int shared_inter, max_rank, experts, top_k;
+  };
+  for (const Case& cs : {Case{0, 24, 8, 2}, Case{128, 24, 8, 2}, Case{0, 16, 16, 8},
+                         Case{0, 40, 8, 2}, Case{0, 16, 16, 10}}) {
+    SCOPED_TRACE("shared_inter " + std::to_string(cs.shared_inter) + ", R " +
+                 std::to_string(cs.max_rank) + ", E " + std::to_string(cs.experts) + ", k " +
+                 std::to_string(cs.top_k));
+    std::mt19937_64 rng(test::test_seed(523 + cs.shared_inter + cs.max_rank + cs.top_k));
+    const int H = 256, T = 37;
+    auto lf = make_layer(H, 128, cs.experts, cs.top_k, cs.shared_inter, cs.shared_inter > 0,
+                         RouterKind::kSoftmaxTopK, T, 4, cs.max_rank, rng);
+    ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+    const int big = std::min(cs.max_rank, 24);
+    std::vector<HostAdapter> adapters = {
+        make_adapter(lf, big, false, rng), make_adapter(lf, 5, true, rng),
+        make_adapter(lf, 16, false, rng), make_adapter(lf, 13, false, rng)};
+    std::vector<ops::MoeLoraRef> refs;
+    for (int s = 0; s < 4; ++s) {
+      layer.set_adapter(s, adapters[s].gpu());
+      refs.push_back(adapters[s].ref());
+    }
+    Tensor x = bf16_round(test::random_normal({T, H}, rng));
+    Tensor logits = test::random_normal({T, cs.experts}, rng, 3.0f);
+    std::vector<int32_t> slots(T);
+    for (int t = 0; t < T; ++t) slots[t] = (t % 5) - 1;  // -1, 0, 1, 2, 3
+    ops::cuda::SideStreamScheduling side_expand;
+    side_expand.seam2_expand_in_finalize_max_tokens = 0;
+    layer.set_side_stream_scheduling(side_expand);
+    const Tensor plain = run(layer, x, slots, logits);
+    ops::cuda::SideStreamScheduling in_finalize;
+    in_finalize.seam2_expand_in_finalize_max_tokens = 64;
+    layer.set_side_stream_scheduling(in_finalize);
+    const Tensor folded = run(layer, x, slots, logits);
+    EXPECT_EQ(test::max_abs_diff(folded, plain), 0.0) << "eager";
+    // the reference check where the fixture's inputs separate the slots (two of eight experts)
+    if (cs.top_k == 2) check_rows(folded, x, slots, lf, refs, logits);
+    // fewer tokens than the threshold covers, and a threshold below the batch: the side expand
+    in_finalize.seam2_expand_in_finalize_max_tokens = T - 1;
+    layer.set_side_stream_scheduling(in_finalize);
+    EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0) << "below the batch";
+    in_finalize.seam2_expand_in_finalize_max_tokens = 64;
+    layer.set_side_stream_scheduling(in_finalize);
+    auto x_d = cuda::to_device(x.to(DType::kBF16));
+    auto l_d = cuda::to_device(logits);
+    auto s_d = upload_vector(slots);
+    cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
+    ops::cuda::MoeForwardArgs f;
+    f.x = x_d.as<__nv_bfloat16>();
+    f.slot = s_d.as<int32_t>();
+    f.router_logits = l_d.as<float>();
+    f.tokens = T;
+    f.lora = true;
+    f.out = out.as<__nv_bfloat16>();
+    cudaGraphExec_t exec = capture([&] { layer.forward(f); });
+    for (int replay = 0; replay < 3; ++replay) {
+      out.zero();
+      MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+      main_->synchronize();
+      EXPECT_EQ(test::max_abs_diff(cuda::to_host(out, DType::kBF16, {T, H}).to_f32(), plain), 0.0)
+          << "graph replay " << replay;
+    }
+    MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    // The shrink in the activation kernel too (SideStreamScheduling::seam2_shrink_in_activation):
+    // its partials are summed in another order (lora_row_fused.cuh), so the LoRA rows match the
+    // reference rather than the side path's bits; base rows and graph replays are bit-equal.
+    in_finalize.seam2_shrink_in_activation = true;
+    layer.set_side_stream_scheduling(in_finalize);
+    const Tensor in_activation = run(layer, x, slots, logits);
+    if (cs.top_k == 2) check_rows(in_activation, x, slots, lf, refs, logits);
+    for (int t = 0; t < T; ++t) {
+      if (slots[t] >= 0) continue;
+      EXPECT_EQ(test::max_abs_diff(in_activation.slice0(t, t + 1), plain.slice0(t, t + 1)), 0.0)
+          << "base token " << t;
+    }
+    const bool folds = cs.max_rank <= ops::cuda::kFinalizeFoldMaxRank &&
+                       cs.top_k <= ops::cuda::kFinalizeFoldMaxTopK;
+    // outside the fold's limits the option changes nothing
+    if (!folds)
+      EXPECT_EQ(test::max_abs_diff(in_activation, plain), 0.0) << "past the fold's limits";
+    EXPECT_TRUE(test::close_bf16(in_activation, plain)) << "the two shrink orders";
+    exec = capture([&] { layer.forward(f); });
+    for (int replay = 0; replay < 2; ++replay) {
+      out.zero();
+      MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+      main_->synchronize();
+      EXPECT_EQ(
+          test::max_abs_diff(cuda::to_host(out, DType::kBF16, {T, H}).to_f32(), in_activation), 0.0)
+          << "shrink in the activation, graph replay " << replay;
+    }
+    MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
 }
 

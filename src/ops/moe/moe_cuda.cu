@@ -207,6 +207,127 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   *reinterpret_cast<uint4*>(p.out + static_cast<size_t>(t) * H + c) = out;
 }
 
+// The finalize with the seam-2 LoRA expand folded in (MoeFinalizeArgs::lora_expand): the side
+// stream runs only the seam-2 shrink, and this kernel forms each pair's delta itself,
+//   d[pos, n] = bf16(sum_r u[pos, r] * B[s, e, n, r]),  u[pos, r] = scaling[s] * sum_split partial,
+// in the segment expand's order (ranks ascending in 8-rank chunks, splits ascending), rounded to
+// bf16 as that kernel stores it, then adds w (y + d) as the plain finalize does: the same bits as
+// expand + finalize, without the expand's grid beside GEMM2 and its event wait.
+// CTA = (token, kFoldCols columns), one column per thread, so a thread's B values for all k pairs
+// (k x R bf16) fit in registers: they are weights, loaded before the programmatic wait with the
+// pairs' experts (the align's sorted {slot, expert}, complete before GEMM1 started) while GEMM2
+// still runs. After the wait the CTA sums the pairs' partials into u in shared memory (k x R
+// floats, one per thread at R = 16) and every thread forms its column.
+constexpr int kFoldCols = 128;
+
+template <int kRankChunks>  // R <= 8 * kRankChunks
+__global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeFinalizeArgs p) {
+  constexpr int kURanks = 8 * kRankChunks;
+  __shared__ float u[kFinalizeFoldMaxTopK][kURanks];
+  __shared__ float reduce[kFoldCols / 32];
+  const LoraRowExpandArgs& e = p.lora_expand;
+  const LoraPoolTarget& pool = e.pool;
+  const int t = blockIdx.x, k = p.top_k, H = p.hidden;
+  const int n = blockIdx.y * kFoldCols + threadIdx.x;
+  int pos_of[kFinalizeFoldMaxTopK];
+  float w_of[kFinalizeFoldMaxTopK];
+#pragma unroll
+  for (int j = 0; j < kFinalizeFoldMaxTopK; ++j) {
+    pos_of[j] = j < k ? p.pair_pos[t * k + j] : -1;
+    w_of[j] = j < k ? p.topk_weights[t * k + j] : 0.f;
+  }
+  const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
+  const int slot = p.slot ? p.slot[t] : -1;
+  const bool lora = slot >= 0;
+  const int rank = lora ? pool.rank[slot] : 0;
+  const int rank_chunks = (rank + 7) / 8;
+  const float scaling = lora ? pool.scaling[slot] : 0.f;
+  const int R = pool.max_rank;
+  uint4 b_reg[kFinalizeFoldMaxTopK][kRankChunks];
+#pragma unroll
+  for (int j = 0; j < kFinalizeFoldMaxTopK; ++j) {
+    const int expert = (lora && pos_of[j] >= 0) ? e.row_slot_expert[pos_of[j]].y : 0;
+    const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
+    const __nv_bfloat16* b_row =
+        lora ? pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * H + (n < H ? n : 0)) * R
+             : nullptr;
+#pragma unroll
+    for (int c = 0; c < kRankChunks; ++c)
+      b_reg[j][c] = (lora && pos_of[j] >= 0 && c < rank_chunks && n < H)
+                        ? *reinterpret_cast<const uint4*>(b_row + c * 8)
+                        : make_uint4(0, 0, 0, 0);
+  }
+  ::moelora::cuda::sm90::grid_dependency_wait();
+  if (t >= valid) return;  // uniform over the CTA: no thread reaches the barrier below
+  // u[j][r] for the token's pairs: the segment expand's sums (zero past the slot's rank)
+  if (lora) {
+    for (int i = threadIdx.x; i < k * kURanks; i += kFoldCols) {
+      const int j = i / kURanks, r = i % kURanks;
+      const int pos = p.pair_pos[t * k + j];
+      float s = 0.f;
+      if (r < rank && pos >= 0)
+        for (int sp = 0; sp < e.splits; ++sp)
+          s += e.partial[(static_cast<size_t>(sp) * e.row_capacity + pos) * R + r];
+      u[j][r] = s * scaling;
+    }
+  }
+
+  float gate = 1.f;
+  if (p.shared && p.shared_gate) {  // Qwen: sigmoid(x[t] . wsg), as the plain finalize forms it
+    float s = 0.f;
+    for (int c = threadIdx.x * 8; c < H; c += kFoldCols * 8) {
+      const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
+      const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
+      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
+      const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
+        s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFoldCols / 32; ++w) total += reduce[w];  // fixed order
+    gate = 1.f / (1.f + expf(-total));
+  }
+  __syncthreads();  // u complete
+  if (n >= H) return;
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < kFinalizeFoldMaxTopK; ++j) {
+    if (pos_of[j] < 0) continue;
+    const size_t pos = static_cast<size_t>(pos_of[j]);
+    acc = fmaf(w_of[j], __bfloat162float(p.y[pos * H + n]), acc);
+    if (!lora) continue;
+    float d = 0.f;
+#pragma unroll
+    for (int c = 0; c < kRankChunks; ++c) {
+      if (c >= rank_chunks) break;
+      const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b_reg[j][c]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 bf = __bfloat1622float2(b2[i]);
+        d = fmaf(u[j][c * 8 + 2 * i], bf.x, d);
+        d = fmaf(u[j][c * 8 + 2 * i + 1], bf.y, d);
+      }
+    }
+    acc = fmaf(w_of[j], __bfloat162float(__float2bfloat16(d)), acc);
+  }
+  if (p.shared) {
+    acc = fmaf(gate, __bfloat162float(p.shared[static_cast<size_t>(t) * H + n]), acc);
+    const int shared_row = (p.shared_delta && lora) ? p.shared_delta_row[t] : -1;
+    if (shared_row >= 0)
+      acc = fmaf(gate, __bfloat162float(p.shared_delta[static_cast<size_t>(shared_row) * H + n]),
+                 acc);
+  }
+  p.out[static_cast<size_t>(t) * H + n] = __float2bfloat16(acc);
+}
+
 }  // namespace
 
 void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
@@ -252,6 +373,29 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
                 " must be a multiple of 8 (16-byte rows)");
   MOELORA_CHECK(p.top_k >= 1 && p.top_k <= 32, ErrorCode::kUnsupported, "moe finalize: top_k = ", p.top_k,
                 " outside [1, 32] (the GPU router's limit)");
+  if (p.lora_expand.partial) {
+    MOELORA_CHECK(!p.delta && p.slot && p.top_k <= kFinalizeFoldMaxTopK &&
+                      row_expand_args_ok(p.lora_expand, p.max_tokens * p.top_k, p.hidden) &&
+                      p.lora_expand.pool.max_rank <= kFinalizeFoldMaxRank,
+                  ErrorCode::kInvalidArgument,
+                  "moe finalize: the folded seam-2 expand needs the slot map, top_k <= ",
+                  kFinalizeFoldMaxTopK, " (got ", p.top_k, "), the pool's B, ranks and scalings, ",
+                  "row_slot_expert, splits > 0, row_capacity >= T k (", p.lora_expand.row_capacity,
+                  " vs ", p.max_tokens * p.top_k, "), out_features = H (",
+                  p.lora_expand.pool.out_features, " vs ", p.hidden,
+                  "), R <= ", kFinalizeFoldMaxRank, " (got ", p.lora_expand.pool.max_rank,
+                  ") and no separate delta");
+    if (p.max_tokens == 0) return;
+    const dim3 grid(p.max_tokens, (p.hidden + kFoldCols - 1) / kFoldCols);
+    if (p.lora_expand.pool.max_rank <= 16)
+      ::moelora::cuda::launch_kernel(moe_finalize_fold_kernel<2>, grid, dim3(kFoldCols), 0, stream,
+                                     p.pdl, p);
+    else
+      ::moelora::cuda::launch_kernel(moe_finalize_fold_kernel<4>, grid, dim3(kFoldCols), 0, stream,
+                                     p.pdl, p);
+    MOELORA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   if (p.max_tokens == 0) return;
   const dim3 grid(p.max_tokens, (p.hidden + kFinalizeCols - 1) / kFinalizeCols);
   if (p.top_k <= 16)

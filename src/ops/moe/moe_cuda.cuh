@@ -2,7 +2,8 @@
 //   activation: a = silu(h_gate + d_gate) * (h_up + d_up) per sorted pair row; writes the bf16
 //               copy for the down LoRA and the FP8 codes + scales for GEMM2, in one pass.
 //   finalize:   out[t] = sum_j w[t, j] (y + d2)[pair_pos(t, j)] + gate(t) * (shared[t] + ds[t]),
-//               gate(t) = sigmoid(x[t] . wsg) for Qwen's gated shared expert, else 1.
+//               gate(t) = sigmoid(x[t] . wsg) for Qwen's gated shared expert, else 1; d2 read
+//               from the expand's rows, or formed here from the seam-2 shrink's partials.
 // Deltas are read only for rows whose token has a slot >= 0 (the LoRA expand wrote them).
 #pragma once
 
@@ -60,7 +61,19 @@ struct MoeFinalizeArgs {
   int max_tokens = 0, top_k = 0, hidden = 0;
   __nv_bfloat16* out = nullptr;            // [T, H]
   bool pdl = false;  // programmatic stream serialization (griddepcontrol.wait before any read)
+  // Optional seam-2 LoRA expand folded in (lora_expand.partial != nullptr, instead of `delta`):
+  // each pair's delta from the seam-2 shrink's partials [splits, row_capacity, R] (rows = sorted
+  // pair positions) and the pool's B of the pair's {slot, expert} (lora_expand.row_slot_expert,
+  // the align's; pool.out_features = H), with the segment expand's arithmetic and bf16 rounding,
+  // so the output has the bits of expand + finalize. Needs `slot`, top_k <= 8 and R <= 32 (the
+  // B values of a column's pairs are held in registers). The B rows and {slot, expert} are read
+  // before the kernel's wait, the partials after it (also those of a side-stream shrink joined by
+  // an event: in a graph the event's edge into a programmatic launch may let this kernel start as
+  // soon as that shrink triggers, and only the wait covers its completion).
+  LoraRowExpandArgs lora_expand;
 };
+constexpr int kFinalizeFoldMaxTopK = 8;
+constexpr int kFinalizeFoldMaxRank = 32;
 void launch_moe_finalize(const MoeFinalizeArgs& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda

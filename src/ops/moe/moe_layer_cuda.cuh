@@ -174,6 +174,21 @@ struct SideStreamScheduling {
   // one-adapter decode step of Qwen3-30B-A3B and 0-4 % off the LoRA rows of the layer, and left
   // the rest within noise (docs/gpu_moe.md §6.0e); false gives the plain launches of before.
   bool pdl_after_side_join = true;
+  // Decode (stream or NVFP4 GEMMs, CUDA-core LoRA kernels) of at most this many tokens, top_k <= 8
+  // and a down pool of rank <= 32: the seam-2 expand is formed in the finalize kernel from the
+  // shrink's partials (MoeFinalizeArgs::lora_expand), so the side stream runs only the seam-2
+  // shrink beside GEMM2 and the expand's grid no longer shares the SMs with it. The same bits
+  // either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (what the GPU host measured).
+  int seam2_expand_in_finalize_max_tokens = -1;
+  // With the seam-2 expand in the finalize, on FP8 experts: the activation kernel also writes the
+  // seam-2 shrink partials of its rows (lora_row_fused.cuh), so seam 2 puts no kernel on the side
+  // stream and the finalize waits for no event (its B rows load while GEMM2 runs).
+  bool seam2_shrink_in_activation = false;
+  // Decode forwards with LoRA: the persistent expert GEMMs (stream / NVFP4 kernels) leave this many
+  // SMs without a CTA of theirs, so that the side stream's LoRA grids find whole SMs free beside
+  // them instead of the leftover room next to two GEMM CTAs. 0 = every SM, -1 =
+  // kGemmSmsLeftForLoraDefault (what the GPU host measured).
+  int gemm_sms_left_for_lora = -1;
 };
 
 // The transient buffers of MoE layers that run one after another on the same two streams (the
