@@ -60,11 +60,9 @@ struct Options {
   int64_t steps = 4;
   std::string attention = "auto";
   std::string router_gemm = "route";
-  bool seam1_after_quant = false;
+  int seam1_after_quant = -1;  // EngineOptions::moe_seam1_after_quant
   bool pdl_after_side_join = true;
-  int seam2_in_finalize = -1;           // EngineOptions::moe_seam2_in_finalize_max_tokens
-  int gemm_sms_left = -1;               // EngineOptions::moe_gemm_sms_left_for_lora
-  int seam2_shrink_in_activation = -1;  // EngineOptions::moe_seam2_shrink_in_activation
+  int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
   bool no_timeline = false;
   std::string out;
   uint64_t seed = 0;
@@ -224,14 +222,10 @@ int run(const Options& o) {
   // Output names of runs off the default paths, so that an A/B pair can share one --out folder.
   const std::string variant =
       std::string(o.router_gemm == "cublas" ? "_router_cublas" : "") +
-      (o.seam1_after_quant ? "_seam1_after_quant" : "") +
-      (o.pdl_after_side_join ? "" : "_plain_after_join") +
-      (o.seam2_in_finalize >= 0 ? "_seam2_in_finalize_" + std::to_string(o.seam2_in_finalize)
+      (o.seam1_after_quant >= 0 ? "_seam1_after_quant_" + std::to_string(o.seam1_after_quant)
                                 : "") +
-      (o.gemm_sms_left >= 0 ? "_gemm_sms_left_" + std::to_string(o.gemm_sms_left) : "") +
-      (o.seam2_shrink_in_activation >= 0
-           ? "_seam2_shrink_in_act_" + std::to_string(o.seam2_shrink_in_activation)
-           : "");
+      (o.pdl_after_side_join ? "" : "_plain_after_join") +
+      (o.seam2_in_finalize >= 0 ? "_seam2_in_finalize_" + std::to_string(o.seam2_in_finalize) : "");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -242,12 +236,10 @@ int run(const Options& o) {
       "Command: bench_decode_step --preset " + o.preset + " --layers " + std::to_string(o.layers) +
       " --batch-sizes " + o.batch_sizes + " --adapters " + o.adapters + " --context " +
       std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " +
-      o.attention + " --router-gemm " + o.router_gemm +
-      (o.seam1_after_quant ? " --seam1-after-quant" : "") +
+      o.attention + " --router-gemm " + o.router_gemm + " --seam1-after-quant " +
+      std::to_string(o.seam1_after_quant) +
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
-      std::to_string(o.seam2_in_finalize) + " --gemm-sms-left-for-lora " +
-      std::to_string(o.gemm_sms_left) + " --seam2-shrink-in-activation " +
-      std::to_string(o.seam2_shrink_in_activation) +
+      std::to_string(o.seam2_in_finalize) +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; 'main idle before' is the gap on the main queue before the "
       "kernel's launches (launch latency, or a wait on the side stream).\n\n";
@@ -271,8 +263,6 @@ int run(const Options& o) {
       options.moe_seam1_after_quant = o.seam1_after_quant;
       options.moe_pdl_after_side_join = o.pdl_after_side_join;
       options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
-      options.moe_gemm_sms_left_for_lora = o.gemm_sms_left;
-      options.moe_seam2_shrink_in_activation = o.seam2_shrink_in_activation;
       const int64_t prefill_steps =
           (batch * o.context + options.max_batch_tokens - 1) / options.max_batch_tokens;
       const int64_t max_new_tokens = prefill_steps + o.warm_steps + o.steps + 4;
@@ -383,8 +373,6 @@ int run(const Options& o) {
                           {"seam1_after_quant", o.seam1_after_quant},
                           {"pdl_after_side_join", o.pdl_after_side_join},
                           {"seam2_in_finalize", o.seam2_in_finalize},
-                          {"gemm_sms_left_for_lora", o.gemm_sms_left},
-                          {"seam2_shrink_in_activation", o.seam2_shrink_in_activation},
                           {"runs", results}};
     std::ofstream(base.string() + ".json") << doc.dump(2) << "\n";
   }
@@ -421,9 +409,12 @@ int main(int argc, char** argv) {
                  "before it; the earlier path, for A/B runs)")
       ->check(CLI::IsMember({"route", "cublas"}))
       ->capture_default_str();
-  app.add_flag("--seam1-after-quant", o.seam1_after_quant,
-               "MoE layers: start the seam-1 LoRA side work after the quant kernel instead of the "
-               "align (docs/gpu_moe.md, SideStreamScheduling)");
+  app.add_option("--seam1-after-quant", o.seam1_after_quant,
+                 "MoE layers: start the seam-1 LoRA side work after the quant kernel (1) instead "
+                 "of the align (0); -1 = the layer's rule (SideStreamScheduling::"
+                 "seam1_after_quant, docs/gpu_moe.md)")
+      ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
   app.add_flag("--pdl-after-side-join,!--no-pdl-after-side-join", o.pdl_after_side_join,
                "MoE layers: the activation and finalize launched programmatically after the side "
                "stream's LoRA events (SideStreamScheduling::pdl_after_side_join, the default); "
@@ -433,18 +424,6 @@ int main(int argc, char** argv) {
                  "finalize kernel instead of on the side stream (0 = never, -1 = the layer's "
                  "default; SideStreamScheduling::seam2_expand_in_finalize_max_tokens)")
       ->check(CLI::Range(-1, 1 << 30))
-      ->capture_default_str();
-  app.add_option("--gemm-sms-left-for-lora", o.gemm_sms_left,
-                 "MoE layers: SMs the expert GEMMs of a decode step with LoRA leave to the side "
-                 "stream's LoRA kernels (0 = none, -1 = the layer's default; "
-                 "SideStreamScheduling::gemm_sms_left_for_lora)")
-      ->check(CLI::Range(-1, 1024))
-      ->capture_default_str();
-  app.add_option("--seam2-shrink-in-activation", o.seam2_shrink_in_activation,
-                 "MoE layers, with the seam-2 expand in the finalize: its shrink in the "
-                 "activation kernel (1) or on the side stream (0); -1 = the layer's default "
-                 "(SideStreamScheduling::seam2_shrink_in_activation)")
-      ->check(CLI::Range(-1, 1))
       ->capture_default_str();
   app.add_flag("--no-timeline", o.no_timeline,
                "Record no CUPTI kernel timeline (for Nsight Compute, which cannot attach beside "

@@ -200,21 +200,13 @@ int parse_options(int argc, char** argv, Options& opt) {
                        opt.decode_lora))
         return 2;
     } else if (a == "--seam1-after-quant") {
-      opt.side.seam1_after_quant = true;
+      opt.side.seam1_after_quant = 1;
+    } else if (a == "--no-seam1-after-quant") {
+      opt.side.seam1_after_quant = 0;
     } else if (a == "--pdl-after-side-join") {
       opt.side.pdl_after_side_join = true;
     } else if (a == "--no-pdl-after-side-join") {
       opt.side.pdl_after_side_join = false;
-    } else if (a == "--gemm-sms-left-for-lora") {
-      const std::string v = next();
-      opt.side.gemm_sms_left_for_lora = std::stoi(v);
-      if (opt.side.gemm_sms_left_for_lora < -1) {
-        std::fprintf(stderr, "bench_moe_layer: --gemm-sms-left-for-lora must be >= -1, got '%s'\n",
-                     v.c_str());
-        return 2;
-      }
-    } else if (a == "--seam2-shrink-in-activation") {
-      opt.side.seam2_shrink_in_activation = true;
     } else if (a == "--seam2-in-finalize") {
       const std::string v = next();
       opt.side.seam2_expand_in_finalize_max_tokens = std::stoi(v);
@@ -294,9 +286,12 @@ int parse_options(int argc, char** argv, Options& opt) {
           "activation\n"
           "                      kernels, the expands in the expert GEMMs' epilogues: no LoRA "
           "kernel)\n"
-          "  --seam1-after-quant the side stream's seam-1 LoRA kernels start after the quant "
-          "kernel (default:\n"
-          "                      after the align), so GEMM1 reaches the SMs first\n"
+          "  --seam1-after-quant / --no-seam1-after-quant  the side stream's seam-1 LoRA "
+          "kernels start after\n"
+          "                      the quant kernel, so GEMM1 reaches the SMs first / after the "
+          "align (default:\n"
+          "                      the layer's rule: after the quant without a shared expert and "
+          "H <= 4096)\n"
           "  --no-pdl-after-side-join  the activation and finalize launched plainly after the "
           "side stream's\n"
           "                      LoRA events (default: programmatic launches after them; "
@@ -306,12 +301,6 @@ int parse_options(int argc, char** argv, Options& opt) {
           "                      finalize kernel (only the shrink stays on the side stream); 0 "
           "= never,\n"
           "                      -1 = the layer's default (64)\n"
-          "  --gemm-sms-left-for-lora N  decode with LoRA: the expert GEMMs leave N SMs to the "
-          "side stream's\n"
-          "                      LoRA kernels (0 = none, -1 = the layer's default)\n"
-          "  --seam2-shrink-in-activation  with the seam-2 expand in the finalize: its shrink "
-          "in the\n"
-          "                      activation kernel (no seam-2 kernel on the side stream)\n"
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"

@@ -133,21 +133,14 @@ struct EngineOptions {
   // MoE layers on the GPU: decode forwards (up to 64 tokens) compute the router logits inside
   // the route launch; false runs a cuBLAS GEMM before it (A/B runs of the benchmarks).
   bool router_in_route = true;
-  // MoE layers' LoRA side stream at decode (A/B runs of the benchmarks): the seam-1 work released
-  // after the quant kernel instead of the align, and the activation / finalize launched
-  // programmatically after the side stream's events (model::GpuModelOptions).
-  bool moe_seam1_after_quant = false;
+  // MoE layers' LoRA side stream at decode (A/B runs of the benchmarks; model::GpuModelOptions):
+  // the seam-1 work released after the quant kernel instead of the align (1 / 0; -1 = the layer's
+  // measured rule), the activation / finalize launched programmatically after the side stream's
+  // events, and the seam-2 expand formed in the finalize for decode forwards of at most this many
+  // tokens (0 = never, -1 = the layer's default).
+  int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
-  // Decode forwards of at most this many tokens form the seam-2 LoRA expand in the MoE finalize
-  // kernel instead of on the side stream (0 = never, -1 = the layer's measured default;
-  // model::GpuModelOptions).
   int moe_seam2_in_finalize_max_tokens = -1;
-  // Decode forwards with LoRA: SMs the persistent expert GEMMs leave to the side stream's LoRA
-  // kernels (-1 = the layer's measured default; model::GpuModelOptions).
-  int moe_gemm_sms_left_for_lora = -1;
-  // With the seam-2 expand in the finalize: its shrink in the activation kernel (-1 = the layer's
-  // default, 0 = on the side stream, 1 = in the activation; model::GpuModelOptions).
-  int moe_seam2_shrink_in_activation = -1;
 };
 
 struct SamplingParams {

@@ -72,19 +72,12 @@ struct GpuModelOptions {
   bool router_in_route = true;
   // MoE layers' side-stream scheduling (ops::cuda::SideStreamScheduling; A/B runs of
   // bench_decode_step): the seam-1 LoRA work released after the quant kernel instead of the
-  // align, and the activation / finalize launched programmatically after their LoRA events.
-  bool moe_seam1_after_quant = false;
+  // align (1 / 0; -1 = the layer's rule), the activation / finalize launched programmatically
+  // after their LoRA events, and the seam-2 expand in the finalize for decode forwards of at most
+  // this many tokens (0 = never, -1 = the layer's default).
+  int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
-  // Decode forwards of at most this many tokens: the seam-2 expand in the MoE finalize
-  // (ops::cuda::SideStreamScheduling::seam2_expand_in_finalize_max_tokens); 0 = never, -1 = the
-  // layer's default.
   int moe_seam2_in_finalize_max_tokens = -1;
-  // SMs the expert GEMMs of a decode forward with LoRA leave to the side stream
-  // (ops::cuda::SideStreamScheduling::gemm_sms_left_for_lora); -1 = the layer's default.
-  int moe_gemm_sms_left_for_lora = -1;
-  // The seam-2 shrink in the activation kernel (ops::cuda::SideStreamScheduling::
-  // seam2_shrink_in_activation): -1 = the layer's default, 0 = no, 1 = yes.
-  int moe_seam2_shrink_in_activation = -1;
   // Tensor / expert parallelism: this model is rank collectives->rank() of collectives->size(), its
   // config and weights that rank's share (dist::shard_checkpoint: the rank's heads, intermediate
   // channels and routed experts [r E / n, (r + 1) E / n) of the config's num_experts), and the

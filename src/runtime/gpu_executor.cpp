@@ -354,8 +354,6 @@ GpuExecutorOptions gpu_executor_options(const EngineOptions& options) {
   g.moe_seam1_after_quant = options.moe_seam1_after_quant;
   g.moe_pdl_after_side_join = options.moe_pdl_after_side_join;
   g.moe_seam2_in_finalize_max_tokens = options.moe_seam2_in_finalize_max_tokens;
-  g.moe_gemm_sms_left_for_lora = options.moe_gemm_sms_left_for_lora;
-  g.moe_seam2_shrink_in_activation = options.moe_seam2_shrink_in_activation;
   g.show_progress = options.show_progress;
   return g;
 }

@@ -60,13 +60,11 @@ struct GpuExecutorOptions {
   // GQA attention kernels: "auto", "flashinfer" or "moelora" (model::AttentionKernel).
   std::string attention = "auto";
   bool router_in_route = true;  // model::GpuModelOptions::router_in_route
-  bool moe_seam1_after_quant = false;    // model::GpuModelOptions::moe_seam1_after_quant
-  bool moe_pdl_after_side_join = true;   // model::GpuModelOptions::moe_pdl_after_side_join
-  int moe_seam2_in_finalize_max_tokens =
-      -1;                               // model::GpuModelOptions::moe_seam2_in_finalize_max_tokens
-  int moe_gemm_sms_left_for_lora = -1;  // model::GpuModelOptions::moe_gemm_sms_left_for_lora
-  int moe_seam2_shrink_in_activation =
-      -1;  // model::GpuModelOptions::moe_seam2_shrink_in_activation
+  // model::GpuModelOptions::moe_seam1_after_quant, moe_pdl_after_side_join,
+  // moe_seam2_in_finalize_max_tokens
+  int moe_seam1_after_quant = -1;
+  bool moe_pdl_after_side_join = true;
+  int moe_seam2_in_finalize_max_tokens = -1;
   bool show_progress = false;
   int device = 0;
   // One rank of a tensor / expert parallel group (one process per GPU): the group that sums each

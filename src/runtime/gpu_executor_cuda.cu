@@ -549,8 +549,6 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.moe_seam1_after_quant = o.moe_seam1_after_quant;
   mo.moe_pdl_after_side_join = o.moe_pdl_after_side_join;
   mo.moe_seam2_in_finalize_max_tokens = o.moe_seam2_in_finalize_max_tokens;
-  mo.moe_gemm_sms_left_for_lora = o.moe_gemm_sms_left_for_lora;
-  mo.moe_seam2_shrink_in_activation = o.moe_seam2_shrink_in_activation;
   mo.collectives = o.collectives;
   std::unique_ptr<model::GpuModel> model =
       o.random_weights ? model::GpuModel::random(config, o.random_seed, fp8_experts, m, mo)

@@ -163,8 +163,10 @@ struct SideStreamScheduling {
   // Decode on FP8 experts: the side stream's seam-1 kernels start after the quant kernel instead
   // of after the align, so that the persistent GEMM1 (a programmatic dependent of the quant
   // kernel) takes its SMs first and the shrink runs beside it (its result is needed only after
-  // GEMM1, by the activation).
-  bool seam1_after_quant = false;
+  // GEMM1, by the activation). 1 = on, 0 = off, -1 = on where it measured faster: layers without a
+  // shared expert whose seam-1 shrink fits beside GEMM1's CTAs (hidden <= 4096, the
+  // register-bounded instance). docs/gpu_moe.md §6.0d, §6.0g.
+  int seam1_after_quant = -1;
   // Decode on FP8 / NVFP4 experts: the activation (after the seam-1 delta's event) and the
   // finalize (after the seam-2 delta's) stay programmatic dependents of the GEMM before them, so
   // they and the GEMM after them launch while that GEMM drains. The event still orders them after
@@ -174,21 +176,13 @@ struct SideStreamScheduling {
   // one-adapter decode step of Qwen3-30B-A3B and 0-4 % off the LoRA rows of the layer, and left
   // the rest within noise (docs/gpu_moe.md §6.0e); false gives the plain launches of before.
   bool pdl_after_side_join = true;
-  // Decode (stream or NVFP4 GEMMs, CUDA-core LoRA kernels) of at most this many tokens, top_k <= 8
-  // and a down pool of rank <= 32: the seam-2 expand is formed in the finalize kernel from the
-  // shrink's partials (MoeFinalizeArgs::lora_expand), so the side stream runs only the seam-2
-  // shrink beside GEMM2 and the expand's grid no longer shares the SMs with it. The same bits
-  // either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (what the GPU host measured).
+  // Decode (stream or NVFP4 GEMMs, CUDA-core LoRA kernels) of at most this many tokens, top_k <= 8,
+  // a down pool of rank <= 32 and the finalize launched programmatically after GEMM2 (no shared
+  // expert): the seam-2 expand is formed in the finalize kernel from the shrink's partials
+  // (MoeFinalizeArgs::lora_expand), its B rows loaded while GEMM2 runs, so the side stream runs
+  // only the seam-2 shrink and the expand's grid no longer shares the SMs with GEMM2. The same
+  // bits either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
   int seam2_expand_in_finalize_max_tokens = -1;
-  // With the seam-2 expand in the finalize, on FP8 experts: the activation kernel also writes the
-  // seam-2 shrink partials of its rows (lora_row_fused.cuh), so seam 2 puts no kernel on the side
-  // stream and the finalize waits for no event (its B rows load while GEMM2 runs).
-  bool seam2_shrink_in_activation = false;
-  // Decode forwards with LoRA: the persistent expert GEMMs (stream / NVFP4 kernels) leave this many
-  // SMs without a CTA of theirs, so that the side stream's LoRA grids find whole SMs free beside
-  // them instead of the leftover room next to two GEMM CTAs. 0 = every SM, -1 =
-  // kGemmSmsLeftForLoraDefault (what the GPU host measured).
-  int gemm_sms_left_for_lora = -1;
 };
 
 // The transient buffers of MoE layers that run one after another on the same two streams (the

@@ -30,9 +30,10 @@ constexpr int kLoraExpandBesideGemmTokens = 32;
 // SideStreamScheduling::seam2_expand_in_finalize_max_tokens = -1: the seam-2 expand is formed in
 // the finalize for decode forwards of up to this many tokens (docs/gpu_moe.md §6.0g).
 constexpr int kSeam2ExpandInFinalizeDefaultTokens = 64;
-// SideStreamScheduling::gemm_sms_left_for_lora = -1: SMs the expert GEMMs of a decode forward with
-// LoRA leave to the side stream (docs/gpu_moe.md §6.0g).
-constexpr int kGemmSmsLeftForLoraDefault = 0;
+// SideStreamScheduling::seam1_after_quant = -1: the seam-1 side work after the quant kernel for
+// layers without a shared expert whose hidden size keeps the seam-1 shrink in its
+// register-bounded instance (K <= 4096: shrink_vec <= 2), which starts beside GEMM1's CTAs.
+constexpr int kSeam1AfterQuantMaxHidden = 4096;
 
 namespace {
 
@@ -232,7 +233,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // The side stream's seam-1 work starts after the align, or (SideStreamScheduling::
   // seam1_after_quant, decode on FP8 experts) after the quant kernel, so that GEMM1's CTAs reach
   // the SMs before the shrink's.
-  const bool seam1_after_quant = side_scheduling_.seam1_after_quant && stream;
+  const bool seam1_after_quant =
+      stream && (side_scheduling_.seam1_after_quant < 0 ? !shared && H <= kSeam1AfterQuantMaxHidden
+                                                        : side_scheduling_.seam1_after_quant > 0);
   if (side_work && !seam1_after_quant) m.ev_route.record(m.main);
 
   // side stream, seam 1 (and the shared expert's gate/up LoRA)
@@ -344,14 +347,6 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   };
   if (side_work && !seam1_after_quant) enqueue_seam1_side();
 
-  // SMs of the persistent expert GEMMs (SideStreamScheduling::gemm_sms_left_for_lora)
-  const int gemm_sms =
-      side_work && chain_pdl
-          ? std::max(1, m.num_sms - (side_scheduling_.gemm_sms_left_for_lora < 0
-                                         ? kGemmSmsLeftForLoraDefault
-                                         : side_scheduling_.gemm_sms_left_for_lora))
-          : m.num_sms;
-
   // Expected busiest expert under near-uniform routing; the GEMM kernels loop over more tokens
   // when an expert gets more, so this only picks the fastest instance / grid.
   const int max_active = std::min(E, P);
@@ -430,7 +425,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
                          (stream_schedule_ == StreamGemmSchedule::kAuto && !lora);
     if (claimed) n1.work_counters = m.s<int32_t>(m.gemm_work);
-    launch_moe_gemm_nvfp4_stream(n1, gemm_sms, /*pdl=*/true, m.main);
+    launch_moe_gemm_nvfp4_stream(n1, m.num_sms, /*pdl=*/true, m.main);
   }
 
   // 3. quant + GEMM1 (FP8 experts). Decode (stream kernel) and prefill (CUTLASS) read each
@@ -441,7 +436,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   MoeGemmPrefillWorkspace pws{m.x<void>(m.prefill_ws), m.prefill_ws_bytes, m.num_sms};
   auto run_gemm = [&](const MoeGemmFp8Args& g) {
     if (stream) {
-      launch_moe_gemm_fp8_stream(g, gemm_sms, /*pdl=*/true, m.main);
+      launch_moe_gemm_fp8_stream(g, m.num_sms, /*pdl=*/true, m.main);
     } else if (register_decode) {
       launch_moe_gemm_fp8_decode(g, m.num_sms, m.main);
     } else {
@@ -498,12 +493,12 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   const int seam2_max_tokens = side_scheduling_.seam2_expand_in_finalize_max_tokens < 0
                                    ? kSeam2ExpandInFinalizeDefaultTokens
                                    : side_scheduling_.seam2_expand_in_finalize_max_tokens;
-  const bool seam2_in_finalize = lora && chain_pdl && !lora_mma && !fused_shrink &&
-                                 T <= seam2_max_tokens && k <= kFinalizeFoldMaxTopK &&
+  // The finalize must be a programmatic dependent of GEMM2 (no shared expert) for its B loads to
+  // overlap GEMM2; after the shared expert's cuBLAS kernels they would follow GEMM2 instead.
+  const bool seam2_in_finalize = lora && chain_pdl && !lora_mma && !fused_shrink && !shared &&
+                                 side_scheduling_.pdl_after_side_join && T <= seam2_max_tokens &&
+                                 k <= kFinalizeFoldMaxTopK &&
                                  m.down.max_rank <= kFinalizeFoldMaxRank;
-  // ... and its shrink in the activation kernel (SideStreamScheduling::seam2_shrink_in_activation)
-  const bool seam2_shrink_in_activation =
-      seam2_in_finalize && stream && side_scheduling_.seam2_shrink_in_activation;
   // 4. activation (+ seam-1 delta: from the side stream, or expanded in the kernel itself)
   if (lora && !fused_shrink) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora1.get(), 0));
   MoeActivationArgs act;
@@ -528,8 +523,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // main-stream data (the quant kernel's partials, complete before GEMM1 ran).
   act.pdl =
       chain_pdl && (!lora || fused_shrink || (side_scheduling_.pdl_after_side_join && !shared));
-  if (fused_shrink || seam2_shrink_in_activation)
-    act.lora = row_shrink(m.down, m.x<float>(m.part2));
+  if (fused_shrink) act.lora = row_shrink(m.down, m.x<float>(m.part2));
   if (fused_lora) {
     act.lora_expand.pool = m.view(m.gate_up);
     act.lora_expand.partial = m.x<float>(m.part1);
@@ -538,7 +532,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     act.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
   }
   launch_moe_activation(act, m.main);
-  if (lora && !epilogue_lora && !seam2_shrink_in_activation) {
+  if (lora && !epilogue_lora) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
     if (fused_shrink)
@@ -568,7 +562,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     n2.n = H;
     n2.k = I;
     if (n1.work_counters) n2.work_counters = m.s<int32_t>(m.gemm_work) + 2;
-    launch_moe_gemm_nvfp4_stream(n2, gemm_sms, /*pdl=*/true, m.main);
+    launch_moe_gemm_nvfp4_stream(n2, m.num_sms, /*pdl=*/true, m.main);
   } else if (c.bf16_experts) {
     MoeGemmBf16Args b2 = b1;
     b2.act = m.x<__nv_bfloat16>(m.a16);
@@ -618,8 +612,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (seam2_in_finalize) {
     fa.lora_expand.pool = m.view(m.down);
     fa.lora_expand.partial = m.x<float>(m.part2);
-    fa.lora_expand.splits =
-        seam2_shrink_in_activation ? row_shrink_splits(m.down) : lora_shrink_splits(m.down.in);
+    fa.lora_expand.splits = lora_shrink_splits(m.down.in);
     fa.lora_expand.row_capacity = m.P;
     fa.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
   }
