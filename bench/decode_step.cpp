@@ -420,9 +420,10 @@ int main(int argc, char** argv) {
                "stream's LoRA events (SideStreamScheduling::pdl_after_side_join, the default); "
                "--no-pdl-after-side-join: plain launches after them, the schedule before");
   app.add_option("--seam2-in-finalize", o.seam2_in_finalize,
-                 "MoE layers: decode steps of at most N tokens form the seam-2 LoRA expand in the "
-                 "finalize kernel instead of on the side stream (0 = never, -1 = the layer's "
-                 "default; SideStreamScheduling::seam2_expand_in_finalize_max_tokens)")
+                 "MoE layers without a shared expert: decode steps of at most N tokens form the "
+                 "seam-2 LoRA expand in the finalize kernel instead of on the side stream (0 = "
+                 "never, -1 = the layer's default; SideStreamScheduling::"
+                 "seam2_expand_in_finalize_max_tokens, which lists the other conditions)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
   app.add_flag("--no-timeline", o.no_timeline,

@@ -158,9 +158,10 @@ TEST_F(PdlAfterEventWait, ReportsWhetherTheDependentStartsEarlyOnceTheEventIsDon
 
 // A side-stream writer that lets its dependents launch at its start (the LoRA shrink kernels do):
 // the dependent's reads after its griddepcontrol.wait see the write, eagerly and in graph
-// replays. Whether its reads before the wait did is only reported: in a graph the event's edge
-// into the programmatic launch may become programmatic too, so the MoE finalize reads the seam-2
-// shrink's partials only after its wait (ops/moe/moe_cuda.cuh, MoeFinalizeArgs::lora_expand).
+// replays. Whether an event's edge into a programmatic launch can let the dependent start before
+// such a writer ends is not documented, so the MoE finalize reads the seam-2 shrink's partials
+// only after its wait (ops/moe/moe_cuda.cuh, MoeFinalizeArgs::lora_expand); stale reads before
+// the wait are reported, not asserted (none on the GPU host so far).
 TEST_F(PdlAfterEventWait, ReadsAfterTheWaitSeeATriggeringSideWriter) {
   rig_->writer_triggers = true;
   int stale_before_wait = 0;

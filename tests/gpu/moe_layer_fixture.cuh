@@ -212,6 +212,33 @@ class Sm90_MoeLayer : public ::testing::Test {
     side_->synchronize();
     return cuda::to_host(out, DType::kBF16, {T, H}).to_f32();
   }
+  // Captures one LoRA forward of `layer` on (x, slots, logits) into a graph and expects each of
+  // `replays` replays to write `want` bit for bit.
+  void expect_graph_replays_equal(ops::cuda::MoeLayerCuda& layer, const Tensor& x,
+                                  const std::vector<int32_t>& slots, const Tensor& logits,
+                                  const Tensor& want, int replays = 3) {
+    const int T = static_cast<int>(slots.size()), H = layer.config().hidden;
+    auto x_d = cuda::to_device(x.to(DType::kBF16));
+    auto l_d = cuda::to_device(logits);
+    auto s_d = upload_vector(slots);
+    cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
+    ops::cuda::MoeForwardArgs f;
+    f.x = x_d.as<__nv_bfloat16>();
+    f.slot = s_d.as<int32_t>();
+    f.router_logits = l_d.as<float>();
+    f.tokens = T;
+    f.lora = true;
+    f.out = out.as<__nv_bfloat16>();
+    cudaGraphExec_t exec = capture([&] { layer.forward(f); });
+    for (int replay = 0; replay < replays; ++replay) {
+      out.zero();
+      MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
+      main_->synchronize();
+      EXPECT_EQ(test::max_abs_diff(cuda::to_host(out, DType::kBF16, {T, H}).to_f32(), want), 0.0)
+          << "graph replay " << replay;
+    }
+    MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  }
   // Captures the launches of fn on the main stream into an instantiated graph (the caller
   // destroys it with cudaGraphExecDestroy).
   cudaGraphExec_t capture(const std::function<void()>& fn) {

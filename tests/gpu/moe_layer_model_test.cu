@@ -33,38 +33,26 @@ TEST_F(Sm90_MoeLayer, ProgrammaticLaunchesAfterTheSideStreamEventsAreBitEqual) {
     for (const std::vector<int32_t>& slots :
          {std::vector<int32_t>(T, 0),
           std::vector<int32_t>{0, -1, 1, 1, -1, 0, 0, 1, -1, -1, 1, 0, 0, 0, 1, -1}}) {
+      // the schedule of plain launches: seam 1 after the align, the seam-2 expand on the side
       ops::cuda::SideStreamScheduling plain_launches;
       plain_launches.pdl_after_side_join = false;
+      plain_launches.seam1_after_quant = 0;
+      plain_launches.seam2_expand_in_finalize_max_tokens = 0;
       layer.set_side_stream_scheduling(plain_launches);
       const Tensor plain = run(layer, x, slots, logits);
-      ops::cuda::SideStreamScheduling programmatic;
+      ops::cuda::SideStreamScheduling programmatic = plain_launches;
       programmatic.pdl_after_side_join = true;
       layer.set_side_stream_scheduling(programmatic);
       EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0) << "eager";
+      expect_graph_replays_equal(layer, x, slots, logits, plain);
       programmatic.seam1_after_quant = 1;
       layer.set_side_stream_scheduling(programmatic);
       EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0)
           << "eager, seam 1 after the quant";
-      auto x_d = cuda::to_device(x.to(DType::kBF16));
-      auto l_d = cuda::to_device(logits);
-      auto s_d = upload_vector(slots);
-      cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
-      ops::cuda::MoeForwardArgs f;
-      f.x = x_d.as<__nv_bfloat16>();
-      f.slot = s_d.as<int32_t>();
-      f.router_logits = l_d.as<float>();
-      f.tokens = T;
-      f.lora = true;
-      f.out = out.as<__nv_bfloat16>();
-      cudaGraphExec_t exec = capture([&] { layer.forward(f); });
-      for (int replay = 0; replay < 3; ++replay) {
-        out.zero();
-        MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
-        main_->synchronize();
-        EXPECT_EQ(test::max_abs_diff(cuda::to_host(out, DType::kBF16, {T, H}).to_f32(), plain), 0.0)
-            << "graph replay " << replay;
-      }
-      MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      // the defaults: by rule seam 1 after the quant and the fold (without a shared expert)
+      layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{});
+      EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0) << "eager, defaults";
+      expect_graph_replays_equal(layer, x, slots, logits, plain);
     }
   }
 }
@@ -120,27 +108,27 @@ TEST_F(Sm90_MoeLayer, Seam2ExpandInTheFinalizeEqualsTheSideStreamExpand) {
     EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0) << "below the batch";
     in_finalize.seam2_expand_in_finalize_max_tokens = 64;
     layer.set_side_stream_scheduling(in_finalize);
-    auto x_d = cuda::to_device(x.to(DType::kBF16));
-    auto l_d = cuda::to_device(logits);
-    auto s_d = upload_vector(slots);
-    cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
-    ops::cuda::MoeForwardArgs f;
-    f.x = x_d.as<__nv_bfloat16>();
-    f.slot = s_d.as<int32_t>();
-    f.router_logits = l_d.as<float>();
-    f.tokens = T;
-    f.lora = true;
-    f.out = out.as<__nv_bfloat16>();
-    cudaGraphExec_t exec = capture([&] { layer.forward(f); });
-    for (int replay = 0; replay < 3; ++replay) {
-      out.zero();
-      MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));
-      main_->synchronize();
-      EXPECT_EQ(test::max_abs_diff(cuda::to_host(out, DType::kBF16, {T, H}).to_f32(), plain), 0.0)
-          << "graph replay " << replay;
-    }
-    MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    expect_graph_replays_equal(layer, x, slots, logits, plain);
   }
+}
+
+// Scheduling values outside their ranges are refused with the field named.
+TEST_F(Sm90_MoeLayer, SideStreamSchedulingOutOfRangeIsRefused) {
+  std::mt19937_64 rng(test::test_seed(531));
+  auto lf = make_layer(256, 128, 8, 2, 0, false, RouterKind::kSoftmaxTopK, 8, 1, 16, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  ops::cuda::SideStreamScheduling s;
+  s.seam1_after_quant = 2;
+  EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
+                             "seam1_after_quant = 2"));
+  s = {};
+  s.seam2_expand_in_finalize_max_tokens = -2;
+  EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
+                             "seam2_expand_in_finalize_max_tokens = -2"));
+  s = {};
+  s.lora_max_ctas = -3;
+  EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
+                             "lora_max_ctas = -3"));
 }
 
 // Layers of different shapes sharing one MoeSharedWorkspace (as a model's layers do) give the

@@ -130,6 +130,37 @@ __device__ __forceinline__ void add_scaled8(float (&acc)[8], const uint4& v, flo
   }
 }
 
+// The gate of Qwen's shared expert for token t, sigmoid(x[t] . wsg), or 1 without one: a block of
+// kThreads threads sums 8 columns per thread and step, then its warps in a fixed order (the same
+// bits in every CTA of the token). All threads of the block call it; `reduce` holds kThreads / 32
+// floats.
+template <int kThreads>
+__device__ __forceinline__ float shared_expert_gate(const MoeFinalizeArgs& p, int t,
+                                                    float* reduce) {
+  if (!p.shared || !p.shared_gate) return 1.f;
+  const int H = p.hidden;
+  float s = 0.f;
+  for (int c = threadIdx.x * 8; c < H; c += kThreads * 8) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
+    const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
+    const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
+    const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
+      s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += reduce[w];  // fixed order
+  return 1.f / (1.f + expf(-total));
+}
+
 // CTA = (token, 1024-column chunk). All loads of a thread's k expert rows are independent and
 // issued before use (restrict pointers let the compiler hoist them past the store). kMaxTopK
 // bounds k at compile time so the pair positions and weights stay in registers: 16 for the
@@ -160,29 +191,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   const __nv_bfloat16* __restrict__ y = p.y;
   const __nv_bfloat16* __restrict__ delta = p.delta;
 
-  float gate = 1.f;
-  if (p.shared && p.shared_gate) {  // Qwen: sigmoid(x[t] . wsg), recomputed per column chunk (H MACs)
-    float s = 0.f;
-    for (int c = threadIdx.x * 8; c < H; c += kFinalizeThreads * 8) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
-      const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
-      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
-      const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
-        s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kFinalizeThreads / 32; ++w) total += reduce[w];  // fixed order
-    gate = 1.f / (1.f + expf(-total));
-  }
+  // Qwen: sigmoid(x[t] . wsg), recomputed per column chunk (H MACs)
+  const float gate = shared_expert_gate<kFinalizeThreads>(p, t, reduce);
 
   const int c = blockIdx.y * kFinalizeCols + threadIdx.x * 8;
   if (c >= H) return;
@@ -238,16 +248,18 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
   }
   const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
   const int slot = p.slot ? p.slot[t] : -1;
-  const bool lora = slot >= 0;
+  // padding tokens (t >= valid) read no pool entry, whatever their slot
+  const bool lora = t < valid && slot >= 0;
   const int rank = lora ? pool.rank[slot] : 0;
   const int rank_chunks = (rank + 7) / 8;
   const float scaling = lora ? pool.scaling[slot] : 0.f;
+  const bool b_per_expert = lora && pool.eb > 1 && !(pool.b_shared && pool.b_shared[slot]);
   const int R = pool.max_rank;
   uint4 b_reg[kFinalizeFoldMaxTopK][kRankChunks];
 #pragma unroll
   for (int j = 0; j < kFinalizeFoldMaxTopK; ++j) {
     const int expert = (lora && pos_of[j] >= 0) ? e.row_slot_expert[pos_of[j]].y : 0;
-    const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
+    const int eb = b_per_expert ? expert : 0;
     const __nv_bfloat16* b_row =
         lora ? pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * H + (n < H ? n : 0)) * R
              : nullptr;
@@ -272,29 +284,8 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
     }
   }
 
-  float gate = 1.f;
-  if (p.shared && p.shared_gate) {  // Qwen: sigmoid(x[t] . wsg), as the plain finalize forms it
-    float s = 0.f;
-    for (int c = threadIdx.x * 8; c < H; c += kFoldCols * 8) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
-      const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
-      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
-      const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
-        s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kFoldCols / 32; ++w) total += reduce[w];  // fixed order
-    gate = 1.f / (1.f + expf(-total));
-  }
+  // the plain finalize's gate (the same block size, so the same sums)
+  const float gate = shared_expert_gate<kFoldCols>(p, t, reduce);
   __syncthreads();  // u complete
   if (n >= H) return;
   float acc = 0.f;

@@ -360,6 +360,20 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
 
 MoeLayerCuda::~MoeLayerCuda() = default;
 
+void MoeLayerCuda::set_side_stream_scheduling(const SideStreamScheduling& s) {
+  MOELORA_CHECK(s.seam1_after_quant >= -1 && s.seam1_after_quant <= 1, ErrorCode::kInvalidArgument,
+                "SideStreamScheduling::seam1_after_quant = ", s.seam1_after_quant,
+                " must be -1 (the layer's rule), 0 or 1");
+  MOELORA_CHECK(s.seam2_expand_in_finalize_max_tokens >= -1, ErrorCode::kInvalidArgument,
+                "SideStreamScheduling::seam2_expand_in_finalize_max_tokens = ",
+                s.seam2_expand_in_finalize_max_tokens,
+                " must be -1 (the default), 0 or a token count");
+  MOELORA_CHECK(s.lora_max_ctas >= -1, ErrorCode::kInvalidArgument,
+                "SideStreamScheduling::lora_max_ctas = ", s.lora_max_ctas,
+                " must be -1 (one CTA per SM), 0 or a CTA count");
+  side_scheduling_ = s;
+}
+
 void MoeLayerCuda::set_adapter(int slot, const MoeLayerAdapter& a) {
   Impl& m = *impl_;
   MOELORA_CHECK(slot >= 0 && slot < config_.num_slots, ErrorCode::kOutOfRange,

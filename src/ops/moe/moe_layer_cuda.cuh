@@ -176,12 +176,13 @@ struct SideStreamScheduling {
   // one-adapter decode step of Qwen3-30B-A3B and 0-4 % off the LoRA rows of the layer, and left
   // the rest within noise (docs/gpu_moe.md §6.0e); false gives the plain launches of before.
   bool pdl_after_side_join = true;
-  // Decode (stream or NVFP4 GEMMs, CUDA-core LoRA kernels) of at most this many tokens, top_k <= 8,
-  // a down pool of rank <= 32 and the finalize launched programmatically after GEMM2 (no shared
-  // expert): the seam-2 expand is formed in the finalize kernel from the shrink's partials
-  // (MoeFinalizeArgs::lora_expand), its B rows loaded while GEMM2 runs, so the side stream runs
-  // only the seam-2 shrink and the expand's grid no longer shares the SMs with GEMM2. The same
-  // bits either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
+  // Decode (stream or NVFP4 GEMMs, the side-stream DecodeLoraPath with CUDA-core LoRA kernels) of
+  // at most this many tokens, top_k <= 8, a down pool of rank <= 32 and the finalize launched
+  // programmatically after GEMM2 (pdl_after_side_join, no shared expert): the seam-2 expand is
+  // formed in the finalize kernel from the shrink's partials (MoeFinalizeArgs::lora_expand), its B
+  // rows loaded while GEMM2 runs, so the side stream runs only the seam-2 shrink and the expand's
+  // grid no longer shares the SMs with GEMM2. The same bits either way. 0 = never; -1 =
+  // kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
   int seam2_expand_in_finalize_max_tokens = -1;
 };
 
@@ -231,7 +232,9 @@ class MoeLayerCuda {
 
   void set_gemm_path(GemmPath path) { gemm_path_ = path; }
   void set_lora_path(LoraPath path) { lora_path_ = path; }
-  void set_side_stream_scheduling(const SideStreamScheduling& s) { side_scheduling_ = s; }
+  // Refuses values outside each field's range (seam1_after_quant in {-1, 0, 1}, the token count
+  // >= -1, lora_max_ctas >= -1).
+  void set_side_stream_scheduling(const SideStreamScheduling& s);
   void set_decode_lora_path(DecodeLoraPath path) { decode_lora_ = path; }
   void set_stream_gemm_schedule(StreamGemmSchedule s) { stream_schedule_ = s; }
   void set_router_gemm_path(RouterGemmPath path) { router_path_ = path; }
