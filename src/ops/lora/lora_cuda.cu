@@ -27,6 +27,7 @@
 #include "core/cuda_utils.h"
 #include "core/sm90_ptx.cuh"
 #include "ops/lora/lora_cuda.cuh"
+#include "ops/lora/lora_row_fused.cuh"
 
 namespace moelora::ops::cuda {
 
@@ -482,28 +483,15 @@ __global__ void __launch_bounds__(kSegExpandThreads, kBesideGemm ? seg_kernel_mi
         float s = 0.f;
         if (r < rank) {
           const size_t ur = p.u_row ? p.u_row[q0 + row] : q0 + row;
-          for (int sp = 0; sp < splits; ++sp)
-            s += p.partial[(static_cast<size_t>(sp) * p.row_capacity + ur) * R + r];
+          s = lora_partial_sum(p.partial, splits, p.row_capacity, ur, r, R);
         }
         u[row][r] = s * scaling;
       }
       __syncthreads();
       if (n < N) {
-        for (int i = 0; i < rows; ++i) {
-          float acc = 0.f;
-#pragma unroll
-          for (int c = 0; c < kRankChunks; ++c) {
-            if (c >= rank_chunks) break;
-            const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b_reg[c]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 bf = __bfloat1622float2(b2[j]);
-              acc = fmaf(u[i][c * 8 + 2 * j], bf.x, acc);
-              acc = fmaf(u[i][c * 8 + 2 * j + 1], bf.y, acc);
-            }
-          }
-          p.delta[static_cast<size_t>(q0 + i) * N + n] = __float2bfloat16(acc);
-        }
+        for (int i = 0; i < rows; ++i)
+          p.delta[static_cast<size_t>(q0 + i) * N + n] =
+              __float2bfloat16(lora_expand_dot<kRankChunks>(u[i], b_reg, rank_chunks));
       }
     }
   }

@@ -210,6 +210,37 @@ __device__ __forceinline__ void row_expand_add(const LoraRowExpandArgs& a, const
   }
 }
 
+// The expand's arithmetic for one output column, shared by the segment expand
+// (lora_cuda.cu) and the MoE finalize's folded seam-2 expand, which must give its bits:
+//   lora_partial_sum: u's sum over the K splits of a shrink's partials [splits, capacity, R] (row
+//                     q, rank r), splits ascending (the caller multiplies by the slot's scaling);
+//   lora_expand_dot:  sum over the first rank_chunks 8-rank chunks of u[r] * B[r], ranks
+//                     ascending, one FMA each; b = the column's B values, 8 bf16 per chunk.
+__device__ __forceinline__ float lora_partial_sum(const float* partial, int splits,
+                                                  int row_capacity, size_t q, int r, int R) {
+  float s = 0.f;
+  for (int sp = 0; sp < splits; ++sp)
+    s += partial[(static_cast<size_t>(sp) * row_capacity + q) * R + r];
+  return s;
+}
+template <int kRankChunks>
+__device__ __forceinline__ float lora_expand_dot(const float* u, const uint4 (&b)[kRankChunks],
+                                                 int rank_chunks) {
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 0; c < kRankChunks; ++c) {
+    if (c >= rank_chunks) break;
+    const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b[c]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 bf = __bfloat1622float2(b2[j]);
+      acc = fmaf(u[c * 8 + 2 * j], bf.x, acc);
+      acc = fmaf(u[c * 8 + 2 * j + 1], bf.y, acc);
+    }
+  }
+  return acc;
+}
+
 inline bool row_expand_args_ok(const LoraRowExpandArgs& a, int max_rows, int out_features) {
   return a.row_slot_expert && a.pool.b && a.pool.rank && a.pool.scaling && a.splits > 0 &&
          a.row_capacity >= max_rows && a.pool.out_features == out_features && a.pool.max_rank <= 256;

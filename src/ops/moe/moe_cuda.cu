@@ -130,37 +130,6 @@ __device__ __forceinline__ void add_scaled8(float (&acc)[8], const uint4& v, flo
   }
 }
 
-// The gate of Qwen's shared expert for token t, sigmoid(x[t] . wsg), or 1 without one: a block of
-// kThreads threads sums 8 columns per thread and step, then its warps in a fixed order (the same
-// bits in every CTA of the token). All threads of the block call it; `reduce` holds kThreads / 32
-// floats.
-template <int kThreads>
-__device__ __forceinline__ float shared_expert_gate(const MoeFinalizeArgs& p, int t,
-                                                    float* reduce) {
-  if (!p.shared || !p.shared_gate) return 1.f;
-  const int H = p.hidden;
-  float s = 0.f;
-  for (int c = threadIdx.x * 8; c < H; c += kThreads * 8) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
-    const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
-    const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
-    const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
-      s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) total += reduce[w];  // fixed order
-  return 1.f / (1.f + expf(-total));
-}
-
 // CTA = (token, 1024-column chunk). All loads of a thread's k expert rows are independent and
 // issued before use (restrict pointers let the compiler hoist them past the store). kMaxTopK
 // bounds k at compile time so the pair positions and weights stay in registers: 16 for the
@@ -191,8 +160,30 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   const __nv_bfloat16* __restrict__ y = p.y;
   const __nv_bfloat16* __restrict__ delta = p.delta;
 
-  // Qwen: sigmoid(x[t] . wsg), recomputed per column chunk (H MACs)
-  const float gate = shared_expert_gate<kFinalizeThreads>(p, t, reduce);
+  float gate = 1.f;
+  if (p.shared &&
+      p.shared_gate) {  // Qwen: sigmoid(x[t] . wsg), recomputed per column chunk (H MACs)
+    float s = 0.f;
+    for (int c = threadIdx.x * 8; c < H; c += kFinalizeThreads * 8) {
+      const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
+      const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
+      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
+      const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
+        s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFinalizeThreads / 32; ++w) total += reduce[w];  // fixed order
+    gate = 1.f / (1.f + expf(-total));
+  }
 
   const int c = blockIdx.y * kFinalizeCols + threadIdx.x * 8;
   if (c >= H) return;
@@ -222,7 +213,9 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
 //   d[pos, n] = bf16(sum_r u[pos, r] * B[s, e, n, r]),  u[pos, r] = scaling[s] * sum_split partial,
 // in the segment expand's order (ranks ascending in 8-rank chunks, splits ascending), rounded to
 // bf16 as that kernel stores it, then adds w (y + d) as the plain finalize does: the same bits as
-// expand + finalize, without the expand's grid beside GEMM2 and its event wait.
+// expand + finalize (lora_partial_sum and lora_expand_dot are the segment expand's own code),
+// without the expand's grid beside GEMM2. No shared expert: the layer folds only where the
+// finalize is a programmatic dependent of GEMM2, which a shared expert's kernels are not.
 // CTA = (token, kFoldCols columns), one column per thread, so a thread's B values for all k pairs
 // (k x R bf16) fit in registers: they are weights, loaded before the programmatic wait with the
 // pairs' experts (the align's sorted {slot, expert}, complete before GEMM1 started) while GEMM2
@@ -234,7 +227,6 @@ template <int kRankChunks>  // R <= 8 * kRankChunks
 __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeFinalizeArgs p) {
   constexpr int kURanks = 8 * kRankChunks;
   __shared__ float u[kFinalizeFoldMaxTopK][kURanks];
-  __shared__ float reduce[kFoldCols / 32];
   const LoraRowExpandArgs& e = p.lora_expand;
   const LoraPoolTarget& pool = e.pool;
   const int t = blockIdx.x, k = p.top_k, H = p.hidden;
@@ -276,16 +268,12 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
     for (int i = threadIdx.x; i < k * kURanks; i += kFoldCols) {
       const int j = i / kURanks, r = i % kURanks;
       const int pos = p.pair_pos[t * k + j];
-      float s = 0.f;
-      if (r < rank && pos >= 0)
-        for (int sp = 0; sp < e.splits; ++sp)
-          s += e.partial[(static_cast<size_t>(sp) * e.row_capacity + pos) * R + r];
+      const float s = r < rank && pos >= 0
+                          ? lora_partial_sum(e.partial, e.splits, e.row_capacity, pos, r, R)
+                          : 0.f;
       u[j][r] = s * scaling;
     }
   }
-
-  // the plain finalize's gate (the same block size, so the same sums)
-  const float gate = shared_expert_gate<kFoldCols>(p, t, reduce);
   __syncthreads();  // u complete
   if (n >= H) return;
   float acc = 0.f;
@@ -295,26 +283,8 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
     const size_t pos = static_cast<size_t>(pos_of[j]);
     acc = fmaf(w_of[j], __bfloat162float(p.y[pos * H + n]), acc);
     if (!lora) continue;
-    float d = 0.f;
-#pragma unroll
-    for (int c = 0; c < kRankChunks; ++c) {
-      if (c >= rank_chunks) break;
-      const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b_reg[j][c]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 bf = __bfloat1622float2(b2[i]);
-        d = fmaf(u[j][c * 8 + 2 * i], bf.x, d);
-        d = fmaf(u[j][c * 8 + 2 * i + 1], bf.y, d);
-      }
-    }
+    const float d = lora_expand_dot<kRankChunks>(u[j], b_reg[j], rank_chunks);
     acc = fmaf(w_of[j], __bfloat162float(__float2bfloat16(d)), acc);
-  }
-  if (p.shared) {
-    acc = fmaf(gate, __bfloat162float(p.shared[static_cast<size_t>(t) * H + n]), acc);
-    const int shared_row = (p.shared_delta && lora) ? p.shared_delta_row[t] : -1;
-    if (shared_row >= 0)
-      acc = fmaf(gate, __bfloat162float(p.shared_delta[static_cast<size_t>(shared_row) * H + n]),
-                 acc);
   }
   p.out[static_cast<size_t>(t) * H + n] = __float2bfloat16(acc);
 }
@@ -365,7 +335,7 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(p.top_k >= 1 && p.top_k <= 32, ErrorCode::kUnsupported, "moe finalize: top_k = ", p.top_k,
                 " outside [1, 32] (the GPU router's limit)");
   if (p.lora_expand.partial) {
-    MOELORA_CHECK(!p.delta && p.slot && p.top_k <= kFinalizeFoldMaxTopK &&
+    MOELORA_CHECK(!p.delta && !p.shared && p.slot && p.top_k <= kFinalizeFoldMaxTopK &&
                       row_expand_args_ok(p.lora_expand, p.max_tokens * p.top_k, p.hidden) &&
                       p.lora_expand.pool.max_rank <= kFinalizeFoldMaxRank,
                   ErrorCode::kInvalidArgument,
@@ -375,7 +345,7 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
                   " vs ", p.max_tokens * p.top_k, "), out_features = H (",
                   p.lora_expand.pool.out_features, " vs ", p.hidden,
                   "), R <= ", kFinalizeFoldMaxRank, " (got ", p.lora_expand.pool.max_rank,
-                  ") and no separate delta");
+                  "), no separate delta and no shared expert");
     if (p.max_tokens == 0) return;
     const dim3 grid(p.max_tokens, (p.hidden + kFoldCols - 1) / kFoldCols);
     if (p.lora_expand.pool.max_rank <= 16)

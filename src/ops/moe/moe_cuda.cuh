@@ -65,11 +65,11 @@ struct MoeFinalizeArgs {
   // each pair's delta from the seam-2 shrink's partials [splits, row_capacity, R] (rows = sorted
   // pair positions) and the pool's B of the pair's {slot, expert} (lora_expand.row_slot_expert,
   // the align's; pool.out_features = H), with the segment expand's arithmetic and bf16 rounding,
-  // so the output has the bits of expand + finalize. Needs `slot`, top_k <= 8 and R <= 32 (the
-  // B values of a column's pairs are held in registers). The B rows and {slot, expert} are read
-  // before the kernel's wait, the partials after it (also those of a side-stream shrink joined by
-  // an event: in a graph the event's edge into a programmatic launch may let this kernel start as
-  // soon as that shrink triggers, and only the wait covers its completion).
+  // so the output has the bits of expand + finalize. Needs `slot`, top_k <= 8, R <= 32 (the B
+  // values of a column's pairs are held in registers) and no shared expert. The B rows and {slot,
+  // expert} are read before the kernel's wait, the partials after it (also those of a side-stream
+  // shrink joined by an event: in a graph the event's edge into a programmatic launch may let this
+  // kernel start as soon as that shrink triggers, and only the wait covers its completion).
   LoraRowExpandArgs lora_expand;
 };
 constexpr int kFinalizeFoldMaxTopK = 8;
