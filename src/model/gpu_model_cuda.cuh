@@ -78,6 +78,10 @@ struct GpuModelOptions {
   int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;
+  // MoE layers whose shared expert is FP8 with the routed experts' intermediate size (FP8 routed
+  // experts, all experts on this GPU) run it as expert E of the routed GEMMs
+  // (ops::cuda::MoeLayerConfig::shared_in_experts); false: a separate bf16 MLP (dequantized).
+  bool moe_shared_expert_in_experts = true;
   // Tensor / expert parallelism: this model is rank collectives->rank() of collectives->size(), its
   // config and weights that rank's share (dist::shard_checkpoint: the rank's heads, intermediate
   // channels and routed experts [r E / n, (r + 1) E / n) of the config's num_experts), and the

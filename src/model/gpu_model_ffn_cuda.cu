@@ -28,6 +28,11 @@ ops::cuda::MoeLayerConfig GpuModelImpl::moe_config(const Layer& layer, bool shar
   return mc;
 }
 
+bool GpuModelImpl::shared_expert_in_experts(const Layer& layer, bool fp8_experts) const {
+  return options_.moe_shared_expert_in_experts && fp8_experts && layer.shared_inter > 0 &&
+         layer.shared_inter == layer.moe_inter && layer.experts == config_.num_experts;
+}
+
 void GpuModelImpl::set_local_experts(Layer& layer, int64_t held) const {
   const int ranks = options_.collectives ? options_.collectives->size() : 1;
   const int rank = options_.collectives ? options_.collectives->rank() : 0;

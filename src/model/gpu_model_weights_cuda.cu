@@ -189,6 +189,8 @@ void GpuModelImpl::randomize(uint64_t seed, bool fp8_experts) {
       const bool nvfp4 = config_.quant.method == io::QuantMethod::kNvfp4 && H % 128 == 0 && layer.moe_inter % 128 == 0;
       mc.nvfp4_experts = nvfp4;
       mc.bf16_experts = !fp8 && !nvfp4;
+      mc.shared_in_experts =
+          shared_expert_in_experts(layer, fp8 && !nvfp4);  // random FP8 like the experts
       MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_.get()));
       layer.moe = std::make_unique<ops::cuda::MoeLayerCuda>(
           mc, ops::cuda::MoeLayerHostWeights{}, main_.get(), side_.get(), &moe_workspace_);
@@ -420,23 +422,46 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
       linear_bf16_bits(ex.down[e], w2 + e * H * I);
     }
   }
+  bool shared_in_experts = false;
   if (layer.shared_inter > 0) {
     const io::MlpWeights& sh = src.shared_expert;
     const int64_t Is = layer.shared_inter;
-    hw.shared_w13 = Tensor::empty(DType::kBF16, {2 * Is, H});
-    hw.shared_w2 = Tensor::empty(DType::kBF16, {H, Is});
     MOELORA_CHECK(sh.up.out_features == Is && sh.gate.in_features == H && sh.up.in_features == H &&
                       sh.down.out_features == H && sh.down.in_features == Is,
                   ErrorCode::kInvalidArgument, "GpuModel: ", where,
                   "shared expert shapes do not match");
-    linear_bf16_bits(sh.gate, hw.shared_w13.data<uint16_t>());
-    linear_bf16_bits(sh.up, hw.shared_w13.data<uint16_t>() + Is * H);
-    linear_bf16_bits(sh.down, hw.shared_w2.data<uint16_t>());
+    shared_in_experts = shared_expert_in_experts(layer, fp8) && is_fp8_block_128(sh.gate) &&
+                        is_fp8_block_128(sh.up) && is_fp8_block_128(sh.down);
+    if (shared_in_experts) {  // its FP8 codes and scales as expert E of the stacks
+      const int64_t hb = (H + 127) / 128, ib = Is / 128;
+      check_shape(sh.gate.scale, {ib, hb}, "GpuModel: scale of " + sh.gate.name);
+      check_shape(sh.up.scale, {ib, hb}, "GpuModel: scale of " + sh.up.name);
+      check_shape(sh.down.scale, {hb, ib}, "GpuModel: scale of " + sh.down.name);
+      hw.shared_w13 = Tensor::empty(DType::kF8E4M3, {2 * Is, H});
+      hw.shared_w13_scale = Tensor::empty(DType::kF32, {2 * ib, hb});
+      std::memcpy(hw.shared_w13.data<uint8_t>(), sh.gate.weight.raw_data(),
+                  static_cast<size_t>(Is * H));
+      std::memcpy(hw.shared_w13.data<uint8_t>() + Is * H, sh.up.weight.raw_data(),
+                  static_cast<size_t>(Is * H));
+      std::memcpy(hw.shared_w13_scale.data<float>(), sh.gate.scale.raw_data(),
+                  static_cast<size_t>(ib * hb) * 4);
+      std::memcpy(hw.shared_w13_scale.data<float>() + ib * hb, sh.up.scale.raw_data(),
+                  static_cast<size_t>(ib * hb) * 4);
+      hw.shared_w2 = sh.down.weight;
+      hw.shared_w2_scale = sh.down.scale;
+    } else {
+      hw.shared_w13 = Tensor::empty(DType::kBF16, {2 * Is, H});
+      hw.shared_w2 = Tensor::empty(DType::kBF16, {H, Is});
+      linear_bf16_bits(sh.gate, hw.shared_w13.data<uint16_t>());
+      linear_bf16_bits(sh.up, hw.shared_w13.data<uint16_t>() + Is * H);
+      linear_bf16_bits(sh.down, hw.shared_w2.data<uint16_t>());
+    }
     hw.shared_gate = src.shared_expert_gate;
   }
   ops::cuda::MoeLayerConfig mc = moe_config(layer, src.shared_expert_gate.defined());
   mc.nvfp4_experts = nvfp4;
   mc.bf16_experts = !fp8 && !nvfp4;
+  mc.shared_in_experts = shared_in_experts;
   layer.moe =
       std::make_unique<ops::cuda::MoeLayerCuda>(mc, hw, main_.get(), side_.get(), &moe_workspace_);
   configure_moe(*layer.moe);

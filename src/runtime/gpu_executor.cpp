@@ -354,6 +354,7 @@ GpuExecutorOptions gpu_executor_options(const EngineOptions& options) {
   g.moe_seam1_after_quant = options.moe_seam1_after_quant;
   g.moe_pdl_after_side_join = options.moe_pdl_after_side_join;
   g.moe_seam2_in_finalize_max_tokens = options.moe_seam2_in_finalize_max_tokens;
+  g.moe_shared_expert_in_experts = options.moe_shared_expert_in_experts;
   g.show_progress = options.show_progress;
   return g;
 }

@@ -40,6 +40,10 @@ StepBytes decode_step_bytes(const io::ModelConfig& c, int64_t batch, double cont
                                 : fp8 ? 3 * H * I * (1.0 + 4.0 / (128 * 128))
                                       : 3 * H * I * 2;
     b.base += E * H * 2 + distinct_experts(E, k, static_cast<double>(batch)) * expert_bytes;
+    // An FP8 shared expert of the routed experts' size stays FP8 on the GPU (one more expert of the
+    // routed GEMMs), not the bf16 that for_each_dense_linear counted.
+    if (fp8 && c.shared_expert_intermediate_size == c.moe_intermediate_size)
+      b.base += expert_bytes - 3 * H * I * 2;
     if (adapters > 0) {
       const double touched = distinct_experts(
           E, k, static_cast<double>(adapter_tokens) / static_cast<double>(adapters));

@@ -6,8 +6,10 @@
 // 8-rank chunk (B's tail values there are finite and multiplied by zero in both paths), pairs
 // without a local expert (pair_pos -1, as under expert parallelism), padding tokens past the
 // device token count (left untouched) and a hidden size that is not a multiple of the kernel's
-// 128 columns. Refusals name what is wrong (a shared expert among them: the layer folds only
-// where the finalize follows GEMM2 directly).
+// 128 columns; and with the shared expert among the pairs (MoeLayerConfig::shared_in_experts:
+// pair k of each token, gated by sigmoid(x . wsg), plus its own LoRA delta rows), which both
+// kernels add after the routed pairs. Refusals name what is wrong (a separate shared expert output
+// among them: the layer folds only where the finalize follows GEMM2 directly).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,12 +47,14 @@ std::vector<float> bf16_to_f32(const std::vector<uint16_t>& v) {
 struct FoldCase {
   int max_rank;  // R of the pool (the kernel's 2- or 4-chunk instance)
   int top_k;
+  bool shared_pairs = false;  // the shared expert as pair k of every token (expert E, base bin)
 };
 
 void check_fold(const FoldCase& c, uint64_t seed) {
   std::mt19937_64 rng(test::test_seed(seed));
   const int T = 13, valid = 11, k = c.top_k, E = 6, routed = 9, H = 200, in = 768, S = 4;
-  const int R = c.max_rank, P = T * k;
+  const int kp = k + (c.shared_pairs ? 1 : 0);  // pair_pos entries per token
+  const int R = c.max_rank, P = T * kp;
   const int splits = ops::cuda::lora_shrink_splits(in);
   const std::vector<int32_t> ranks =
       R > 16 ? std::vector<int32_t>{R, 21, 0, 9} : std::vector<int32_t>{R, 5, 0, 13};
@@ -62,7 +66,7 @@ void check_fold(const FoldCase& c, uint64_t seed) {
   // routing: k distinct experts of `routed`, the local ones [0, E) get sorted positions by
   // (expert, slot) as the align kernel orders them; the others keep pair_pos -1
   std::vector<int32_t> pair_pos(P, -1);
-  std::vector<float> weights(P);
+  std::vector<float> weights(static_cast<size_t>(T) * k);
   std::uniform_real_distribution<float> w01(0.05f, 1.f);
   std::vector<std::tuple<int, int, int>> keyed;  // (expert, slot + 1, pair)
   for (int t = 0; t < T; ++t) {
@@ -71,8 +75,10 @@ void check_fold(const FoldCase& c, uint64_t seed) {
     std::shuffle(experts.begin(), experts.end(), rng);
     for (int j = 0; j < k; ++j) {
       weights[t * k + j] = w01(rng);
-      if (experts[j] < E) keyed.emplace_back(experts[j], slot[t] + 1, t * k + j);
+      if (experts[j] < E) keyed.emplace_back(experts[j], slot[t] + 1, t * kp + j);
     }
+    // the shared expert's pair: expert E, base bin, valid tokens only (as the align writes it)
+    if (c.shared_pairs && t < valid) keyed.emplace_back(E, 0, t * kp + k);
   }
   std::sort(keyed.begin(), keyed.end());
   std::vector<int2> slot_expert(P, make_int2(-1, 0));
@@ -95,6 +101,17 @@ void check_fold(const FoldCase& c, uint64_t seed) {
   std::vector<float> partial(static_cast<size_t>(splits) * P * R);
   for (auto& v : partial) v = nd(rng);
   const std::vector<uint16_t> y = random_bf16(static_cast<size_t>(P) * H, rng, 1.f);
+  // the shared expert's gate input, gate weight and LoRA delta rows (row of token t: a permutation)
+  const std::vector<uint16_t> x = random_bf16(static_cast<size_t>(T) * H, rng, 1.f);
+  const std::vector<uint16_t> gate_w = random_bf16(H, rng, 0.1f);
+  const std::vector<uint16_t> shared_delta = random_bf16(static_cast<size_t>(T) * H, rng, 0.3f);
+  std::vector<int32_t> shared_delta_row(T);
+  for (int t = 0; t < T; ++t) shared_delta_row[t] = t;
+  std::shuffle(shared_delta_row.begin(), shared_delta_row.end(), rng);
+  auto x_d = upload_vector(x);
+  auto gate_d = upload_vector(gate_w);
+  auto sd_d = upload_vector(shared_delta);
+  auto sdr_d = upload_vector(shared_delta_row);
 
   auto b_d = upload_vector(b_pool);
   auto a_d = upload_vector(a_pool);
@@ -132,6 +149,13 @@ void check_fold(const FoldCase& c, uint64_t seed) {
   f.max_tokens = T;
   f.top_k = k;
   f.hidden = H;
+  if (c.shared_pairs) {
+    f.shared_in_pairs = true;
+    f.x = x_d.as<__nv_bfloat16>();
+    f.shared_gate = gate_d.as<__nv_bfloat16>();
+    f.shared_delta = sd_d.as<__nv_bfloat16>();
+    f.shared_delta_row = sdr_d.as<int32_t>();
+  }
 
   // the path the fold replaces: the segment expand into d2 (rows of base tokens left NaN), then
   // the plain finalize
@@ -180,7 +204,7 @@ void check_fold(const FoldCase& c, uint64_t seed) {
       mismatches += got_plain[o] != got_fold[o];
       double want = 0.0;
       for (int j = 0; j < k; ++j) {
-        const int pos = pair_pos[t * k + j];
+        const int pos = pair_pos[t * kp + j];
         if (pos < 0) continue;
         double v = yf[static_cast<size_t>(pos) * H + n];
         const int s = slot[t];
@@ -198,6 +222,17 @@ void check_fold(const FoldCase& c, uint64_t seed) {
         }
         want += weights[t * k + j] * v;
       }
+      if (c.shared_pairs) {  // + sigmoid(x . wsg) (y_shared + the token's shared delta)
+        double dot = 0.0;
+        for (int h = 0; h < H; ++h)
+          dot += double(bf16_bits_to_f32(x[static_cast<size_t>(t) * H + h])) *
+                 bf16_bits_to_f32(gate_w[h]);
+        const double gate = 1.0 / (1.0 + std::exp(-dot));
+        double v = yf[static_cast<size_t>(pair_pos[t * kp + k]) * H + n];
+        if (slot[t] >= 0)
+          v += bf16_bits_to_f32(shared_delta[static_cast<size_t>(shared_delta_row[t]) * H + n]);
+        want += gate * v;
+      }
       const double err = std::abs(bf16_bits_to_f32(got_fold[o]) - want);
       worst = std::max(worst, err / (std::abs(want) + 1.0));
     }
@@ -209,9 +244,11 @@ void check_fold(const FoldCase& c, uint64_t seed) {
 
 TEST(Sm90_MoeFinalize, FoldedSeam2ExpandEqualsTheSegmentExpandThenFinalize) {
   MOELORA_REQUIRE_SM90();
-  for (const FoldCase& c : {FoldCase{16, 8}, FoldCase{16, 3}, FoldCase{32, 8}, FoldCase{24, 5}}) {
-    SCOPED_TRACE("R " + std::to_string(c.max_rank) + ", k " + std::to_string(c.top_k));
-    check_fold(c, 601 + c.max_rank + c.top_k);
+  for (const FoldCase& c : {FoldCase{16, 8}, FoldCase{16, 3}, FoldCase{32, 8}, FoldCase{24, 5},
+                            FoldCase{16, 8, true}, FoldCase{32, 5, true}}) {
+    SCOPED_TRACE("R " + std::to_string(c.max_rank) + ", k " + std::to_string(c.top_k) +
+                 (c.shared_pairs ? ", the shared expert among the pairs" : ""));
+    check_fold(c, 601 + c.max_rank + c.top_k + (c.shared_pairs ? 100 : 0));
   }
 }
 
@@ -249,7 +286,11 @@ TEST(Sm90_MoeFinalize, FoldRefusesWhatItCannotHold) {
   refused(a, "R <= 32 (got 40)");
   a = f;
   a.lora_expand.row_capacity = 31;
-  refused(a, "row_capacity >= T k (31 vs 32)");
+  refused(a, "row_capacity >= the pair rows (31 vs 32)");
+  a = f;
+  a.shared_in_pairs = true;  // T (k + 1) = 36 rows
+  a.lora_expand.row_capacity = 32;
+  refused(a, "row_capacity >= the pair rows (32 vs 36)");
   a = f;
   a.lora_expand.pool.out_features = 72;
   refused(a, "out_features = H (72 vs 64)");
@@ -258,7 +299,12 @@ TEST(Sm90_MoeFinalize, FoldRefusesWhatItCannotHold) {
   refused(a, "no separate delta");
   a = f;
   a.shared = dummy.as<__nv_bfloat16>();
-  refused(a, "no shared expert");
+  refused(a, "no separate shared expert output");
+  a = f;
+  a.lora_expand = {};
+  a.shared = dummy.as<__nv_bfloat16>();
+  a.shared_in_pairs = true;
+  refused(a, "not both");
 }
 
 }  // namespace

@@ -51,9 +51,12 @@ struct LayerFixture {
   ops::MoeParams params;
 };
 
-// Random FP8 experts (quantized per expert), bf16 router and shared expert.
+// Random FP8 experts (quantized per expert), bf16 router and shared expert; with
+// shared_in_experts (Is = I) the shared expert is FP8 too and runs among the routed experts
+// (MoeLayerConfig::shared_in_experts), the reference emulating its FP8 activations.
 inline LayerFixture make_layer(int H, int I, int E, int k, int Is, bool gate, RouterKind router,
-                               int max_tokens, int slots, int max_rank, std::mt19937_64& rng) {
+                               int max_tokens, int slots, int max_rank, std::mt19937_64& rng,
+                               bool shared_in_experts = false) {
   LayerFixture f;
   auto& c = f.config;
   c.hidden = H;
@@ -103,13 +106,27 @@ inline LayerFixture make_layer(int H, int I, int E, int k, int Is, bool gate, Ro
     f.ref.correction_bias = test::random_uniform({E}, rng, -0.05f, 0.05f);
     f.host.correction_bias = f.ref.correction_bias;
   }
-  if (Is > 0) {
+  if (Is > 0 && shared_in_experts) {  // FP8 blocks, the reference gets the dequantized values
+    c.shared_in_experts = true;
+    f.params.shared_fp8_activations = true;
+    auto quantize = [&](int rows, int cols, Tensor& q, Tensor& scale, Tensor& deq) {
+      auto qb = ops::quantize_fp8_block_ref(
+          test::random_normal({rows, cols}, rng, 1.0f / std::sqrt(static_cast<float>(cols))));
+      q = qb.q;
+      scale = qb.scale_inv;
+      deq = ops::dequant_fp8_block_ref(qb.q, qb.scale_inv);
+    };
+    quantize(2 * Is, H, f.host.shared_w13, f.host.shared_w13_scale, f.ref.shared_w13);
+    quantize(H, Is, f.host.shared_w2, f.host.shared_w2_scale, f.ref.shared_w2);
+  } else if (Is > 0) {
     f.ref.shared_w13 =
         bf16_round(test::random_normal({2 * Is, H}, rng, 1.0f / std::sqrt(static_cast<float>(H))));
     f.ref.shared_w2 =
         bf16_round(test::random_normal({H, Is}, rng, 1.0f / std::sqrt(static_cast<float>(Is))));
     f.host.shared_w13 = f.ref.shared_w13;
     f.host.shared_w2 = f.ref.shared_w2;
+  }
+  if (Is > 0) {
     if (gate) {
       f.ref.shared_gate =
           bf16_round(test::random_normal({1, H}, rng, 1.0f / std::sqrt(static_cast<float>(H))));

@@ -3,7 +3,8 @@
 // summed against the whole layer), the engine's side-stream schedule with the activation and
 // finalize launched programmatically after the LoRA events, and the seam-2 expand formed in the
 // finalize; each against layers built alone or the plain schedule, bit for bit where the
-// arithmetic is the same.
+// arithmetic is the same. And the shared expert run as one more expert of the routed GEMMs
+// (MoeLayerConfig::shared_in_experts), as models with an FP8 shared expert build it.
 #include <gtest/gtest.h>
 
 #include "gpu/moe_layer_fixture.cuh"
@@ -313,6 +314,88 @@ TEST_F(Sm90_MoeLayer, ExpertParallelHalvesSumToTheWholeLayer) {
       [&] { ops::cuda::MoeLayerCuda layer(bad, w, main_->get(), side_->get()); },
       ErrorCode::kInvalidArgument);
   EXPECT_TRUE(test::contains(msg, "experts [9, 17) are not among the router's 16")) << msg;
+}
+
+// The shared expert as one more expert of the FP8 routed GEMMs (MoeLayerConfig::shared_in_experts:
+// pair k of every token, FP8 like the routed experts), gated (Qwen) and ungated (DeepSeek), with
+// three adapters that also target it (per-expert and shared-outer) and base tokens: every decode
+// LoRA path and the prefill and register GEMM paths against the reference with the shared
+// expert's FP8 activations, per token; the seam-2 expand in the finalize (the default at this size)
+// bit-equal to the side-stream expand; graph replays bit-equal to the eager run; the no-LoRA
+// pipeline bit-equal to a LoRA forward of base tokens and to the base tokens of the mixed batch.
+TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsMatchesReference) {
+  for (const bool gate : {true, false}) {
+    SCOPED_TRACE(gate ? "gated shared expert" : "ungated shared expert");
+    std::mt19937_64 rng(test::test_seed(gate ? 540 : 541));
+    const int H = 256, I = 128, E = 16, k = 4, T = 37;
+    auto lf = make_layer(H, I, E, k, I, gate, RouterKind::kSoftmaxTopK, 40, 3, 24, rng,
+                         /*shared_in_experts=*/true);
+    ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+    std::vector<HostAdapter> adapters = {make_adapter(lf, 8, false, rng),
+                                         make_adapter(lf, 16, true, rng),
+                                         make_adapter(lf, 13, false, rng)};
+    std::vector<ops::MoeLoraRef> refs;
+    for (int s = 0; s < 3; ++s) {
+      layer.set_adapter(s, adapters[s].gpu());
+      refs.push_back(adapters[s].ref());
+    }
+    Tensor x = bf16_round(test::random_normal({T, H}, rng));
+    Tensor logits = test::random_normal({T, E}, rng, 3.0f);
+    std::vector<int32_t> slots(T);
+    for (int t = 0; t < T; ++t) slots[t] = (t % 4) - 1;  // -1, 0, 1, 2
+    for (const auto path : kDecodeLoraPaths) {
+      SCOPED_TRACE(decode_lora_name(path));
+      layer.set_decode_lora_path(path);
+      check_rows(run(layer, x, slots, logits), x, slots, lf, refs, logits);
+    }
+    layer.set_decode_lora_path(ops::cuda::DecodeLoraPath::kSideStream);
+    const Tensor eager = run(layer, x, slots, logits);
+    for (const auto gemm : {ops::cuda::GemmPath::kPrefill, ops::cuda::GemmPath::kDecodeRegister}) {
+      SCOPED_TRACE(gemm == ops::cuda::GemmPath::kPrefill ? "prefill GEMM" : "register decode GEMM");
+      layer.set_gemm_path(gemm);
+      check_rows(run(layer, x, slots, logits), x, slots, lf, refs, logits);
+    }
+    layer.set_gemm_path(ops::cuda::GemmPath::kAuto);
+    ops::cuda::SideStreamScheduling side_expand;
+    side_expand.seam2_expand_in_finalize_max_tokens = 0;
+    layer.set_side_stream_scheduling(side_expand);
+    EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), eager), 0.0)
+        << "the seam-2 expand on the side stream against the one in the finalize";
+    layer.set_side_stream_scheduling({});
+    expect_graph_replays_equal(layer, x, slots, logits, eager);
+    const std::vector<int32_t> base(T, -1);
+    const Tensor no_lora = run(layer, x, base, logits, /*lora=*/false);
+    EXPECT_EQ(test::max_abs_diff(no_lora, run(layer, x, base, logits, /*lora=*/true)), 0.0);
+    for (int t = 0; t < T; t += 4)  // slot -1 in the mixed batch
+      for (int c = 0; c < H; ++c)
+        ASSERT_EQ(eager.item_f32(t * H + c), no_lora.item_f32(t * H + c)) << "base token " << t;
+  }
+}
+
+// What shared_in_experts cannot hold is refused, naming it: a shared expert of another size, a
+// shared expert given in bf16, and the expert GEMV chain (which runs the shared expert itself).
+TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsRefusals) {
+  std::mt19937_64 rng(test::test_seed(542));
+  auto make = [&](const LayerFixture& lf) {
+    ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  };
+  auto other_size =
+      make_layer(256, 128, 8, 2, 256, true, RouterKind::kSoftmaxTopK, 8, 1, 16, rng, true);
+  EXPECT_TRUE(test::contains(test::error_message([&] { make(other_size); }),
+                             "shared expert of the routed experts' size (Is = 256, I = 128)"));
+  auto bf16_shared = make_layer(256, 128, 8, 2, 128, true, RouterKind::kSoftmaxTopK, 8, 1, 16, rng);
+  bf16_shared.config.shared_in_experts = true;
+  EXPECT_TRUE(test::contains(test::error_message([&] { make(bf16_shared); }),
+                             "shared_w13 (shared_in_experts)"));
+  auto lf = make_layer(256, 128, 8, 2, 128, true, RouterKind::kSoftmaxTopK, 8, 1, 16, rng, true);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  layer.set_gemm_path(ops::cuda::GemmPath::kGemv);
+  Tensor x = bf16_round(test::random_normal({4, 256}, rng));
+  EXPECT_TRUE(test::contains(
+      test::error_message([&] {
+        run(layer, x, std::vector<int32_t>(4, -1), test::random_normal({4, 8}, rng), false);
+      }),
+      "shared_in_experts"));
 }
 
 }  // namespace

@@ -32,9 +32,12 @@ using test::upload_vector;
 
 // E local experts; with routed_experts > E the ids range over all routed_experts experts and the
 // launch aligns experts [expert_begin, expert_begin + E) (expert parallelism): the reference is
-// the plain alignment of the ids mapped to local ones (-1 for another rank's expert).
+// the plain alignment of the ids mapped to local ones (-1 for another rank's expert). shared: the
+// shared expert as local expert E, pair k of every valid token (MoeAlignDeviceArgs::
+// shared_expert): the reference aligns k + 1 ids per token with that expert's pairs in its base
+// bin.
 void check_align(int T, int valid, int E, int k, int S, uint64_t seed, int routed_experts = 0,
-                 int expert_begin = 0) {
+                 int expert_begin = 0, bool shared = false) {
   std::mt19937_64 rng(test::test_seed(seed));
   const int Er = routed_experts > 0 ? routed_experts : E;
   std::vector<int32_t> ids(static_cast<size_t>(T) * k, -1), slot(T);
@@ -52,23 +55,28 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed, int route
   auto local = [&](int32_t id) {
     return id >= expert_begin && id < expert_begin + E ? id - expert_begin : -1;
   };
+  const int kp = k + (shared ? 1 : 0),
+            Ex = E + (shared ? 1 : 0);  // pairs per token, experts aligned
   std::vector<int32_t> ref_slot(slot.begin(), slot.begin() + valid);
-  std::vector<int32_t> ref_ids(static_cast<size_t>(valid) * k);
-  for (size_t p = 0; p < ref_ids.size(); ++p) ref_ids[p] = local(ids[p]);
-  auto ref = ops::moe_align_ref(ref_ids, ref_slot, k, E, S);
+  std::vector<int32_t> ref_ids(static_cast<size_t>(valid) * kp);
+  for (int t = 0; t < valid; ++t)
+    for (int j = 0; j < kp; ++j) ref_ids[t * kp + j] = j < k ? local(ids[t * k + j]) : E;
+  auto ref = ops::moe_align_ref(ref_ids, ref_slot, kp, Ex, S, shared ? E : -1);
 
-  const int P = T * k, max_seg = std::max(1, std::min(P, S * E));
+  const int P = T * kp, max_seg = std::max(1, std::min(T * k, S * E));
   auto ids_d = upload_vector(ids);
   auto slot_d = upload_vector(slot);
   auto num_d = upload_vector(std::vector<int32_t>{valid});
-  cuda::DeviceBuffer off(4 * (E + 1)), sp(4 * P), st(4 * P), pp(4 * P), act(4 * E), nact(4), seg(16 * max_seg),
-      nseg(4), ts(4 * T), tp(4 * T), tseg(16 * std::max(S, 1)), ntseg(4), sse(8 * P);
+  cuda::DeviceBuffer off(4 * (Ex + 1)), sp(4 * P), st(4 * P), pp(4 * P), act(4 * Ex), nact(4),
+      seg(16 * max_seg), nseg(4), ts(4 * T), tp(4 * T), tseg(16 * std::max(S, 1)), ntseg(4),
+      sse(8 * P), tsr(4 * T);
   ops::cuda::MoeAlignDeviceArgs a;
   a.topk_ids = ids_d.as<int32_t>();
   a.slot = slot_d.as<int32_t>();
   a.max_tokens = T;
   a.top_k = k;
-  a.num_experts = E;
+  a.num_experts = Ex;
+  a.shared_expert = shared ? E : -1;
   a.expert_begin = expert_begin;
   a.num_slots = S;
   a.expert_offsets = off.as<int32_t>();
@@ -80,16 +88,17 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed, int route
   a.num_active = nact.as<int32_t>();
   a.lora_segments = seg.as<int4>();
   a.num_lora_segments = nseg.as<int32_t>();
-  a.max_lora_segments = std::min(P, S * E);
+  a.max_lora_segments = std::min(T * k, S * E);
   a.num_tokens = num_d.as<int32_t>();
   a.token_sorted = ts.as<int32_t>();
   a.token_pos = tp.as<int32_t>();
   a.token_segments = tseg.as<int4>();
   a.num_token_segments = ntseg.as<int32_t>();
+  a.token_shared_row = shared && S > 0 ? tsr.as<int32_t>() : nullptr;
   ops::cuda::launch_moe_align(a, nullptr);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
 
-  EXPECT_EQ(download_vector<int32_t>(off, E + 1), ref.expert_offsets);
+  EXPECT_EQ(download_vector<int32_t>(off, Ex + 1), ref.expert_offsets);
   const int n_pairs = ref.expert_offsets.back();
   auto sorted_pair = download_vector<int32_t>(sp, n_pairs);
   auto sorted_token = download_vector<int32_t>(st, n_pairs);
@@ -103,22 +112,24 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed, int route
   auto slot_expert = download_vector<int2>(sse, n_pairs);
   for (int q = 0; q < n_pairs; ++q) {
     ASSERT_EQ(pair_pos[sorted_pair[q]], q);
-    ASSERT_EQ(sorted_token[q], sorted_pair[q] / k);
-    const int e = local(ids[sorted_pair[q]]);
+    const int t = sorted_pair[q] / kp, j = sorted_pair[q] % kp;
+    ASSERT_EQ(sorted_token[q], t);
+    const int e = j < k ? local(ids[t * k + j]) : E;
     ASSERT_GE(e, 0) << "row " << q << " holds another rank's pair";
-    ASSERT_EQ(slot_expert[q].x, slot[sorted_pair[q] / k]) << "sorted_slot_expert slot, row " << q;
+    // the shared expert's pairs sit in its base bin whatever the token's slot
+    ASSERT_EQ(slot_expert[q].x, j < k ? slot[t] : -1) << "sorted_slot_expert slot, row " << q;
     ASSERT_EQ(slot_expert[q].y, e) << "sorted_slot_expert expert, row " << q;
     ASSERT_TRUE(q >= ref.expert_offsets[e] && q < ref.expert_offsets[e + 1]);
   }
-  for (int p = valid * k; p < P; ++p) EXPECT_EQ(pair_pos[p], -1);
-  for (int p = 0; p < valid * k; ++p)
-    if (local(ids[p]) < 0)
-      EXPECT_EQ(pair_pos[p], -1) << "pair " << p << " of another rank's expert " << ids[p];
+  for (int p = valid * kp; p < P; ++p) EXPECT_EQ(pair_pos[p], -1);
+  for (int p = 0; p < valid * kp; ++p)
+    if (p % kp < k && local(ids[p / kp * k + p % kp]) < 0)
+      EXPECT_EQ(pair_pos[p], -1) << "pair " << p << " of another rank's expert";
   const int n_active = download_vector<int32_t>(nact, 1)[0];
-  auto active = download_vector<int32_t>(act, E);
+  auto active = download_vector<int32_t>(act, Ex);
   ASSERT_EQ(n_active, static_cast<int>(ref.active_experts.size()));
   EXPECT_EQ(std::vector<int32_t>(active.begin(), active.begin() + n_active), ref.active_experts);
-  for (int i = n_active; i < E; ++i) EXPECT_EQ(active[i], -1);
+  for (int i = n_active; i < Ex; ++i) EXPECT_EQ(active[i], -1);
   if (S > 0) {
     const int n_seg = download_vector<int32_t>(nseg, 1)[0];
     ASSERT_EQ(n_seg, static_cast<int>(ref.lora_segments.size()));
@@ -140,6 +151,11 @@ void check_align(int T, int valid, int E, int k, int S, uint64_t seed, int route
       EXPECT_EQ(tsegs[i].x, ref.token_segments[i].slot);
       EXPECT_EQ(tsegs[i].z, ref.token_segments[i].begin);
       EXPECT_EQ(tsegs[i].w, ref.token_segments[i].end);
+    }
+    if (shared) {  // the shared pair's row of each token, in token_sorted order
+      auto rows = download_vector<int32_t>(tsr, valid);
+      for (int i = 0; i < valid; ++i)
+        EXPECT_EQ(rows[i], pair_pos[ref.token_sorted[i] * kp + k]) << "token_shared_row " << i;
     }
   }
 }
@@ -164,6 +180,16 @@ TEST(Sm90_MoeAlign, OneRanksExpertsOfAllRouted) {
     check_align(64, 60, 48, 8, 4, 207, 384, begin);
     check_align(2048, 2048, 48, 8, 0, 208, 384, begin);
   }
+}
+
+// The shared expert among the routed ones (expert E, pair k of every valid token, base bin): with
+// slots (its rows for the shared down LoRA's gather), with padding tokens, without LoRA, prefill.
+TEST(Sm90_MoeAlign, SharedExpertAsOneMorePairPerToken) {
+  MOELORA_REQUIRE_SM90();
+  check_align(16, 16, 256, 8, 4, 209, 0, 0, /*shared=*/true);
+  check_align(64, 50, 256, 8, 8, 210, 0, 0, /*shared=*/true);
+  check_align(33, 33, 48, 8, 0, 211, 0, 0, /*shared=*/true);
+  check_align(2048, 2048, 128, 8, 2, 212, 0, 0, /*shared=*/true);
 }
 
 TEST(Sm90_MoeAlign, PrefillSizedBatch) {

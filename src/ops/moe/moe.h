@@ -3,10 +3,9 @@
 // Inputs: x [T, H]; slot [T] (-1 = base only); per-slot LoRA of this layer.
 //   1. route: logits = x Wg^T -> ids [T, k], w [T, k]            (ops/route)
 //   2. for each pair p = (t, j), e = ids[t, j]:
-//        h = x[t] W13[e]^T                                       [2I]  (gate rows [0, I), up [I, 2I))
-//        seam 1: h += s13 * (x[t] A13[slot, e]^T) B13[slot, e]^T  (slot >= 0 and the adapter has it)
-//        a = silu(h[:I]) * h[I:]                                  [I]
-//        y = a W2[e]^T                                            [H]
+//        h = x[t] W13[e]^T                                       [2I]  (gate rows [0, I), up [I,
+//        2I)) seam 1: h += s13 * (x[t] A13[slot, e]^T) B13[slot, e]^T  (slot >= 0 and the adapter
+//        has it) a = silu(h[:I]) * h[I:]                                  [I] y = a W2[e]^T [H]
 //        seam 2: y += s2 * (a A2[slot, e]^T) B2[slot, e]^T
 //        out[t] += w[t, j] * y
 //   3. shared expert (with its own LoRA on gate/up/down), times sigmoid(x Wsg^T) when gated,
@@ -16,7 +15,8 @@
 // Optionally (MoeParams::fp8_activations) GEMM1 sees dequant(quant(x)) and GEMM2 sees
 // dequant(quant(a)), each quantized per token (pair) per 128 columns as in quant.h, so the
 // reference sees exactly what the FP8 GEMMs see; the seams always use the unquantized x and a.
-// The emulation covers the routed experts only: the router and the shared expert see x.
+// The emulation covers the routed experts (and the shared expert with shared_fp8_activations);
+// the router sees x.
 //
 // Numerics: fp32 throughout, GEMM elements are ops::dot_f32; out[t] starts at 0 and adds
 // w[t, j] * y[t, j] for j = 0..k-1 in order, then the shared expert. Results do not depend on the
@@ -39,6 +39,10 @@ struct MoeParams {
   RouteParams route;         // E, k, router kind
   // Emulate FP8 activations at GEMM1 and GEMM2 (dynamic per-token 1x128 quantization).
   bool fp8_activations = false;
+  // The same for the shared expert's two GEMMs (its LoRA still from the unquantized x and a): what
+  // the GPU layer computes when the shared expert runs among the routed experts
+  // (ops::cuda::MoeLayerConfig::shared_in_experts).
+  bool shared_fp8_activations = false;
 };
 
 struct MoeWeightsRef {
@@ -103,13 +107,16 @@ Tensor moe_combine_ref(const Tensor& expert_out, const Tensor& route_weights,
 //   out = (silu(x Wg^T + dg) * (x Wu^T + du)) Wd^T + dd
 // w_gate/w_up: F32 [I, H]; w_down: F32 [H, I]; lora[s] = {gate, up, down} of slot s (null or
 // undefined = not targeted); slot values must be -1 or in [0, lora.size()). Deltas are computed
-// with lora_add_slots_ref, the down delta from the fp32 activation.
+// with lora_add_slots_ref, the down delta from the fp32 activation. fp8_activations: the gate / up
+// GEMMs see dequant(quant(x)) and the down GEMM dequant(quant(a)), per row per 128 columns (the
+// deltas still read x and a).
 struct MlpLoraRef {
   const LoraFactors* gate = nullptr;
   const LoraFactors* up = nullptr;
   const LoraFactors* down = nullptr;
 };
 Tensor mlp_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const Tensor& w_gate,
-                       const Tensor& w_up, const Tensor& w_down, const std::vector<MlpLoraRef>& lora);
+                       const Tensor& w_up, const Tensor& w_down,
+                       const std::vector<MlpLoraRef>& lora, bool fp8_activations = false);
 
 }  // namespace moelora::ops

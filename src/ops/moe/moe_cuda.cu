@@ -69,14 +69,20 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
     const __nv_bfloat16* h = p.h + static_cast<size_t>(row) * 2 * I;
     load4(h + c0, g);
     load4(h + I + c0, u);
+    // A shared-expert row takes its delta from the token-segment expand's rows.
+    const bool shared_row = p.shared_rows_begin && row >= *p.shared_rows_begin;
+    const __nv_bfloat16* delta = shared_row ? p.shared_delta : p.delta;
     bool use_delta = false;
-    if (p.delta && p.slot) {
-      const int token = p.row_token ? p.row_token[row] : row;
+    int token = row;
+    if (delta && p.slot) {
+      token = p.row_token ? p.row_token[row] : row;
       use_delta = p.slot[token] >= 0;
     }
     if (use_delta) {
-      const int drow = p.delta_row ? p.delta_row[row] : row;
-      const __nv_bfloat16* d = p.delta + static_cast<size_t>(drow) * 2 * I;
+      const int drow = shared_row    ? p.shared_delta_row[token]
+                       : p.delta_row ? p.delta_row[row]
+                                     : row;
+      const __nv_bfloat16* d = delta + static_cast<size_t>(drow) * 2 * I;
       float dg[4], du[4];
       load4(d + c0, dg);
       load4(d + I + c0, du);
@@ -120,6 +126,33 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
 constexpr int kFinalizeThreads = 128;
 constexpr int kFinalizeCols = kFinalizeThreads * 8;  // 8 bf16 columns (16 bytes) per thread
 
+// Qwen's shared-expert gate sigmoid(x[t] . wsg), by a CTA of kFinalizeThreads threads (both
+// finalize kernels, so that they scale the shared expert by the same bits); recomputed by every
+// column chunk's CTA (H MACs). Every thread of the CTA must call it.
+__device__ float shared_expert_gate(const MoeFinalizeArgs& p, int t, float* reduce) {
+  const int H = p.hidden;
+  float s = 0.f;
+  for (int c = threadIdx.x * 8; c < H; c += kFinalizeThreads * 8) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
+    const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
+    const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
+    const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
+      s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kFinalizeThreads / 32; ++w) total += reduce[w];  // fixed order
+  return 1.f / (1.f + expf(-total));
+}
+
 __device__ __forceinline__ void add_scaled8(float (&acc)[8], const uint4& v, float w) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -145,13 +178,15 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   // round trip and the store.
   const int t = blockIdx.x;
   const int k = p.top_k;
+  const int kp = k + (p.shared_in_pairs ? 1 : 0);  // pair_pos entries per token
   int pos_of[kMaxTopK];
   float w_of[kMaxTopK];
 #pragma unroll
   for (int j = 0; j < kMaxTopK; ++j) {
-    pos_of[j] = j < k ? p.pair_pos[t * k + j] : -1;
+    pos_of[j] = j < k ? p.pair_pos[t * kp + j] : -1;
     w_of[j] = j < k ? p.topk_weights[t * k + j] : 0.f;
   }
+  const int shared_pos = p.shared_in_pairs ? p.pair_pos[t * kp + k] : -1;
   const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
   const bool lora = p.slot && p.slot[t] >= 0;
   ::moelora::cuda::sm90::grid_dependency_wait();
@@ -159,31 +194,11 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   const int H = p.hidden;
   const __nv_bfloat16* __restrict__ y = p.y;
   const __nv_bfloat16* __restrict__ delta = p.delta;
-
-  float gate = 1.f;
-  if (p.shared &&
-      p.shared_gate) {  // Qwen: sigmoid(x[t] . wsg), recomputed per column chunk (H MACs)
-    float s = 0.f;
-    for (int c = threadIdx.x * 8; c < H; c += kFinalizeThreads * 8) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(t) * H + c);
-      const uint4 gv = *reinterpret_cast<const uint4*>(p.shared_gate + c);
-      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
-      const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(gh[i]);
-        s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = s;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kFinalizeThreads / 32; ++w) total += reduce[w];  // fixed order
-    gate = 1.f / (1.f + expf(-total));
-  }
+  const __nv_bfloat16* shared = p.shared ? p.shared + static_cast<size_t>(t) * H
+                                : p.shared_in_pairs && shared_pos >= 0
+                                    ? y + static_cast<size_t>(shared_pos) * H
+                                    : nullptr;
+  const float gate = shared && p.shared_gate ? shared_expert_gate(p, t, reduce) : 1.f;
 
   const int c = blockIdx.y * kFinalizeCols + threadIdx.x * 8;
   if (c >= H) return;
@@ -195,8 +210,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
     add_scaled8(acc, *reinterpret_cast<const uint4*>(y + pos * H + c), w_of[j]);
     if (lora && delta) add_scaled8(acc, *reinterpret_cast<const uint4*>(delta + pos * H + c), w_of[j]);
   }
-  if (p.shared) {
-    add_scaled8(acc, *reinterpret_cast<const uint4*>(p.shared + static_cast<size_t>(t) * H + c), gate);
+  if (shared) {
+    add_scaled8(acc, *reinterpret_cast<const uint4*>(shared + c), gate);
     const int shared_row = (p.shared_delta && lora) ? p.shared_delta_row[t] : -1;
     if (shared_row >= 0)
       add_scaled8(acc, *reinterpret_cast<const uint4*>(p.shared_delta + static_cast<size_t>(shared_row) * H + c), gate);
@@ -214,11 +229,12 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
 // in the segment expand's order (ranks ascending in 8-rank chunks, splits ascending), rounded to
 // bf16 as that kernel stores it, then adds w (y + d) as the plain finalize does: the same bits as
 // expand + finalize (lora_partial_sum and lora_expand_dot are the segment expand's own code),
-// without the expand's grid beside GEMM2. No shared expert: the layer folds only where the
-// finalize is a programmatic dependent of GEMM2, which a shared expert's kernels are not.
-// CTA = (token, kFoldCols columns), one column per thread, so a thread's B values for all k pairs
-// (k x R bf16) fit in registers: they are weights, loaded before the programmatic wait with the
-// pairs' experts (the align's sorted {slot, expert}, complete before GEMM1 started) while GEMM2
+// without the expand's grid beside GEMM2. No separate shared expert output: the layer folds only
+// where the finalize is a programmatic dependent of GEMM2, which a separate shared expert's kernels
+// are not; the shared expert among the pairs (shared_in_pairs) is added as the plain kernel adds
+// it. CTA = (token, kFoldCols columns), one column per thread, so a thread's B values for all k
+// pairs (k x R bf16) fit in registers: they are weights, loaded before the programmatic wait with
+// the pairs' experts (the align's sorted {slot, expert}, complete before GEMM1 started) while GEMM2
 // still runs. After the wait the CTA sums the pairs' partials into u in shared memory (k x R
 // floats, one per thread at R = 16) and every thread forms its column.
 constexpr int kFoldCols = 128;
@@ -227,17 +243,20 @@ template <int kRankChunks>  // R <= 8 * kRankChunks
 __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeFinalizeArgs p) {
   constexpr int kURanks = 8 * kRankChunks;
   __shared__ float u[kFinalizeFoldMaxTopK][kURanks];
+  __shared__ float reduce[kFoldCols / 32];
   const LoraRowExpandArgs& e = p.lora_expand;
   const LoraPoolTarget& pool = e.pool;
   const int t = blockIdx.x, k = p.top_k, H = p.hidden;
+  const int kp = k + (p.shared_in_pairs ? 1 : 0);  // pair_pos entries per token
   const int n = blockIdx.y * kFoldCols + threadIdx.x;
   int pos_of[kFinalizeFoldMaxTopK];
   float w_of[kFinalizeFoldMaxTopK];
 #pragma unroll
   for (int j = 0; j < kFinalizeFoldMaxTopK; ++j) {
-    pos_of[j] = j < k ? p.pair_pos[t * k + j] : -1;
+    pos_of[j] = j < k ? p.pair_pos[t * kp + j] : -1;
     w_of[j] = j < k ? p.topk_weights[t * k + j] : 0.f;
   }
+  const int shared_pos = p.shared_in_pairs ? p.pair_pos[t * kp + k] : -1;
   const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
   const int slot = p.slot ? p.slot[t] : -1;
   // padding tokens (t >= valid) read no pool entry, whatever their slot
@@ -262,12 +281,13 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
                         : make_uint4(0, 0, 0, 0);
   }
   ::moelora::cuda::sm90::grid_dependency_wait();
-  if (t >= valid) return;  // uniform over the CTA: no thread reaches the barrier below
+  if (t >= valid) return;  // uniform over the CTA: no thread reaches the barriers below
+  const float gate = shared_pos >= 0 && p.shared_gate ? shared_expert_gate(p, t, reduce) : 1.f;
   // u[j][r] for the token's pairs: the segment expand's sums (zero past the slot's rank)
   if (lora) {
     for (int i = threadIdx.x; i < k * kURanks; i += kFoldCols) {
       const int j = i / kURanks, r = i % kURanks;
-      const int pos = p.pair_pos[t * k + j];
+      const int pos = p.pair_pos[t * kp + j];
       const float s = r < rank && pos >= 0
                           ? lora_partial_sum(e.partial, e.splits, e.row_capacity, pos, r, R)
                           : 0.f;
@@ -286,6 +306,13 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
     const float d = lora_expand_dot<kRankChunks>(u[j], b_reg[j], rank_chunks);
     acc = fmaf(w_of[j], __bfloat162float(__float2bfloat16(d)), acc);
   }
+  if (shared_pos >= 0) {  // the plain finalize's order: the shared row, then its delta
+    acc = fmaf(gate, __bfloat162float(p.y[static_cast<size_t>(shared_pos) * H + n]), acc);
+    const int shared_row = (p.shared_delta && lora) ? p.shared_delta_row[t] : -1;
+    if (shared_row >= 0)
+      acc = fmaf(gate, __bfloat162float(p.shared_delta[static_cast<size_t>(shared_row) * H + n]),
+                 acc);
+  }
   p.out[static_cast<size_t>(t) * H + n] = __float2bfloat16(acc);
 }
 
@@ -298,6 +325,10 @@ void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(p.inter > 0 && p.inter_padded % 128 == 0 && p.inter_padded >= p.inter && p.inter_padded - p.inter < 128,
                 ErrorCode::kInvalidArgument, "moe activation: inter_padded = ", p.inter_padded,
                 " must be I = ", p.inter, " rounded up to a multiple of 128");
+  MOELORA_CHECK(
+      !p.shared_delta || (p.shared_rows_begin && p.shared_delta_row && p.slot && p.row_token),
+      ErrorCode::kInvalidArgument,
+      "moe activation: shared_delta needs shared_rows_begin, shared_delta_row, slot and row_token");
   if (p.max_rows == 0) return;
   MOELORA_CHECK(p.scale_ld == 0 || p.scale_ld >= p.max_rows, ErrorCode::kInvalidArgument,
                 "moe activation: scale_ld = ", p.scale_ld, " must be 0 (row-major) or >= max_rows = ", p.max_rows);
@@ -330,22 +361,26 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(!p.shared_gate || p.x, ErrorCode::kInvalidArgument, "moe finalize: the shared gate needs x");
   MOELORA_CHECK(!p.shared_delta || (p.shared_delta_row && p.slot), ErrorCode::kInvalidArgument,
                 "moe finalize: shared_delta needs shared_delta_row and slot");
+  MOELORA_CHECK(!(p.shared && p.shared_in_pairs), ErrorCode::kInvalidArgument,
+                "moe finalize: the shared expert's output comes from `shared` or from the pairs "
+                "(shared_in_pairs), not both");
   MOELORA_CHECK(p.hidden % 8 == 0, ErrorCode::kInvalidArgument, "moe finalize: H = ", p.hidden,
                 " must be a multiple of 8 (16-byte rows)");
   MOELORA_CHECK(p.top_k >= 1 && p.top_k <= 32, ErrorCode::kUnsupported, "moe finalize: top_k = ", p.top_k,
                 " outside [1, 32] (the GPU router's limit)");
+  const int pair_rows = p.max_tokens * (p.top_k + (p.shared_in_pairs ? 1 : 0));  // T kp
   if (p.lora_expand.partial) {
     MOELORA_CHECK(!p.delta && !p.shared && p.slot && p.top_k <= kFinalizeFoldMaxTopK &&
-                      row_expand_args_ok(p.lora_expand, p.max_tokens * p.top_k, p.hidden) &&
+                      row_expand_args_ok(p.lora_expand, pair_rows, p.hidden) &&
                       p.lora_expand.pool.max_rank <= kFinalizeFoldMaxRank,
                   ErrorCode::kInvalidArgument,
                   "moe finalize: the folded seam-2 expand needs the slot map, top_k <= ",
                   kFinalizeFoldMaxTopK, " (got ", p.top_k, "), the pool's B, ranks and scalings, ",
-                  "row_slot_expert, splits > 0, row_capacity >= T k (", p.lora_expand.row_capacity,
-                  " vs ", p.max_tokens * p.top_k, "), out_features = H (",
+                  "row_slot_expert, splits > 0, row_capacity >= the pair rows (",
+                  p.lora_expand.row_capacity, " vs ", pair_rows, "), out_features = H (",
                   p.lora_expand.pool.out_features, " vs ", p.hidden,
                   "), R <= ", kFinalizeFoldMaxRank, " (got ", p.lora_expand.pool.max_rank,
-                  "), no separate delta and no shared expert");
+                  "), no separate delta and no separate shared expert output");
     if (p.max_tokens == 0) return;
     const dim3 grid(p.max_tokens, (p.hidden + kFoldCols - 1) / kFoldCols);
     if (p.lora_expand.pool.max_rank <= 16)

@@ -2,6 +2,7 @@
 //   activation: a = silu(h_gate + d_gate) * (h_up + d_up) per sorted pair row; writes the bf16
 //               copy for the down LoRA and the FP8 codes + scales for GEMM2, in one pass.
 //   finalize:   out[t] = sum_j w[t, j] (y + d2)[pair_pos(t, j)] + gate(t) * (shared[t] + ds[t]),
+//               shared[t] a row of y when the shared expert is one of the pairs,
 //               gate(t) = sigmoid(x[t] . wsg) for Qwen's gated shared expert, else 1; d2 read
 //               from the expand's rows, or formed here from the seam-2 shrink's partials.
 // Deltas are read only for rows whose token has a slot >= 0 (the LoRA expand wrote them).
@@ -23,6 +24,13 @@ struct MoeActivationArgs {
   const int32_t* row_token = nullptr;    // [rows] token of each row (to look up its slot), or nullptr
   const int32_t* slot = nullptr;         // [T] or nullptr (no LoRA)
   const int32_t* num_rows = nullptr;     // [1] valid rows (device), or nullptr = max_rows
+  // The shared expert among the routed ones (MoeLayerConfig::shared_in_experts): rows from
+  // *shared_rows_begin on (device value: its expert offset) are its pairs, which take their
+  // seam-1 delta from `shared_delta` at row shared_delta_row[token] (the token-segment expand's
+  // rows) instead of `delta`, for tokens with a slot >= 0. nullptr: no such rows.
+  const int32_t* shared_rows_begin = nullptr;
+  const __nv_bfloat16* shared_delta = nullptr;  // [T', 2I] or nullptr (no shared-expert LoRA)
+  const int32_t* shared_delta_row = nullptr;    // [T] (token_pos)
   int max_rows = 0;
   int inter = 0;          // I
   int inter_padded = 0;   // I rounded up to 128 (the GEMM2 K)
@@ -50,9 +58,14 @@ struct MoeFinalizeArgs {
   const __nv_bfloat16* y = nullptr;        // [P, H] expert outputs in sorted order
   const __nv_bfloat16* delta = nullptr;    // [P, H] seam-2 deltas or nullptr
   const float* topk_weights = nullptr;     // [T, k]
-  const int32_t* pair_pos = nullptr;       // [T * k], -1 for a pair without an expert (moe_align)
+  // [T * kp], -1 for a pair without an expert (moe_align); kp = k, or k + 1 with shared_in_pairs
+  const int32_t* pair_pos = nullptr;
   const int32_t* slot = nullptr;           // [T] or nullptr
   const __nv_bfloat16* shared = nullptr;   // [T, H] shared expert output or nullptr
+  // The shared expert among the routed ones (MoeLayerConfig::shared_in_experts; instead of
+  // `shared`): pair k of each token (pair_pos[t * (k + 1) + k]) is its row of y, added with the
+  // shared expert's gate (and shared_delta) after the k routed pairs.
+  bool shared_in_pairs = false;
   const __nv_bfloat16* shared_delta = nullptr;  // [T', H] shared down LoRA delta rows or nullptr
   const int32_t* shared_delta_row = nullptr;    // [T] row of token t in shared_delta (token_pos)
   const __nv_bfloat16* shared_gate = nullptr;   // [H] Qwen sigmoid gate weight or nullptr
@@ -66,7 +79,8 @@ struct MoeFinalizeArgs {
   // pair positions) and the pool's B of the pair's {slot, expert} (lora_expand.row_slot_expert,
   // the align's; pool.out_features = H), with the segment expand's arithmetic and bf16 rounding,
   // so the output has the bits of expand + finalize. Needs `slot`, top_k <= 8, R <= 32 (the B
-  // values of a column's pairs are held in registers) and no shared expert. The B rows and {slot,
+  // values of a column's pairs are held in registers) and no separate shared expert output (the
+  // shared expert among the pairs, shared_in_pairs, is fine). The B rows and {slot,
   // expert} are read before the kernel's wait, the partials after it (also those of a side-stream
   // shrink joined by an event: in a graph the event's edge into a programmatic launch may let this
   // kernel start as soon as that shrink triggers, and only the wait covers its completion).

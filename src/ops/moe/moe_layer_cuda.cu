@@ -139,9 +139,18 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
                 ") are not among the router's ", Er,
                 " (route.num_experts: num_experts, or all experts under expert parallelism)");
   const bool bf16 = c.bf16_experts, nvfp4 = c.nvfp4_experts;
+  MOELORA_CHECK(
+      !c.shared_in_experts ||
+          (c.shared_inter == I && !bf16 && !nvfp4 && c.expert_begin == 0 && Er == E),
+      ErrorCode::kInvalidArgument,
+      "MoeLayerCuda: shared_in_experts needs a shared expert of the routed experts' size (Is = ",
+      c.shared_inter, ", I = ", I, "), FP8 experts and every expert on this layer (experts [",
+      c.expert_begin, ", ", c.expert_begin + E, ") of ", Er, ")");
   m.Hp = bf16 ? H : round_up(H, 128);  // FP8: whole scale blocks; bf16 needs no padding (NVFP4: none)
   m.Ip = I;
-  m.P = c.max_tokens * k;
+  // The shared expert among the routed ones: expert E of the stacks, pair k of every token.
+  m.Ex = E + (c.shared_in_experts ? 1 : 0);
+  m.P = c.max_tokens * (k + (c.shared_in_experts ? 1 : 0));
   m.scale_ld = round_up(m.P, 4);
   m.num_sms = ::moelora::cuda::device_info().num_sms;
 
@@ -179,6 +188,15 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     check_dtype(hw.w2, DType::kF8E4M3, "MoeLayerCuda: w2");
     check_shape(hw.w2_scale, {E, (H + 127) / 128, I / 128}, "MoeLayerCuda: w2_scale");
     check_shape(hw.router, {Er, H}, "MoeLayerCuda: router");
+    if (c.shared_in_experts) {  // expert E of the stacks
+      check_shape(hw.shared_w13, {2 * I, H}, "MoeLayerCuda: shared_w13 (shared_in_experts)");
+      check_dtype(hw.shared_w13, DType::kF8E4M3, "MoeLayerCuda: shared_w13 (shared_in_experts)");
+      check_shape(hw.shared_w13_scale, {2 * I / 128, (H + 127) / 128},
+                  "MoeLayerCuda: shared_w13_scale");
+      check_shape(hw.shared_w2, {H, I}, "MoeLayerCuda: shared_w2 (shared_in_experts)");
+      check_dtype(hw.shared_w2, DType::kF8E4M3, "MoeLayerCuda: shared_w2 (shared_in_experts)");
+      check_shape(hw.shared_w2_scale, {(H + 127) / 128, I / 128}, "MoeLayerCuda: shared_w2_scale");
+    }
   }
   m.has_bias = upload ? hw.correction_bias.defined() : c.route.kind == RouterKind::kSigmoidNoauxTc;
   m.has_shared = c.shared_inter > 0;
@@ -191,11 +209,11 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.w13s = m.weights.reserve(static_cast<size_t>(E) * 2 * I * 4);
     m.w2 = m.weights.reserve(static_cast<size_t>(E) * (H / 64) * (I / 128) * kNvfp4StreamBlockBytes);
     m.w2s = m.weights.reserve(static_cast<size_t>(E) * H * 4);
-  } else {
-    m.w13 = m.weights.reserve(static_cast<size_t>(E) * 2 * I * m.Hp);
-    m.w13s = m.weights.reserve(static_cast<size_t>(E) * (2 * I / 128) * (m.Hp / 128) * 4);
-    m.w2 = m.weights.reserve(static_cast<size_t>(E) * H * I);
-    m.w2s = m.weights.reserve(static_cast<size_t>(E) * ((H + 127) / 128) * (I / 128) * 4);
+  } else {  // FP8: Ex experts (the shared one last with shared_in_experts)
+    m.w13 = m.weights.reserve(static_cast<size_t>(m.Ex) * 2 * I * m.Hp);
+    m.w13s = m.weights.reserve(static_cast<size_t>(m.Ex) * (2 * I / 128) * (m.Hp / 128) * 4);
+    m.w2 = m.weights.reserve(static_cast<size_t>(m.Ex) * H * I);
+    m.w2s = m.weights.reserve(static_cast<size_t>(m.Ex) * ((H + 127) / 128) * (I / 128) * 4);
   }
   m.router = m.weights.reserve(static_cast<size_t>(Er) * H * 2);
   if (m.has_bias) m.bias = m.weights.reserve(static_cast<size_t>(Er) * 4);
@@ -204,8 +222,10 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
       check_shape(hw.shared_w13, {2 * c.shared_inter, H}, "MoeLayerCuda: shared_w13");
       check_shape(hw.shared_w2, {H, c.shared_inter}, "MoeLayerCuda: shared_w2");
     }
-    m.sw13 = m.weights.reserve(static_cast<size_t>(2) * c.shared_inter * H * 2);
-    m.sw2 = m.weights.reserve(static_cast<size_t>(H) * c.shared_inter * 2);
+    if (!c.shared_in_experts) {  // bf16, for the cuBLAS GEMMs
+      m.sw13 = m.weights.reserve(static_cast<size_t>(2) * c.shared_inter * H * 2);
+      m.sw2 = m.weights.reserve(static_cast<size_t>(H) * c.shared_inter * 2);
+    }
     if (m.has_shared_gate) {
       MOELORA_CHECK(!upload || (hw.shared_gate.defined() && hw.shared_gate.numel() == H),
                     ErrorCode::kInvalidArgument, "MoeLayerCuda: shared_gate must have H = ", H,
@@ -227,11 +247,16 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     MOELORA_CUDA_CHECK(cudaMemcpy(m.w<float>(m.w2s), hw.w2_scale_2.raw_data(), hw.w2_scale_2.nbytes(),
                                   cudaMemcpyHostToDevice));
   } else if (upload) {
-    // W13 rows padded from H to Hp columns (zeros), scales likewise.
-    std::vector<uint8_t> rows(static_cast<size_t>(E) * 2 * I * m.Hp, 0);
+    // W13 rows padded from H to Hp columns (zeros), scales likewise; the shared expert after the
+    // routed ones with shared_in_experts.
+    std::vector<uint8_t> rows(static_cast<size_t>(m.Ex) * 2 * I * m.Hp, 0);
     const uint8_t* src = hw.w13.data<uint8_t>();
     for (size_t r = 0; r < static_cast<size_t>(E) * 2 * I; ++r)
       std::memcpy(&rows[r * m.Hp], src + r * H, H);
+    if (c.shared_in_experts)
+      for (size_t r = 0; r < static_cast<size_t>(2) * I; ++r)
+        std::memcpy(&rows[(static_cast<size_t>(E) * 2 * I + r) * m.Hp],
+                    hw.shared_w13.data<uint8_t>() + r * H, H);
     MOELORA_CUDA_CHECK(
         cudaMemcpy(m.w<uint8_t>(m.w13), rows.data(), rows.size(), cudaMemcpyHostToDevice));
     MOELORA_CUDA_CHECK(cudaMemcpy(m.w<float>(m.w13s), hw.w13_scale.raw_data(),
@@ -240,6 +265,16 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
         cudaMemcpy(m.w<uint8_t>(m.w2), hw.w2.raw_data(), hw.w2.nbytes(), cudaMemcpyHostToDevice));
     MOELORA_CUDA_CHECK(cudaMemcpy(m.w<float>(m.w2s), hw.w2_scale.raw_data(), hw.w2_scale.nbytes(),
                                   cudaMemcpyHostToDevice));
+    if (c.shared_in_experts) {
+      MOELORA_CUDA_CHECK(cudaMemcpy(m.w<uint8_t>(m.w13s) + hw.w13_scale.nbytes(),
+                                    hw.shared_w13_scale.raw_data(), hw.shared_w13_scale.nbytes(),
+                                    cudaMemcpyHostToDevice));
+      MOELORA_CUDA_CHECK(cudaMemcpy(m.w<uint8_t>(m.w2) + hw.w2.nbytes(), hw.shared_w2.raw_data(),
+                                    hw.shared_w2.nbytes(), cudaMemcpyHostToDevice));
+      MOELORA_CUDA_CHECK(cudaMemcpy(m.w<uint8_t>(m.w2s) + hw.w2_scale.nbytes(),
+                                    hw.shared_w2_scale.raw_data(), hw.shared_w2_scale.nbytes(),
+                                    cudaMemcpyHostToDevice));
+    }
   }
   if (upload) {
     auto router = to_bf16_bits(hw.router);
@@ -250,18 +285,18 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
       MOELORA_CUDA_CHECK(
           cudaMemcpy(m.w<float>(m.bias), b.raw_data(), b.nbytes(), cudaMemcpyHostToDevice));
     }
-    if (m.has_shared) {
+    if (m.has_shared && !c.shared_in_experts) {
       auto s13 = to_bf16_bits(hw.shared_w13);
       auto s2 = to_bf16_bits(hw.shared_w2);
       MOELORA_CUDA_CHECK(
           cudaMemcpy(m.w<uint16_t>(m.sw13), s13.data(), s13.size() * 2, cudaMemcpyHostToDevice));
       MOELORA_CUDA_CHECK(
           cudaMemcpy(m.w<uint16_t>(m.sw2), s2.data(), s2.size() * 2, cudaMemcpyHostToDevice));
-      if (m.has_shared_gate) {
-        auto g = to_bf16_bits(hw.shared_gate);
-        MOELORA_CUDA_CHECK(
-            cudaMemcpy(m.w<uint16_t>(m.sgate), g.data(), g.size() * 2, cudaMemcpyHostToDevice));
-      }
+    }
+    if (m.has_shared_gate) {
+      auto g = to_bf16_bits(hw.shared_gate);
+      MOELORA_CUDA_CHECK(
+          cudaMemcpy(m.w<uint16_t>(m.sgate), g.data(), g.size() * 2, cudaMemcpyHostToDevice));
     }
   }
 
@@ -280,7 +315,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
 
   // ---- workspace ----
   const size_t T = c.max_tokens, P = m.P, R = std::max(c.max_rank, 8), S = c.num_slots;
-  m.max_segments = static_cast<int>(std::min<size_t>(P, S * E));
+  m.max_segments = static_cast<int>(std::min<size_t>(T * k, S * E));  // routed pairs only
   m.logits = m.ws.reserve(T * Er * 4);
   // The router GEMM in the route launch (decode sizes): its fp32 partials and token-tile tickets.
   if (router_route_supports(c.route, H, std::min<int>(c.max_tokens, kRouterRouteMaxTokens))) {
@@ -294,12 +329,12 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   // topk_weights() report this layer's last forward after the later layers have run.
   m.ids = m.state.reserve(P * 4);
   m.tw = m.state.reserve(P * 4);
-  m.offsets = m.ws.reserve((E + 1) * 4);
+  m.offsets = m.ws.reserve((m.Ex + 1) * 4);
   m.sorted_pair = m.ws.reserve(P * 4);
   m.sorted_token = m.ws.reserve(P * 4);
   m.sorted_slot_expert = m.ws.reserve(P * 8);
   m.pair_pos = m.ws.reserve(P * 4);
-  m.active = m.ws.reserve(E * 4);
+  m.active = m.ws.reserve(m.Ex * 4);
   m.num_active = m.ws.reserve(4);
   m.segments = m.ws.reserve(std::max<size_t>(m.max_segments, 1) * 16);
   m.num_segments = m.ws.reserve(4);
@@ -319,7 +354,7 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.sx = m.ws.reserve(static_cast<size_t>(m.scale_ld) * (m.Hp / 128) * 4);
     m.aq = m.ws.reserve(P * m.Ip);
     m.sa = m.ws.reserve(static_cast<size_t>(m.scale_ld) * (m.Ip / 128) * 4);
-    m.prefill_ws_bytes = moe_gemm_prefill_workspace_bytes(E, m.num_sms);
+    m.prefill_ws_bytes = moe_gemm_prefill_workspace_bytes(m.Ex, m.num_sms);
     m.prefill_ws = m.ws.reserve(m.prefill_ws_bytes);
     m.gemm_work = m.state.reserve(4 * sizeof(int32_t));
     m.gemv_tickets = m.state.reserve(kMoeGemvMaxTickets * sizeof(int32_t));
@@ -335,9 +370,13 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   }
   if (m.has_shared) {
     const size_t Is = c.shared_inter;
-    m.sh = m.ws.reserve(T * 2 * Is * 2);
-    m.sa16 = m.ws.reserve(T * Is * 2);
-    m.sout = m.ws.reserve(T * H * 2);
+    if (c.shared_in_experts) {  // its rows are among the pairs'
+      if (S > 0) m.token_shared_row = m.ws.reserve(T * 4);
+    } else {
+      m.sh = m.ws.reserve(T * 2 * Is * 2);
+      m.sa16 = m.ws.reserve(T * Is * 2);
+      m.sout = m.ws.reserve(T * H * 2);
+    }
     if (S > 0) {
       m.sd1 = m.ws.reserve(T * 2 * Is * 2);
       m.sd2 = m.ws.reserve(T * H * 2);
@@ -451,17 +490,18 @@ void MoeLayerCuda::randomize_weights(uint64_t seed) {
                 r2 = 1.0f / (2.5f * std::sqrt(static_cast<float>(I)));
     fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(m.w<float>(m.w13s), E * 2 * I, 0.5f * r13, 1.5f * r13, seed + 3);
     fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(m.w<float>(m.w2s), E * H, 0.5f * r2, 1.5f * r2, seed + 4);
-  } else {
-    fill_e4m3_kernel<<<kFillBlocks, kFillThreads>>>(m.w<uint8_t>(m.w13), E * 2 * I * m.Hp,
+  } else {  // FP8: the shared expert too with shared_in_experts (expert E)
+    const size_t Ex = m.Ex;
+    fill_e4m3_kernel<<<kFillBlocks, kFillThreads>>>(m.w<uint8_t>(m.w13), Ex * 2 * I * m.Hp,
                                                     seed + 1);
-    fill_e4m3_kernel<<<kFillBlocks, kFillThreads>>>(m.w<uint8_t>(m.w2), E * H * I, seed + 2);
+    fill_e4m3_kernel<<<kFillBlocks, kFillThreads>>>(m.w<uint8_t>(m.w2), Ex * H * I, seed + 2);
     // dequantized magnitude ~ 8 * scale: pick scales so that outputs stay O(1)
     const float s13 = 1.0f / (8.0f * std::sqrt(static_cast<float>(H))),
                 s2 = 1.0f / (8.0f * std::sqrt(static_cast<float>(I)));
     fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(
-        m.w<float>(m.w13s), E * (2 * I / 128) * (m.Hp / 128), 0.5f * s13, 1.5f * s13, seed + 3);
+        m.w<float>(m.w13s), Ex * (2 * I / 128) * (m.Hp / 128), 0.5f * s13, 1.5f * s13, seed + 3);
     fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(
-        m.w<float>(m.w2s), E * ((H + 127) / 128) * (I / 128), 0.5f * s2, 1.5f * s2, seed + 4);
+        m.w<float>(m.w2s), Ex * ((H + 127) / 128) * (I / 128), 0.5f * s2, 1.5f * s2, seed + 4);
   }
   const size_t Er = c.route.num_experts;
   fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.router), Er * H,
@@ -469,7 +509,7 @@ void MoeLayerCuda::randomize_weights(uint64_t seed) {
                                                   seed + 5);
   if (m.has_bias)
     fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(m.w<float>(m.bias), Er, -0.01f, 0.01f, seed + 6);
-  if (m.has_shared) {
+  if (m.has_shared && !c.shared_in_experts) {
     const size_t Is = c.shared_inter;
     fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.sw13), 2 * Is * H,
                                                     1.7f / std::sqrt(static_cast<float>(H)), 1, 1,
@@ -477,11 +517,10 @@ void MoeLayerCuda::randomize_weights(uint64_t seed) {
     fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.sw2), H * Is,
                                                     1.7f / std::sqrt(static_cast<float>(Is)), 1, 1,
                                                     1, seed + 8);
-    if (m.has_shared_gate)
-      fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(m.w<__nv_bfloat16>(m.sgate), H,
-                                                      1.7f / std::sqrt(static_cast<float>(H)), 1, 1,
-                                                      1, seed + 9);
   }
+  if (m.has_shared_gate)
+    fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(
+        m.w<__nv_bfloat16>(m.sgate), H, 1.7f / std::sqrt(static_cast<float>(H)), 1, 1, 1, seed + 9);
   MOELORA_CUDA_CHECK_LAUNCH();
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -535,7 +574,10 @@ uint64_t MoeLayerCuda::router_bytes() const {
   return static_cast<uint64_t>(config_.route.num_experts) * config_.hidden * 2;
 }
 uint64_t MoeLayerCuda::shared_bytes() const {
-  return impl_->has_shared ? 3ull * config_.hidden * config_.shared_inter * 2 : 0;
+  if (!impl_->has_shared) return 0;
+  // FP8 with its scales as expert E, else bf16
+  return config_.shared_in_experts ? expert_bytes()
+                                   : 3ull * config_.hidden * config_.shared_inter * 2;
 }
 size_t MoeLayerCuda::workspace_bytes() const {
   return impl_->ws.size();
@@ -559,8 +601,9 @@ MoeLayerCuda::DeviceView MoeLayerCuda::device_view() const {
   }
   v.correction_bias = m.has_bias ? m.w<float>(m.bias) : nullptr;
   v.router = m.w<__nv_bfloat16>(m.router);
-  v.shared_w13 = m.has_shared ? m.w<__nv_bfloat16>(m.sw13) : nullptr;
-  v.shared_w2 = m.has_shared ? m.w<__nv_bfloat16>(m.sw2) : nullptr;
+  const bool shared_bf16 = m.has_shared && !config_.shared_in_experts;
+  v.shared_w13 = shared_bf16 ? m.w<__nv_bfloat16>(m.sw13) : nullptr;
+  v.shared_w2 = shared_bf16 ? m.w<__nv_bfloat16>(m.sw2) : nullptr;
   if (config_.num_slots > 0) {
     v.lora_a13 = m.pool.at<__nv_bfloat16>(m.gate_up.a);
     v.lora_b13 = m.pool.at<__nv_bfloat16>(m.gate_up.b);

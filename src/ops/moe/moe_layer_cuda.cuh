@@ -30,6 +30,15 @@ struct MoeLayerConfig {
   RouteParams route;     // router kind, renormalize, groups, routed scaling
   int shared_inter = 0;  // Is, 0 = no shared expert
   bool shared_gate = false;
+  // The shared expert as expert E of the FP8 routed stacks (needs Is == I, FP8 experts and every
+  // expert on this layer): each token gets one more pair, for it, after its k routed ones, so
+  // GEMM1, the activation and GEMM2 run it beside the routed experts and the finalize adds its row
+  // with the gate: no separate kernels (else two cuBLAS GEMMs and an activation after GEMM2, in
+  // bf16), and the finalize stays a programmatic dependent of GEMM2. Its LoRA keeps its own
+  // targets over the token segments; the activation and the finalize add those deltas to its rows.
+  // Its activations are FP8 like the routed experts' (MoeParams::shared_fp8_activations in the
+  // reference). Host weights: shared_w13 / shared_w2 as FP8 with their block scales.
+  bool shared_in_experts = false;
   // capacities (fixed at construction)
   int max_tokens = 0;           // T
   int num_slots = 0;            // S, adapter slots in the pool (0 = no LoRA)
@@ -68,8 +77,10 @@ struct MoeLayerHostWeights {
   Tensor w2_scale;         // F32 [E, ceil(H/128), I/128] (bf16 experts: unused)
   Tensor w13_scale_2;      // NVFP4 experts only: F32 [E, 2I]
   Tensor w2_scale_2;       // NVFP4 experts only: F32 [E, H]
-  Tensor shared_w13;       // [2Is, H] any float dtype, or undefined
-  Tensor shared_w2;        // [H, Is]
+  Tensor shared_w13;       // [2Is, H] any float dtype, or undefined (shared_in_experts: F8_E4M3)
+  Tensor shared_w13_scale;  // shared_in_experts only: F32 [2I/128, ceil(H/128)]
+  Tensor shared_w2;         // [H, Is] (shared_in_experts: F8_E4M3)
+  Tensor shared_w2_scale;   // shared_in_experts only: F32 [ceil(H/128), I/128]
   Tensor shared_gate;      // [1, H] or undefined
 };
 
@@ -251,6 +262,8 @@ class MoeLayerCuda {
   // Read-only views of the device weights and pool (benchmark baselines and tests).
   // FP8 experts fill w13 .. w2_scale, bf16 experts w13_bf16 / w2_bf16, NVFP4 experts the *_nvfp4
   // images and their row scales; the other fields are nullptr.
+  // With MoeLayerConfig::shared_in_experts the FP8 stacks hold E + 1 experts (the shared one
+  // last) and shared_w13 / shared_w2 are nullptr.
   struct DeviceView {
     const uint8_t* w13;               // e4m3 [E, 2I, Hp]
     const float* w13_scale;           // [E, 2I/128, Hp/128]

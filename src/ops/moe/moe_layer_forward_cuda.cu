@@ -47,6 +47,8 @@ const char* gemv_unsupported_reason(const MoeLayerConfig& c, int tokens, bool lo
   if (c.num_experts > kMoeGemvMaxExperts || c.top_k > kMoeGemvMaxTopK) return "E > 1024 or top_k > 32";
   if (c.route.num_experts != c.num_experts)
     return "the layer holds only some experts (expert parallelism)";
+  if (c.shared_in_experts)
+    return "the shared expert is one of the expert GEMMs' experts (shared_in_experts)";
   return nullptr;
 }
 
@@ -66,10 +68,15 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                 "MoeLayerCuda::forward: x and out are required");
   const bool lora = f.lora && c.num_slots > 0 && f.slot;
   const bool shared = f.shared && m.has_shared;
-  const int P = T * k;
+  // The shared expert as expert E of the GEMMs (pair k of every token), or its own bf16 kernels.
+  const bool shared_pairs = shared && c.shared_in_experts;
+  const bool shared_separate = shared && !c.shared_in_experts;
+  const int kp = k + (shared_pairs ? 1 : 0);  // pairs per token
+  const int Ex = E + (shared_pairs ? 1 : 0);  // experts in the GEMMs
+  const int P = T * kp;
   auto* cublas = static_cast<cublasHandle_t>(m.cublas.get());
   int32_t* offsets = m.x<int32_t>(m.offsets);
-  const int32_t* num_pairs = offsets + E;  // device value: number of routed pairs
+  const int32_t* num_pairs = offsets + Ex;  // device value: number of pairs (the shared ones too)
 
   // Expert GEMM path: decode sizes take the weight-streaming kernel (FP8 experts).
   const bool decode = gemm_path_ == GemmPath::kDecode || gemm_path_ == GemmPath::kDecodeRegister ||
@@ -165,7 +172,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     const char* no_gemv = gemv_unsupported_reason(c, T, lora);
     MOELORA_CHECK(!no_gemv, ErrorCode::kUnsupported, "MoeLayerCuda::forward: GemmPath::kGemv cannot run this forward: ",
                   no_gemv ? no_gemv : "", "; use GemmPath::kAuto");
-    if (shared) enqueue_shared_expert(/*with_lora=*/false);
+    if (shared_separate) enqueue_shared_expert(/*with_lora=*/false);
     route_tokens(/*gemv_quant=*/true);
     MoeGemvArgs g;
     g.topk_ids = m.s<int32_t>(m.ids);
@@ -187,8 +194,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g.x = f.x;
     g.w2 = m.w<uint8_t>(m.w2);
     g.w2_scale = m.w<float>(m.w2s);
-    g.shared = shared ? m.x<__nv_bfloat16>(m.sout) : nullptr;
-    g.shared_gate = (shared && m.has_shared_gate) ? m.w<__nv_bfloat16>(m.sgate) : nullptr;
+    g.shared = shared_separate ? m.x<__nv_bfloat16>(m.sout) : nullptr;
+    g.shared_gate = (shared_separate && m.has_shared_gate) ? m.w<__nv_bfloat16>(m.sgate) : nullptr;
     g.out = f.out;
     // The down kernel fills the W2 rows of the first experts into L2 while the up kernel streams;
     // up to ~24 MB (half the H200's L2) so the fills are not evicted before they are read.
@@ -207,7 +214,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   aa.slot = lora ? f.slot : nullptr;
   aa.max_tokens = T;
   aa.top_k = k;
-  aa.num_experts = E;
+  aa.num_experts = Ex;
+  aa.shared_expert = shared_pairs ? E : -1;
   aa.expert_begin = c.expert_begin;
   aa.num_slots = lora ? c.num_slots : 0;
   aa.expert_offsets = offsets;
@@ -219,12 +227,13 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   aa.num_active = m.x<int32_t>(m.num_active);
   aa.lora_segments = lora ? m.x<int4>(m.segments) : nullptr;
   aa.num_lora_segments = m.x<int32_t>(m.num_segments);
-  aa.max_lora_segments = lora ? std::min(P, c.num_slots * E) : 0;
+  aa.max_lora_segments = lora ? std::min(T * k, c.num_slots * E) : 0;  // routed pairs only
   aa.num_tokens = f.num_tokens;
   aa.token_sorted = lora ? m.x<int32_t>(m.token_sorted) : nullptr;
   aa.token_pos = lora ? m.x<int32_t>(m.token_pos) : nullptr;
   aa.token_segments = lora ? m.x<int4>(m.token_segments) : nullptr;
   aa.num_token_segments = lora ? m.x<int32_t>(m.num_token_segments) : nullptr;
+  aa.token_shared_row = lora && shared_pairs ? m.x<int32_t>(m.token_shared_row) : nullptr;
   // Decode on FP8 experts chains route -> align -> quant -> GEMM1 -> activation -> GEMM2 ->
   // finalize with programmatic dependent launches (each kernel's launch and prologue overlap its
   // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait).
@@ -349,7 +358,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
 
   // Expected busiest expert under near-uniform routing; the GEMM kernels loop over more tokens
   // when an expert gets more, so this only picks the fastest instance / grid.
-  const int max_active = std::min(E, P);
+  const int max_active = std::min(Ex, P);
   const int max_tokens_per_expert = std::min(T, 2 * ((T * k + Er - 1) / Er) + 6);
 
   // 3-5, bf16 experts: GEMM1 gathers bf16 x rows through sorted_token, the activation writes
@@ -363,7 +372,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     b1.active_experts = m.x<int32_t>(m.active);
     b1.num_active = m.x<int32_t>(m.num_active);
     b1.out = m.x<__nv_bfloat16>(m.h);
-    b1.num_experts = E;
+    b1.num_experts = Ex;
     b1.n = 2 * I;
     b1.k = H;
     b1.max_active_experts = max_active;
@@ -417,7 +426,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     n1.active_experts = m.x<int32_t>(m.active);
     n1.num_active = m.x<int32_t>(m.num_active);
     n1.out = m.x<__nv_bfloat16>(m.h);
-    n1.num_experts = E;
+    n1.num_experts = Ex;
     n1.n = 2 * I;
     n1.k = H;
     n1.max_active_experts = max_active;
@@ -476,7 +485,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g1.active_experts = m.x<int32_t>(m.active);
     g1.num_active = m.x<int32_t>(m.num_active);
     g1.out = m.x<__nv_bfloat16>(m.h);
-    g1.num_experts = E;
+    g1.num_experts = Ex;
     g1.n = 2 * I;
     g1.k = m.Hp;
     g1.max_active_experts = max_active;
@@ -495,12 +504,15 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                                    : side_scheduling_.seam2_expand_in_finalize_max_tokens;
   // The finalize must be a programmatic dependent of GEMM2 (no shared expert) for its B loads to
   // overlap GEMM2; after the shared expert's cuBLAS kernels they would follow GEMM2 instead.
-  const bool seam2_in_finalize = lora && chain_pdl && !lora_mma && !fused_shrink && !shared &&
-                                 side_scheduling_.pdl_after_side_join && T <= seam2_max_tokens &&
-                                 k <= kFinalizeFoldMaxTopK &&
+  const bool seam2_in_finalize = lora && chain_pdl && !lora_mma && !fused_shrink &&
+                                 !shared_separate && side_scheduling_.pdl_after_side_join &&
+                                 T <= seam2_max_tokens && k <= kFinalizeFoldMaxTopK &&
                                  m.down.max_rank <= kFinalizeFoldMaxRank;
-  // 4. activation (+ seam-1 delta: from the side stream, or expanded in the kernel itself)
+  // 4. activation (+ seam-1 delta: from the side stream, or expanded in the kernel itself; the
+  // shared expert's rows' from the side stream)
   if (lora && !fused_shrink) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora1.get(), 0));
+  if (lora && shared_pairs)
+    MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_shared_lora1.get(), 0));
   MoeActivationArgs act;
   act.h = m.x<__nv_bfloat16>(m.h);
   act.delta = lora && !fused_shrink ? m.x<__nv_bfloat16>(m.d1) : nullptr;
@@ -508,6 +520,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   act.slot = lora ? f.slot : nullptr;
   act.num_rows = num_pairs;
   act.max_rows = P;
+  if (shared_pairs) {
+    act.shared_rows_begin = offsets + E;
+    act.shared_delta = lora ? m.x<__nv_bfloat16>(m.sd1) : nullptr;
+    act.shared_delta_row = lora ? m.x<int32_t>(m.token_pos) : nullptr;
+  }
   act.inter = I;
   act.inter_padded = round_up(I, 128);  // = Ip for FP8 experts (I % 128 == 0)
   act.a16 = m.x<__nv_bfloat16>(m.a16);
@@ -532,14 +549,21 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     act.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
   }
   launch_moe_activation(act, m.main);
-  if (lora && !epilogue_lora) {
+  if (lora && (!epilogue_lora || shared_pairs)) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
-    if (fused_shrink)
+    if (epilogue_lora) {
+      // the routed seam-2 delta is GEMM2's epilogue
+    } else if (fused_shrink) {
       run_fused_expand(m.down, m.x<float>(m.part2), m.x<__nv_bfloat16>(m.d2));
-    else
+    } else {
       run_lora(m.down, pair_segments, P, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2),
                m.P, seam2_in_finalize ? nullptr : m.x<__nv_bfloat16>(m.d2), nullptr);
+    }
+    if (shared_pairs)  // the shared expert's down LoRA over its pairs' activation rows
+      run_lora(m.shared_down, token_segments, T, m.x<__nv_bfloat16>(m.a16),
+               m.x<int32_t>(m.token_shared_row), m.x<float>(m.spart2), c.max_tokens,
+               m.x<__nv_bfloat16>(m.sd2), nullptr);
   }
 
   // 5. GEMM2
@@ -589,8 +613,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     run_gemm(g2);
   }
 
-  // 6. shared expert (bf16), its LoRA deltas from the side stream
-  if (shared) {
+  // 6. shared expert (bf16, unless it ran among the routed experts), its LoRA deltas from the
+  // side stream
+  if (shared_separate) {
     enqueue_shared_expert(lora);
     if (lora) {
       m.ev_shared_act.record(m.main);
@@ -619,7 +644,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.topk_weights = m.s<float>(m.tw);
   fa.pair_pos = m.x<int32_t>(m.pair_pos);
   fa.slot = lora ? f.slot : nullptr;
-  fa.shared = shared ? m.x<__nv_bfloat16>(m.sout) : nullptr;
+  fa.shared = shared_separate ? m.x<__nv_bfloat16>(m.sout) : nullptr;
+  fa.shared_in_pairs = shared_pairs;
   fa.shared_delta = (shared && lora) ? m.x<__nv_bfloat16>(m.sd2) : nullptr;
   fa.shared_delta_row = (shared && lora) ? m.x<int32_t>(m.token_pos) : nullptr;
   fa.shared_gate = (shared && m.has_shared_gate) ? m.w<__nv_bfloat16>(m.sgate) : nullptr;
@@ -631,7 +657,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.out = f.out;
   // Directly after GEMM2 on this stream (also after the seam-2 expand's event, as the
   // activation), not after the shared expert's cuBLAS kernels.
-  fa.pdl = chain_pdl && !shared && (!side_work || side_scheduling_.pdl_after_side_join);
+  fa.pdl = chain_pdl && !shared_separate && (!side_work || side_scheduling_.pdl_after_side_join);
   launch_moe_finalize(fa, m.main);
 }
 

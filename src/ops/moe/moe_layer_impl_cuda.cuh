@@ -53,7 +53,8 @@ struct PoolTarget {
 struct MoeLayerCuda::Impl {
   MoeLayerConfig c;
   cudaStream_t main = nullptr, side = nullptr;
-  int Hp = 0, Ip = 0, P = 0, num_sms = 0;
+  // Ex: experts in the GEMM stacks (E, + 1 with shared_in_experts); P: pair rows (T kp).
+  int Hp = 0, Ip = 0, P = 0, Ex = 0, num_sms = 0;
   int scale_ld = 0;  // leading dimension of the k-major activation scales (P rounded up to 4)
   ::moelora::cuda::CublasHandle cublas, cublas_side;  // one per stream: each owns its workspace
   std::vector<uint8_t> slot_shared_a;  // host copy: gate_up A of the slot is shared by all experts
@@ -79,6 +80,8 @@ struct MoeLayerCuda::Impl {
          sx = 0, h = 0, d1 = 0, a16 = 0, aq = 0, sa = 0, y = 0, d2 = 0, part1 = 0, part2 = 0,
          sh = 0, sd1 = 0, sa16 = 0, sout = 0, sd2 = 0, spart1 = 0, spart2 = 0, prefill_ws = 0,
          xh = 0, sxh = 0, ah = 0, sah = 0,  // NVFP4 experts: f16 rows of x / a and their row scales
+      token_shared_row =
+          0,  // shared expert among the pairs, with LoRA: its pairs' rows by token_sorted
       router_partials = 0;  // fp32 partial logits of the router GEMM in the route launch
   // In `state`:
   size_t gemm_work = 0,  // [4] int: the stream GEMMs' work counters, GEMM1's pair then GEMM2's

@@ -332,8 +332,8 @@ Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
   Tensor shared;
   if (has_shared) {
     shared = mlp_forward_ref(x, slot, weights.shared_w13.slice0(0, shared_inter),
-                             weights.shared_w13.slice0(shared_inter, 2 * shared_inter), weights.shared_w2,
-                             shared_lora);
+                             weights.shared_w13.slice0(shared_inter, 2 * shared_inter),
+                             weights.shared_w2, shared_lora, params.shared_fp8_activations);
     if (weights.shared_gate.defined()) {
       const float* gate = weights.shared_gate.data<float>();
       float* sp = shared.data<float>();
@@ -354,8 +354,23 @@ Tensor moe_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
   return out;
 }
 
+namespace {
+
+// dequant(quant(t)) of an F32 [rows, cols] tensor, per row per kFp8ActivationGroup columns.
+Tensor fp8_round_trip_rows(const Tensor& t) {
+  Tensor out = Tensor::empty(DType::kF32, t.shape());
+  const int64_t rows = t.dim(0), cols = t.dim(1);
+  for (int64_t r = 0; r < rows; ++r)
+    fp8_round_trip_row_ref(t.data<float>() + r * cols, cols, kFp8ActivationGroup,
+                           out.data<float>() + r * cols);
+  return out;
+}
+
+}  // namespace
+
 Tensor mlp_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const Tensor& w_gate,
-                       const Tensor& w_up, const Tensor& w_down, const std::vector<MlpLoraRef>& lora) {
+                       const Tensor& w_up, const Tensor& w_down,
+                       const std::vector<MlpLoraRef>& lora, bool fp8_activations) {
   const auto bad = ErrorCode::kInvalidArgument;
   detail::check_f32(x, 2, "mlp input x");
   detail::check_f32(w_gate, 2, "mlp gate weight");
@@ -371,12 +386,13 @@ Tensor mlp_forward_ref(const Tensor& x, const std::vector<int32_t>& slot, const 
     up[s] = lora[s].up;
     down[s] = lora[s].down;
   }
-  Tensor g = linear_ref(x, w_gate);
-  Tensor u = linear_ref(x, w_up);
+  const Tensor x_gemm = fp8_activations ? fp8_round_trip_rows(x) : x;
+  Tensor g = linear_ref(x_gemm, w_gate);
+  Tensor u = linear_ref(x_gemm, w_up);
   lora_add_slots_ref(x, slot, gate, g);
   lora_add_slots_ref(x, slot, up, u);
   Tensor a = silu_mul_ref(g, u);
-  Tensor out = linear_ref(a, w_down);
+  Tensor out = linear_ref(fp8_activations ? fp8_round_trip_rows(a) : a, w_down);
   lora_add_slots_ref(a, slot, down, out);
   return out;
 }

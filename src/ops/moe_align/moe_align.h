@@ -34,7 +34,9 @@ struct MoeAlignment {
 };
 
 // ids: [T * k] (-1 = no pair, e.g. a padding token); slot: [T] (-1 = base); num_slots: S.
-MoeAlignment moe_align_ref(const std::vector<int32_t>& ids, const std::vector<int32_t>& slot, int top_k,
-                           int num_experts, int num_slots);
+// base_expert >= 0: that expert's pairs go to its base bin whatever their token's slot (the shared
+// expert among the routed ones, whose LoRA runs over the token segments).
+MoeAlignment moe_align_ref(const std::vector<int32_t>& ids, const std::vector<int32_t>& slot,
+                           int top_k, int num_experts, int num_slots, int base_expert = -1);
 
 }  // namespace moelora::ops

@@ -56,21 +56,35 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
   int* counts = smem;           // [bins]
   int* cursor = smem + bins;    // [bins] running write position
   int* flags = smem + 2 * bins; // [bins + 2 (S + 1)] scratch for compaction scans
-  const int P = a.max_tokens * a.top_k;
+  // Pairs per token: the k routed ones, then the shared expert's (shared_expert >= 0).
+  const int kp = a.top_k + (a.shared_expert >= 0 ? 1 : 0);
+  const int P = a.max_tokens * kp;
   const int tid = threadIdx.x;
   // The quant kernel after this one waits for our completion before it reads or triggers.
   ::moelora::cuda::sm90::launch_dependents();
   ::moelora::cuda::sm90::grid_dependency_wait();
+  const int valid_tokens = a.num_tokens ? *a.num_tokens : a.max_tokens;
+  // Local expert of pair p (-1: none on this launch) and its bin's slot (-1 = base).
+  auto pair_expert = [&](int p, int& slot) {
+    const int t = p / kp, j = p % kp;
+    if (j == a.top_k) {  // the shared expert's pair: base bin, valid tokens only
+      slot = -1;
+      return t < valid_tokens ? a.shared_expert : -1;
+    }
+    const int e = a.topk_ids[t * a.top_k + j] - a.expert_begin;  // -1 (no pair) stays negative
+    slot = a.slot ? a.slot[t] : -1;
+    return e >= 0 && e < a.num_experts ? e : -1;
+  };
 
   for (int b = tid; b < bins; b += kThreads) counts[b] = 0;
   __syncthreads();
   for (int p = tid; p < P; p += kThreads) {
-    const int e = a.topk_ids[p] - a.expert_begin;  // -1 (no pair) stays negative
-    if (e < 0 || e >= a.num_experts) {
+    int s;
+    const int e = pair_expert(p, s);
+    if (e < 0) {
       a.pair_pos[p] = -1;
       continue;
     }
-    const int s = a.slot ? a.slot[p / a.top_k] : -1;
     atomicAdd(&counts[e * S1 + (s + 1)], 1);
   }
   __syncthreads();
@@ -84,12 +98,12 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
   // Scatter. Positions are exact (cursor starts at the bin offset); only the order inside a bin
   // depends on atomic timing.
   for (int p = tid; p < P; p += kThreads) {
-    const int e = a.topk_ids[p] - a.expert_begin;
-    if (e < 0 || e >= a.num_experts) continue;
-    const int s = a.slot ? a.slot[p / a.top_k] : -1;
+    int s;
+    const int e = pair_expert(p, s);
+    if (e < 0) continue;
     const int pos = atomicAdd(&cursor[e * S1 + (s + 1)], 1);
     a.sorted_pair[pos] = p;
-    a.sorted_token[pos] = p / a.top_k;
+    a.sorted_token[pos] = p / kp;
     a.pair_pos[p] = pos;
     if (a.sorted_slot_expert) a.sorted_slot_expert[pos] = make_int2(s, e);
   }
@@ -136,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
   // ballot per 32 tokens, serially over chunks: T is at most a few thousand here.
   if (a.token_sorted && a.num_slots > 0) {
     __syncthreads();
-    const int valid = a.num_tokens ? *a.num_tokens : a.max_tokens;
+    const int valid = valid_tokens;
     int* slot_count = flags;            // [S + 1]
     int* slot_cursor = flags + S1;      // [S + 1]
     for (int s = tid; s < S1; s += kThreads) slot_count[s] = 0;
@@ -172,6 +186,8 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
         if (t < a.max_tokens) {
           a.token_pos[t] = pos;
           if (real) a.token_sorted[pos] = t;
+          // the shared pair's sorted row (written by the scatter above, before a barrier)
+          if (real && a.token_shared_row) a.token_shared_row[pos] = a.pair_pos[t * kp + a.top_k];
         }
       }
     }
@@ -197,6 +213,14 @@ void launch_moe_align(const MoeAlignDeviceArgs& a, cudaStream_t stream) {
                 a.num_experts * (a.num_slots + 1), " bins need ", smem, " bytes of shared memory; at most 200 KB");
   MOELORA_CHECK(a.num_slots == 0 || (a.lora_segments && a.num_lora_segments), ErrorCode::kInvalidArgument,
                 "moe_align: lora_segments and num_lora_segments are required when S > 0");
+  MOELORA_CHECK(a.shared_expert >= -1 && a.shared_expert < a.num_experts &&
+                    (a.shared_expert < 0 || a.expert_begin == 0),
+                ErrorCode::kInvalidArgument, "moe_align: shared_expert = ", a.shared_expert,
+                " must be -1 or a local expert in [0, ", a.num_experts,
+                ") of a launch that holds all experts (expert_begin = ", a.expert_begin, ")");
+  MOELORA_CHECK(!a.token_shared_row || (a.shared_expert >= 0 && a.token_sorted),
+                ErrorCode::kInvalidArgument,
+                "moe_align: token_shared_row needs shared_expert >= 0 and token_sorted");
   // Opt in once to 200 KB: the 48 KB default bounds static + dynamic shared memory together, so a
   // dynamic size just under 48 KB failed to launch with this kernel's static part; not a stream
   // operation, so capture-safe.

@@ -21,11 +21,18 @@ struct MoeAlignDeviceArgs {
   // experts [expert_begin, expert_begin + E) as 0 .. E-1; pairs routed to any other expert are
   // dropped like pairs without one (pair_pos -1): another rank computes them. 0 otherwise.
   int expert_begin = 0;
+  // The shared expert as one more local expert (MoeLayerConfig::shared_in_experts): >= 0 gives
+  // every valid token (t < num_tokens) a pair k for this expert after its k routed ones, always in
+  // the expert's base bin whatever the token's slot (the shared expert's LoRA runs over the token
+  // segments, not the (slot, expert) ones). Pair indices then run over T * (k + 1) (sorted_pair,
+  // pair_pos) and num_experts counts this expert. -1: routed pairs only.
+  int shared_expert = -1;
   int num_slots = 0;    // S
   int32_t* expert_offsets = nullptr;  // [E + 1]
-  int32_t* sorted_pair = nullptr;     // [T * k]
-  int32_t* sorted_token = nullptr;    // [T * k]
-  int32_t* pair_pos = nullptr;        // [T * k]
+  // [T * kp] each, kp = k (+ 1 with a shared expert)
+  int32_t* sorted_pair = nullptr;
+  int32_t* sorted_token = nullptr;
+  int32_t* pair_pos = nullptr;
   // [T * k] {slot, expert} of each sorted position, or nullptr: lets the kernels that fuse the
   // LoRA shrink find their row's adapter factors with one load.
   int2* sorted_slot_expert = nullptr;
@@ -40,6 +47,9 @@ struct MoeAlignDeviceArgs {
   int32_t* token_pos = nullptr;         // [T]
   int4* token_segments = nullptr;       // [S] {slot, 0, begin, end}
   int32_t* num_token_segments = nullptr;  // [1]
+  // With shared_expert >= 0 and token_sorted: [T] the sorted position of the shared-expert pair of
+  // the token at token_sorted[i] (the gather of the shared expert's down LoRA shrink), or nullptr.
+  int32_t* token_shared_row = nullptr;
   // Launch with programmatic stream serialization after the router kernel: the launch overlaps the
   // router's tail; the kernel waits for it (griddepcontrol.wait) before reading topk_ids.
   bool pdl = false;

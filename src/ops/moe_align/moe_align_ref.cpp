@@ -4,8 +4,8 @@
 
 namespace moelora::ops {
 
-MoeAlignment moe_align_ref(const std::vector<int32_t>& ids, const std::vector<int32_t>& slot, int top_k,
-                           int num_experts, int num_slots) {
+MoeAlignment moe_align_ref(const std::vector<int32_t>& ids, const std::vector<int32_t>& slot,
+                           int top_k, int num_experts, int num_slots, int base_expert) {
   MOELORA_CHECK(top_k > 0 && ids.size() == slot.size() * static_cast<size_t>(top_k), ErrorCode::kInvalidArgument,
                 "moe_align_ref: ids has ", ids.size(), " entries, expected T * k = ", slot.size(), " * ", top_k);
   const int bins_per_expert = num_slots + 1;
@@ -18,7 +18,8 @@ MoeAlignment moe_align_ref(const std::vector<int32_t>& ids, const std::vector<in
     const int s = slot[p / top_k];
     MOELORA_CHECK(s >= -1 && s < num_slots, ErrorCode::kOutOfRange, "moe_align_ref: slot ", s, " of token ",
                   p / top_k, " is outside [-1, ", num_slots, ")");
-    bins[static_cast<size_t>(e) * bins_per_expert + (s + 1)].push_back(static_cast<int32_t>(p));
+    const int bin = e == base_expert ? 0 : s + 1;
+    bins[static_cast<size_t>(e) * bins_per_expert + bin].push_back(static_cast<int32_t>(p));
   }
   MoeAlignment a;
   a.expert_offsets.assign(num_experts + 1, 0);
