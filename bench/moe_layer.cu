@@ -86,6 +86,10 @@ int main(int argc, char** argv) {
                                  std::to_string(p.Is) + " shared-expert channels");
       const int E_local = p.E / opt.ep;
       if (opt.ep > 1) p.name += "-ep" + std::to_string(opt.ep) + "-rank0";
+      // the shared expert among the routed experts: rows and files named <preset>-shared-in-experts
+      const bool shared_in_experts =
+          opt.shared_in_experts && !opt.nvfp4 && opt.ep == 1 && p.Is == p.I;
+      if (shared_in_experts) p.name += "-shared-in-experts";
       Preset local = p;  // this rank's shared expert, for the LoRA bytes
       local.Is = p.Is / opt.ep;
       std::vector<std::pair<std::string, int>> modes;
@@ -113,6 +117,7 @@ int main(int argc, char** argv) {
       c.num_slots = 8;
       c.max_rank = 64;
       c.nvfp4_experts = opt.nvfp4;
+      c.shared_in_experts = shared_in_experts;
       ops::cuda::MoeLayerCuda layer(c, ops::cuda::MoeLayerHostWeights{}, main_stream.get(), side_stream.get());
       layer.randomize_weights(42);
       layer.set_gemm_path(opt.gemm_path);
@@ -122,8 +127,9 @@ int main(int argc, char** argv) {
       layer.set_stream_gemm_schedule(opt.stream_schedule);
       const int max_decode = opt.decode.empty() ? 0 : *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
-      // the baseline dequantizes FP8 experts and times decode rows only
-      if (opt.baseline && !opt.nvfp4 && opt.ep == 1 && max_decode > 0)
+      // the baseline dequantizes FP8 experts (the bf16 shared expert's weights) and times decode
+      // rows only
+      if (opt.baseline && !opt.nvfp4 && opt.ep == 1 && !c.shared_in_experts && max_decode > 0)
         baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
       std::fprintf(
           stderr, "[%s] weights %.2f GB, workspace %.2f GB\n", p.name.c_str(),

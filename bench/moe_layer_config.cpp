@@ -199,6 +199,8 @@ int parse_options(int argc, char** argv, Options& opt) {
                         {"epilogue", ops::cuda::DecodeLoraPath::kEpilogue}},
                        opt.decode_lora))
         return 2;
+    } else if (a == "--shared-in-experts") {
+      opt.shared_in_experts = true;
     } else if (a == "--seam1-after-quant") {
       opt.side.seam1_after_quant = 1;
     } else if (a == "--no-seam1-after-quant") {
@@ -286,6 +288,11 @@ int parse_options(int argc, char** argv, Options& opt) {
           "activation\n"
           "                      kernels, the expands in the expert GEMMs' epilogues: no LoRA "
           "kernel)\n"
+          "  --shared-in-experts the shared expert (FP8, where its size is the routed experts' and "
+          "the layer\n"
+          "                      holds every expert) as one more expert of the routed GEMMs "
+          "instead of a\n"
+          "                      separate bf16 MLP (full-layer rows; no unfused baseline)\n"
           "  --seam1-after-quant / --no-seam1-after-quant  the side stream's seam-1 LoRA "
           "kernels start after\n"
           "                      the quant kernel, so GEMM1 reaches the SMs first / after the "

@@ -49,6 +49,9 @@ struct Options {
   ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
   ops::cuda::RouterGemmPath router_gemm = ops::cuda::RouterGemmPath::kAuto;
   bool nvfp4 = false;  // NVFP4 routed experts (--experts nvfp4); FP8 otherwise
+  // --shared-in-experts: the shared expert (FP8, where Is = I and the layer holds every expert) as
+  // one more expert of the routed GEMMs (MoeLayerConfig::shared_in_experts); no unfused baseline
+  bool shared_in_experts = false;
   std::vector<int> timeline;  // decode batch sizes whose kernel timeline is recorded (--timeline)
   ops::cuda::SideStreamScheduling side;  // the layer's default unless --lora-side-ctas
   ops::cuda::DecodeLoraPath decode_lora = ops::cuda::DecodeLoraPath::kSideStream;

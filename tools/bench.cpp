@@ -9,6 +9,7 @@
 //                 [--device cpu|cuda] [--seed S] [--max-batch-tokens N] [--prefill-chunk N]
 //                 [--max-layers N|fit] [--gpu-memory-fraction F] [--adapter-slots N]
 //                 [--max-lora-rank R] [--attention auto|flashinfer|moelora]
+//                 [--moe-shared-expert-in-experts]
 //
 // --device defaults to cuda when this build has CUDA and a device is visible, else cpu.
 // --random-weights (GPU only) takes the preset's config.json without writing any weights: the
@@ -47,7 +48,8 @@
 // Output: a Markdown table on stdout, a progress bar per run on stderr, and with --json FILE one
 // object: {"benchmark", "date", "host", "device", "threads", "model", "input_len", "output_len",
 // "seed", "max_batch_tokens", "prefill_chunk", "adapter_slots", "max_lora_rank", "kv_cache_pages",
-// "kv_page_size", "attention_kernel", "adapters", "adapter_dist", "base_share", "runs":
+// "kv_page_size", "attention_kernel", "moe_shared_expert_in_experts", "adapters", "adapter_dist",
+// "base_share", "runs":
 // [{"batch_size", "lora", "adapters_in_batch", "base_requests", "prefill_tokens_per_s",
 // "decode_tokens_per_s", "overall_tokens_per_s", "latency_s", "ttft_ms": {"mean", "p50", "max"},
 // "peak_rss_mb", "peak_kv_cache_mb", "steps", "kv_blocked_steps", "pct_of_no_lora": null or
@@ -432,6 +434,7 @@ int run_bench(const BenchArgs& arg_in) {
   options.random_seed = a.seed;
   options.gpu_memory_fraction = a.gpu_memory_fraction;
   options.attention = a.attention;
+  options.moe_shared_expert_in_experts = a.moe_shared_expert_in_experts;
   if (gpu) options.max_seq_len = std::max<int64_t>(a.input_len + a.output_len, 64);
   if (fit_layers) {
     // The free memory now (the bandwidth probe's buffers are gone), as the executor will see it.
@@ -649,6 +652,11 @@ std::function<int()> setup_bench(CLI::App& app) {
                  "head dim is served), flashinfer, moelora")
       ->check(CLI::IsMember({"auto", "flashinfer", "moelora"}))
       ->capture_default_str();
+  app.add_flag("--moe-shared-expert-in-experts", a->moe_shared_expert_in_experts,
+               "MoE layers whose shared expert is FP8 with the routed experts' size (Qwen3.5, "
+               "DeepSeek-V3 / Kimi FP8 checkpoints and presets): run it as one more expert of the "
+               "routed GEMMs instead of a separate bf16 MLP; the byte roofline then counts it in "
+               "FP8");
   app.add_option("--seed", a->seed,
                  "Seed of the prompts (and of --preset / --synth-adapters weights)")
       ->capture_default_str();

@@ -15,7 +15,7 @@ double distinct_experts(double experts, double top_k, double tokens) {
 
 StepBytes decode_step_bytes(const io::ModelConfig& c, int64_t batch, double context,
                             int64_t adapters, int64_t adapter_tokens, int64_t rank,
-                            bool shared_outer) {
+                            bool shared_outer, bool fp8_shared_expert) {
   const bool fp8 =
       c.quant.method == io::QuantMethod::kFp8Block && c.moe_intermediate_size % 128 == 0;
   const double H = static_cast<double>(c.hidden_size), V = static_cast<double>(c.vocab_size);
@@ -40,9 +40,9 @@ StepBytes decode_step_bytes(const io::ModelConfig& c, int64_t batch, double cont
                                 : fp8 ? 3 * H * I * (1.0 + 4.0 / (128 * 128))
                                       : 3 * H * I * 2;
     b.base += E * H * 2 + distinct_experts(E, k, static_cast<double>(batch)) * expert_bytes;
-    // An FP8 shared expert of the routed experts' size stays FP8 on the GPU (one more expert of the
-    // routed GEMMs), not the bf16 that for_each_dense_linear counted.
-    if (fp8 && c.shared_expert_intermediate_size == c.moe_intermediate_size)
+    // An FP8 shared expert of the routed experts' size that the GPU runs among them stays FP8, not
+    // the bf16 that for_each_dense_linear counted.
+    if (fp8_shared_expert && fp8 && c.shared_expert_intermediate_size == c.moe_intermediate_size)
       b.base += expert_bytes - 3 * H * I * 2;
     if (adapters > 0) {
       const double touched = distinct_experts(

@@ -299,7 +299,8 @@ void check_run(Model& cpu, int32_t slot, const std::vector<int32_t>& prompt, con
 class Fixture {
  public:
   Fixture(const std::string& fixture, const std::string& checkpoint,
-          const std::vector<std::string>& adapters, int max_batch = 6)
+          const std::vector<std::string>& adapters, int max_batch = 6,
+          bool shared_expert_in_experts = false)
       : dir_(parity_dir(fixture)) {
     io::LoadOptions load;
     load.show_progress = false;
@@ -311,6 +312,7 @@ class Fixture {
     const Tensor ids = ref.tensor("input_ids").clone();
     GpuModelOptions gpu_options;
     gpu_options.show_progress = false;
+    gpu_options.moe_shared_expert_in_experts = shared_expert_in_experts;
     gpu_ = GpuModel::load(weights_, small_limits(max_batch, static_cast<int>(ids.dim(1))),
                           gpu_options);
     for (int64_t b = 0; b < ids.dim(0); ++b) {
@@ -484,6 +486,16 @@ TEST(Sm90_GpuModel, DeepseekV3Fp8Experts) {
   Fixture f("fp8", "deepseek_v3_fp8", {});
   f.check_single("base", "fp8/deepseek_v3_fp8");
   f.check_mixed({{"base", 0}, {"base", 1}}, "fp8 two rows");
+}
+
+// The FP8 checkpoint's shared expert (FP8, the routed experts' size) run as one more expert of
+// the routed GEMMs (GpuModelOptions::moe_shared_expert_in_experts): the CPU model's tokens and
+// logits within the same bounds as the separate bf16 shared expert.
+TEST(Sm90_GpuModel, DeepseekV3Fp8SharedExpertAmongTheRoutedExperts) {
+  MOELORA_REQUIRE_SM90();
+  Fixture f("fp8", "deepseek_v3_fp8", {}, 6, /*shared_expert_in_experts=*/true);
+  f.check_single("base", "fp8/deepseek_v3_fp8 shared expert in the GEMMs");
+  f.check_mixed({{"base", 0}, {"base", 1}}, "fp8 two rows, shared expert in the GEMMs");
 }
 
 TEST(Sm90_GpuModel, AdapterChecks) {

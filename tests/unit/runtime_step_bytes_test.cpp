@@ -57,17 +57,20 @@ TEST(RuntimeStepBytes, EveryTermOfTheQwen3MoeFixture) {
                                2 * (E * H * 2 + D * 3 * H * I2 * (1.0 + 4.0 / (128 * 128))) + kv);
   }
   {
-    // an FP8 shared expert of the routed experts' size counts as one more FP8 expert per MoE
-    // layer (the GPU runs it among them), one of another size in bf16
+    // a shared expert counts in bf16 per MoE layer; run among the FP8 routed experts
+    // (fp8_shared_expert) one of their size counts as one more FP8 expert, one of another size
+    // stays bf16
     io::ModelConfig shared = fp8;
     shared.shared_expert_intermediate_size = 128;
     const double I2 = 128, fp8_expert = 3 * H * I2 * (1.0 + 4.0 / (128 * 128));
+    const double plain = decode_step_bytes(fp8, 16, context, 0, 0, 16, false).base;
     EXPECT_DOUBLE_EQ(decode_step_bytes(shared, 16, context, 0, 0, 16, false).base,
-                     decode_step_bytes(fp8, 16, context, 0, 0, 16, false).base + 2 * fp8_expert);
+                     plain + 2 * 3 * H * I2 * 2);
+    EXPECT_DOUBLE_EQ(decode_step_bytes(shared, 16, context, 0, 0, 16, false, true).base,
+                     plain + 2 * fp8_expert);
     shared.shared_expert_intermediate_size = 256;
-    EXPECT_DOUBLE_EQ(
-        decode_step_bytes(shared, 16, context, 0, 0, 16, false).base,
-        decode_step_bytes(fp8, 16, context, 0, 0, 16, false).base + 2 * 3 * H * 256 * 2);
+    EXPECT_DOUBLE_EQ(decode_step_bytes(shared, 16, context, 0, 0, 16, false, true).base,
+                     plain + 2 * 3 * H * 256 * 2);
   }
   {
     const double H2 = 128, I2 = 128;
