@@ -30,7 +30,8 @@ ops::cuda::MoeLayerConfig GpuModelImpl::moe_config(const Layer& layer, bool shar
 
 bool GpuModelImpl::shared_expert_in_experts(const Layer& layer, bool fp8_experts) const {
   return options_.moe_shared_expert_in_experts && fp8_experts && layer.shared_inter > 0 &&
-         layer.shared_inter == layer.moe_inter && layer.experts == config_.num_experts;
+         layer.shared_inter == layer.moe_inter && layer.experts == config_.num_experts &&
+         layer.experts + 1 <= ops::cuda::kMoeLayerStreamMaxExperts;
 }
 
 void GpuModelImpl::set_local_experts(Layer& layer, int64_t held) const {

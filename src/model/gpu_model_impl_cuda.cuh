@@ -287,8 +287,9 @@ class GpuModelImpl final : public GpuModel {
   ops::cuda::MoeLayerConfig moe_config(const Layer& layer, bool shared_gate) const;
   // Whether the layer's shared expert runs as one more expert of its FP8 routed GEMMs
   // (MoeLayerConfig::shared_in_experts): the option on, FP8 experts, a shared expert of the routed
-  // experts' size and every routed expert on this GPU. A loaded checkpoint must also hold the
-  // shared expert in FP8 128x128 blocks (the caller checks).
+  // experts' size, every routed expert on this GPU and E + 1 within the decode GEMMs' bound
+  // (kMoeLayerStreamMaxExperts). A loaded checkpoint must also hold the shared expert in FP8
+  // 128x128 blocks (the caller checks).
   bool shared_expert_in_experts(const Layer& layer, bool fp8_experts) const;
   // The options' MoE knobs (router GEMM path, side-stream scheduling) on a new layer.
   void configure_moe(ops::cuda::MoeLayerCuda& moe) const;

@@ -328,7 +328,7 @@ TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsMatchesReference) {
     SCOPED_TRACE(gate ? "gated shared expert" : "ungated shared expert");
     std::mt19937_64 rng(test::test_seed(gate ? 540 : 541));
     const int H = 256, I = 128, E = 16, k = 4, T = 37;
-    auto lf = make_layer(H, I, E, k, I, gate, RouterKind::kSoftmaxTopK, 40, 3, 24, rng,
+    auto lf = make_layer(H, I, E, k, I, gate, RouterKind::kSoftmaxTopK, 300, 3, 24, rng,
                          /*shared_in_experts=*/true);
     ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
     std::vector<HostAdapter> adapters = {make_adapter(lf, 8, false, rng),
@@ -369,6 +369,22 @@ TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsMatchesReference) {
     for (int t = 0; t < T; t += 4)  // slot -1 in the mixed batch
       for (int c = 0; c < H; ++c)
         ASSERT_EQ(eager.item_f32(t * H + c), no_lora.item_f32(t * H + c)) << "base token " << t;
+    // The single-adapter path (slot 1, shared-outer: dense shrinks) with base tokens, against the
+    // reference and the segmented path.
+    std::vector<int32_t> single(T, 1);
+    for (int t = 0; t < T; t += 3) single[t] = -1;
+    const Tensor one = run(layer, x, single, logits, true, /*single_slot=*/1);
+    check_rows(one, x, single, lf, refs, logits);
+    EXPECT_TRUE(test::close_bf16(one, run(layer, x, single, logits, true, -1)))
+        << "single adapter path";
+    // A prefill-sized forward: the tensor-core LoRA kernels, the shared expert's down shrink
+    // gathering its rows' activations through token_shared_row, the CUTLASS GEMMs.
+    const int Tp = 300;
+    Tensor xp = bf16_round(test::random_normal({Tp, H}, rng));
+    Tensor lp = test::random_normal({Tp, E}, rng, 3.0f);
+    std::vector<int32_t> sp(Tp);
+    for (int t = 0; t < Tp; ++t) sp[t] = (t % 4) - 1;
+    check_rows(run(layer, xp, sp, lp), xp, sp, lf, refs, lp);
   }
 }
 

@@ -20,6 +20,7 @@
 #include "ops/gemm/moe_gemm.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
 #include "ops/gemm/moe_gemm_nvfp4.h"
+#include "ops/gemm/stream_gemm_common.cuh"
 #include "ops/lora/lora_cuda.cuh"
 #include "ops/lora/lora_mma_cuda.cuh"
 #include "ops/moe/moe_cuda.cuh"
@@ -31,6 +32,9 @@ namespace moelora::ops::cuda {
 
 using moe_layer_internal::PoolTarget;
 using moe_layer_internal::round_up;
+
+static_assert(kMoeLayerStreamMaxExperts == stream_gemm::kMaxExperts,
+              "the layer's expert bound is the stream GEMMs' schedule capacity");
 
 namespace {
 
@@ -139,6 +143,10 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
                 ") are not among the router's ", Er,
                 " (route.num_experts: num_experts, or all experts under expert parallelism)");
   const bool bf16 = c.bf16_experts, nvfp4 = c.nvfp4_experts;
+  MOELORA_CHECK(!c.shared_in_experts || E + 1 <= kMoeLayerStreamMaxExperts, ErrorCode::kUnsupported,
+                "MoeLayerCuda: shared_in_experts makes E + 1 = ", E + 1,
+                " experts; the decode GEMMs schedule at most ", kMoeLayerStreamMaxExperts,
+                " (keep the shared expert separate)");
   MOELORA_CHECK(
       !c.shared_in_experts ||
           (c.shared_inter == I && !bf16 && !nvfp4 && c.expert_begin == 0 && Er == E),

@@ -22,6 +22,10 @@
 
 namespace moelora::ops::cuda {
 
+// Experts the weight-streaming decode GEMMs schedule at most (their routing schedule in shared
+// memory): E, or E + 1 with MoeLayerConfig::shared_in_experts.
+constexpr int kMoeLayerStreamMaxExperts = 512;
+
 struct MoeLayerConfig {
   int hidden = 0;        // H
   int inter = 0;         // I (multiple of 128 for FP8 experts, of 8 for bf16 experts)
@@ -37,7 +41,8 @@ struct MoeLayerConfig {
   // bf16), and the finalize stays a programmatic dependent of GEMM2. Its LoRA keeps its own
   // targets over the token segments; the activation and the finalize add those deltas to its rows.
   // Its activations are FP8 like the routed experts' (MoeParams::shared_fp8_activations in the
-  // reference). Host weights: shared_w13 / shared_w2 as FP8 with their block scales.
+  // reference). Host weights: shared_w13 / shared_w2 as FP8 with their block scales. E + 1 must
+  // not pass kMoeLayerStreamMaxExperts.
   bool shared_in_experts = false;
   // capacities (fixed at construction)
   int max_tokens = 0;           // T
@@ -189,11 +194,11 @@ struct SideStreamScheduling {
   bool pdl_after_side_join = true;
   // Decode (stream or NVFP4 GEMMs, the side-stream DecodeLoraPath with CUDA-core LoRA kernels) of
   // at most this many tokens, top_k <= 8, a down pool of rank <= 32 and the finalize launched
-  // programmatically after GEMM2 (pdl_after_side_join, no shared expert): the seam-2 expand is
-  // formed in the finalize kernel from the shrink's partials (MoeFinalizeArgs::lora_expand), its B
-  // rows loaded while GEMM2 runs, so the side stream runs only the seam-2 shrink and the expand's
-  // grid no longer shares the SMs with GEMM2. The same bits either way. 0 = never; -1 =
-  // kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
+  // programmatically after GEMM2 (pdl_after_side_join, no separate shared expert): the seam-2
+  // expand is formed in the finalize kernel from the shrink's partials
+  // (MoeFinalizeArgs::lora_expand), its B rows loaded while GEMM2 runs, so the side stream runs
+  // only the seam-2 shrink and the expand's grid no longer shares the SMs with GEMM2. The same bits
+  // either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
   int seam2_expand_in_finalize_max_tokens = -1;
 };
 

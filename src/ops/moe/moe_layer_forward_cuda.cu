@@ -537,9 +537,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // expert: its LoRA kernels run on the side stream during GEMM1, and an early activation's CTAs
   // (512 at 64 tokens of qwen3.5) held their SMs until GEMM1 ended, which delayed them by ~80 µs
   // and the layer by 1.3 % (docs/gpu_moe.md §6.0e). The fused seam-1 expand reads only
-  // main-stream data (the quant kernel's partials, complete before GEMM1 ran).
-  act.pdl =
-      chain_pdl && (!lora || fused_shrink || (side_scheduling_.pdl_after_side_join && !shared));
+  // main-stream data (the quant kernel's partials, complete before GEMM1 ran), unless the shared
+  // expert's rows are among the activation's: their seam-1 delta comes from the side stream.
+  act.pdl = chain_pdl && (!lora || (fused_shrink && !shared_pairs) ||
+                          (side_scheduling_.pdl_after_side_join && !shared));
   if (fused_shrink) act.lora = row_shrink(m.down, m.x<float>(m.part2));
   if (fused_lora) {
     act.lora_expand.pool = m.view(m.gate_up);

@@ -33,7 +33,7 @@ struct MoeAlignDeviceArgs {
   int32_t* sorted_pair = nullptr;
   int32_t* sorted_token = nullptr;
   int32_t* pair_pos = nullptr;
-  // [T * k] {slot, expert} of each sorted position, or nullptr: lets the kernels that fuse the
+  // [T * kp] {slot, expert} of each sorted position, or nullptr: lets the kernels that fuse the
   // LoRA shrink find their row's adapter factors with one load.
   int2* sorted_slot_expert = nullptr;
   int32_t* active_experts = nullptr;  // [E], ascending, -1 past *num_active
