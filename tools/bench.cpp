@@ -48,8 +48,8 @@
 // Output: a Markdown table on stdout, a progress bar per run on stderr, and with --json FILE one
 // object: {"benchmark", "date", "host", "device", "threads", "model", "input_len", "output_len",
 // "seed", "max_batch_tokens", "prefill_chunk", "adapter_slots", "max_lora_rank", "kv_cache_pages",
-// "kv_page_size", "attention_kernel", "moe_shared_expert_in_experts", "adapters", "adapter_dist",
-// "base_share", "runs":
+// "kv_page_size", "attention_kernel", "moe_shared_expert_in_experts",
+// "moe_shared_experts_in_experts_layers", "adapters", "adapter_dist", "base_share", "runs":
 // [{"batch_size", "lora", "adapters_in_batch", "base_requests", "prefill_tokens_per_s",
 // "decode_tokens_per_s", "overall_tokens_per_s", "latency_s", "ttft_ms": {"mean", "p50", "max"},
 // "peak_rss_mb", "peak_kv_cache_mb", "steps", "kv_blocked_steps", "pct_of_no_lora": null or
@@ -569,6 +569,7 @@ int run_bench(const BenchArgs& arg_in) {
   setup.kv_cache_pages = info.kv_cache_pages;
   setup.kv_page_size = info.kv_page_size;
   setup.attention_kernel = info.attention_kernel;
+  setup.moe_shared_experts_in_experts = info.moe_shared_experts_in_experts;
   const std::vector<TargetLine> targets = bench_targets(a, setup, runs);
   print_bench_report(a, setup, runs, targets);
   if (!a.json.empty()) {
@@ -656,7 +657,7 @@ std::function<int()> setup_bench(CLI::App& app) {
                "MoE layers whose shared expert is FP8 with the routed experts' size (Qwen3.5, "
                "DeepSeek-V3 / Kimi FP8 checkpoints and presets): run it as one more expert of the "
                "routed GEMMs instead of a separate bf16 MLP; the byte roofline then counts it in "
-               "FP8");
+               "FP8 where the engine took it (ModelInfo::moe_shared_experts_in_experts)");
   app.add_option("--seed", a->seed,
                  "Seed of the prompts (and of --preset / --synth-adapters weights)")
       ->capture_default_str();

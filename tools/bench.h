@@ -97,6 +97,7 @@ struct BenchSetup {
   int64_t max_batch_tokens = 0, prefill_chunk = 0, adapter_slots = 0, max_lora_rank = 0;
   int64_t kv_cache_pages = 0, kv_page_size = 0;
   std::string attention_kernel;
+  int64_t moe_shared_experts_in_experts = 0;  // ModelInfo's: the layers that took the option
   std::vector<model::AdapterSpec> specs;
 };
 

@@ -66,7 +66,7 @@ std::vector<TargetLine> bench_targets(const BenchArgs& a, const BenchSetup& s,
     if (!r.lora) base = &r;
     const runtime::StepBytes bytes = runtime::decode_step_bytes(
         s.config, r.batch_size, context, r.adapters_in_batch, r.batch_size - r.base_requests,
-        s.max_rank, s.shared_outer, a.moe_shared_expert_in_experts);
+        s.max_rank, s.shared_outer, s.moe_shared_experts_in_experts > 0);
     r.step_bytes = bytes.base + bytes.lora;
     if (base == nullptr || r.step_ms() <= 0 || base->step_ms() <= 0) continue;
     const std::string cfg =
@@ -193,6 +193,7 @@ nlohmann::json bench_json(const BenchArgs& a, const BenchSetup& s,
   j["kv_page_size"] = s.kv_page_size;
   j["attention_kernel"] = s.attention_kernel;
   j["moe_shared_expert_in_experts"] = a.moe_shared_expert_in_experts;
+  j["moe_shared_experts_in_experts_layers"] = s.moe_shared_experts_in_experts;
   j["adapters"] = nlohmann::json::array();
   for (const auto& spec : s.specs) {
     j["adapters"].push_back({{"name", spec.name},

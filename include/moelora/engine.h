@@ -218,6 +218,9 @@ struct ModelInfo {
   std::vector<int32_t> eos_token_ids;
   // Attention kernels in use: "reference" (CPU), "flashinfer", "moelora" or "moelora-mla" (GPU).
   std::string attention_kernel;
+  // MoE layers whose shared expert runs as one more expert of the routed FP8 GEMMs
+  // (EngineOptions::moe_shared_expert_in_experts where the layer allows it; 0 on the CPU).
+  int64_t moe_shared_experts_in_experts = 0;
 };
 
 struct AdapterInfo {

@@ -188,6 +188,9 @@ class GpuModel {
 
   // The attention kernels the model runs: "flashinfer", "moelora" (GQA) or "moelora-mla".
   virtual const char* attention_kernel() const = 0;
+  // MoE layers whose shared expert runs as one more expert of the routed FP8 GEMMs
+  // (GpuModelOptions::moe_shared_expert_in_experts, where the layer allows it).
+  virtual int shared_experts_in_experts() const = 0;
 
   virtual cudaStream_t main_stream() const = 0;
   virtual uint64_t weight_bytes() const = 0;        // device bytes of the weights

@@ -246,6 +246,11 @@ class GpuModelImpl final : public GpuModel {
   const char* attention_kernel() const override {
     return config_.use_mla ? "moelora-mla" : flashinfer_ ? "flashinfer" : "moelora";
   }
+  int shared_experts_in_experts() const override {
+    int n = 0;
+    for (const Layer& layer : layers_) n += layer.moe && layer.moe->config().shared_in_experts;
+    return n;
+  }
 
   void forward(const ForwardShape& shape) override;
   const float* logits() const override { return logits_; }

@@ -227,6 +227,7 @@ struct Engine::Impl {
     info.max_position_embeddings = config.max_position_embeddings;
     info.max_sequence_length = executor->max_sequence_length();
     info.attention_kernel = executor->attention_kernel();
+    info.moe_shared_experts_in_experts = executor->moe_shared_experts_in_experts();
     info.state_slots = executor->state_slots();
     if (scheduler.kv_limited()) {
       info.kv_cache_pages = scheduler.options().kv_pages;

@@ -157,6 +157,8 @@ class Executor {
   virtual void check_health() {}
   // The attention kernels the backend runs (ModelInfo::attention_kernel).
   virtual std::string attention_kernel() const { return "reference"; }
+  // ModelInfo::moe_shared_experts_in_experts.
+  virtual int64_t moe_shared_experts_in_experts() const { return 0; }
 
  protected:
   // The default forward_sample() keeps its logits here for last_logits().

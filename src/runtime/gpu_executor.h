@@ -65,8 +65,8 @@ struct GpuExecutorOptions {
   int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;
-  bool moe_shared_expert_in_experts =
-      false;  // model::GpuModelOptions::moe_shared_expert_in_experts
+  // model::GpuModelOptions::moe_shared_expert_in_experts
+  bool moe_shared_expert_in_experts = false;
   bool show_progress = false;
   int device = 0;
   // One rank of a tensor / expert parallel group (one process per GPU): the group that sums each

@@ -267,6 +267,9 @@ class GpuExecutor final : public Executor {
 
   ExecutorCounters counters() const override { return counters_; }
   std::string attention_kernel() const override { return model_->attention_kernel(); }
+  int64_t moe_shared_experts_in_experts() const override {
+    return model_->shared_experts_in_experts();
+  }
 
  private:
   static constexpr int32_t kUnbound = -2;  // a sequence's slot before its first forward

@@ -59,6 +59,7 @@ TEST(BenchCli, TableAndJson) {
   EXPECT_EQ(j["max_lora_rank"], pool_rank);
   EXPECT_EQ(j["attention_kernel"], "reference");  // the CPU backend
   EXPECT_EQ(j["moe_shared_expert_in_experts"], false);  // the engine's default
+  EXPECT_EQ(j["moe_shared_experts_in_experts_layers"], 0);
   EXPECT_EQ(j["kv_cache_pages"], 0);              // the CPU backend has no page pool
   EXPECT_EQ(j["device"], "cpu");
   EXPECT_EQ(j["input_len"], 5);

@@ -502,8 +502,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   const int seam2_max_tokens = side_scheduling_.seam2_expand_in_finalize_max_tokens < 0
                                    ? kSeam2ExpandInFinalizeDefaultTokens
                                    : side_scheduling_.seam2_expand_in_finalize_max_tokens;
-  // The finalize must be a programmatic dependent of GEMM2 (no shared expert) for its B loads to
-  // overlap GEMM2; after the shared expert's cuBLAS kernels they would follow GEMM2 instead.
+  // The finalize must be a programmatic dependent of GEMM2 (no separate shared expert) for its B
+  // loads to overlap GEMM2; after the shared expert's cuBLAS kernels they would follow GEMM2.
   const bool seam2_in_finalize = lora && chain_pdl && !lora_mma && !fused_shrink &&
                                  !shared_separate && side_scheduling_.pdl_after_side_join &&
                                  T <= seam2_max_tokens && k <= kFinalizeFoldMaxTopK &&
