@@ -63,7 +63,7 @@ struct Options {
   int seam1_after_quant = -1;  // EngineOptions::moe_seam1_after_quant
   bool pdl_after_side_join = true;
   int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
-  bool shared_in_experts = false;  // EngineOptions::moe_shared_expert_in_experts
+  bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
   bool no_timeline = false;
   std::string out;
   uint64_t seed = 0;
@@ -228,7 +228,7 @@ int run(const Options& o) {
       (o.pdl_after_side_join ? "" : "_plain_after_join") +
       (o.seam2_in_finalize >= 0 ? "_seam2_in_finalize_" + std::to_string(o.seam2_in_finalize)
                                 : "") +
-      (o.shared_in_experts ? "_shared_in_experts" : "");
+      (o.shared_in_experts ? "" : "_shared_separate");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -243,7 +243,7 @@ int run(const Options& o) {
       std::to_string(o.seam1_after_quant) +
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
       std::to_string(o.seam2_in_finalize) +
-      (o.shared_in_experts ? " --shared-expert-in-experts" : "") +
+      (o.shared_in_experts ? "" : " --shared-expert-separate") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; 'main idle before' is the gap on the main queue before the "
       "kernel's launches (launch latency, or a wait on the side stream).\n\n";
@@ -433,11 +433,11 @@ int main(int argc, char** argv) {
          "seam2_expand_in_finalize_max_tokens, which lists the other conditions)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
-  app.add_flag("--shared-expert-in-experts", o.shared_in_experts,
+  app.add_flag("--shared-expert-in-experts,!--shared-expert-separate", o.shared_in_experts,
                "MoE layers with an FP8 shared expert of the routed experts' size (Qwen3.5, "
-               "DeepSeek-V3 / Kimi shapes): run it as one more expert of the routed FP8 GEMMs "
-               "instead of a separate bf16 MLP (two cuBLAS GEMMs and an activation after GEMM2) "
-               "(EngineOptions::moe_shared_expert_in_experts)");
+               "DeepSeek-V3 / Kimi shapes) run it as one more expert of the routed FP8 GEMMs (the "
+               "default); --shared-expert-separate keeps it a separate bf16 MLP (two cuBLAS GEMMs "
+               "and an activation after GEMM2) (EngineOptions::moe_shared_expert_in_experts)");
   app.add_flag("--no-timeline", o.no_timeline,
                "Record no CUPTI kernel timeline (for Nsight Compute, which cannot attach beside "
                "it): the recorded steps run between cudaProfilerStart and Stop and only their "

@@ -653,11 +653,13 @@ std::function<int()> setup_bench(CLI::App& app) {
                  "head dim is served), flashinfer, moelora")
       ->check(CLI::IsMember({"auto", "flashinfer", "moelora"}))
       ->capture_default_str();
-  app.add_flag("--moe-shared-expert-in-experts", a->moe_shared_expert_in_experts,
+  app.add_flag("--moe-shared-expert-in-experts,!--moe-shared-expert-separate",
+               a->moe_shared_expert_in_experts,
                "MoE layers whose shared expert is FP8 with the routed experts' size (Qwen3.5, "
-               "DeepSeek-V3 / Kimi FP8 checkpoints and presets): run it as one more expert of the "
-               "routed GEMMs instead of a separate bf16 MLP; the byte roofline then counts it in "
-               "FP8 where the engine took it (ModelInfo::moe_shared_experts_in_experts)");
+               "DeepSeek-V3 / Kimi FP8 checkpoints and presets) run it as one more expert of the "
+               "routed GEMMs (the default; the byte roofline counts it in FP8 where the engine "
+               "took it, ModelInfo::moe_shared_experts_in_experts); --moe-shared-expert-separate "
+               "keeps it a separate bf16 MLP");
   app.add_option("--seed", a->seed,
                  "Seed of the prompts (and of --preset / --synth-adapters weights)")
       ->capture_default_str();

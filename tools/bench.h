@@ -46,7 +46,7 @@ struct BenchArgs {
   int64_t adapter_slots = 0;       // 0 = the run's adapters (at least 1)
   int64_t max_lora_rank = 0;       // 0 = the run's largest rank, rounded up to a multiple of 8
   std::string attention = "auto";  // EngineOptions::attention
-  bool moe_shared_expert_in_experts = false;  // EngineOptions::moe_shared_expert_in_experts
+  bool moe_shared_expert_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
 };
 
 struct Ttft {

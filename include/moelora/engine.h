@@ -144,9 +144,9 @@ struct EngineOptions {
   // MoE layers with FP8 routed experts and an FP8 shared expert of the routed experts' size (the
   // published Qwen3.5 / DeepSeek-V3 FP8 checkpoints; random FP8 weights likewise): true runs the
   // shared expert as one more expert of the routed GEMMs (ops::cuda::MoeLayerConfig::
-  // shared_in_experts); false (the default until it is measured on the GPU host, docs/gpu_moe.md
-  // §1a) keeps it a separate bf16 MLP.
-  bool moe_shared_expert_in_experts = false;
+  // shared_in_experts; the default: it saves the three bf16 kernels after GEMM2, docs/gpu_moe.md
+  // §1a); false keeps it a separate bf16 MLP.
+  bool moe_shared_expert_in_experts = true;
 };
 
 struct SamplingParams {

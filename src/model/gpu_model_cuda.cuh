@@ -81,7 +81,7 @@ struct GpuModelOptions {
   // MoE layers whose shared expert is FP8 with the routed experts' intermediate size (FP8 routed
   // experts, all experts on this GPU) run it as expert E of the routed GEMMs
   // (ops::cuda::MoeLayerConfig::shared_in_experts); false: a separate bf16 MLP (dequantized).
-  bool moe_shared_expert_in_experts = false;
+  bool moe_shared_expert_in_experts = true;
   // Tensor / expert parallelism: this model is rank collectives->rank() of collectives->size(), its
   // config and weights that rank's share (dist::shard_checkpoint: the rank's heads, intermediate
   // channels and routed experts [r E / n, (r + 1) E / n) of the config's num_experts), and the

@@ -66,7 +66,7 @@ struct GpuExecutorOptions {
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;
   // model::GpuModelOptions::moe_shared_expert_in_experts
-  bool moe_shared_expert_in_experts = false;
+  bool moe_shared_expert_in_experts = true;
   bool show_progress = false;
   int device = 0;
   // One rank of a tensor / expert parallel group (one process per GPU): the group that sums each

@@ -279,37 +279,43 @@ TEST(Sm90_MoeGemmFp8Stream, GraphReplayBitEqualToEager) {
 // rank tail of B and of the partials and in the B of experts a shared-B slot does not use (none
 // may be read), partials over 3 K splits, base rows (slot -1) mixed into every expert, odd N and
 // pass widths 8..64 with several passes. Base rows must be bit-equal to the launch without LoRA.
+// A second case makes the last expert base-only (every row slot -1, B without its region), as the
+// shared expert stored among the routed experts is (MoeGemmLoraEpilogue::base_only_experts).
 struct LoraEpilogueCase {
   std::vector<int32_t> rank{5, 16, 24};
   std::vector<float> scaling{0.5f, 2.0f, 1.0f};
   std::vector<uint8_t> b_shared{0, 1, 0};
   int max_rank = 24, splits = 3;
+  int b_experts = 0;                  // Eb: E, or E - 1 with a base-only last expert
   std::vector<int2> row_slot_expert;  // [row_capacity]
-  std::vector<uint16_t> b;            // [S, E, N, R] bf16 bits
+  std::vector<uint16_t> b;            // [S, Eb, N, R] bf16 bits
   std::vector<float> partial;         // [splits, row_capacity, R]
 };
 
 LoraEpilogueCase make_lora_epilogue_case(const HostInputs& in, const Problem& pb, int row_capacity,
-                                         std::mt19937_64& rng) {
+                                         std::mt19937_64& rng, bool base_only_last_expert) {
   LoraEpilogueCase lc;
+  lc.b_experts = pb.E - (base_only_last_expert ? 1 : 0);
   const int S = static_cast<int>(lc.rank.size()), R = lc.max_rank;
   const uint16_t nan_bits = 0x7fc0;
   lc.row_slot_expert.assign(row_capacity, int2{-1, 0});
   std::uniform_int_distribution<int> pick_slot(-1, S - 1);
   for (int e = 0; e < pb.E; ++e) {
     std::vector<int> slots;
-    for (int q = in.ref.expert_offsets[e]; q < in.ref.expert_offsets[e + 1]; ++q) slots.push_back(pick_slot(rng));
+    for (int q = in.ref.expert_offsets[e]; q < in.ref.expert_offsets[e + 1]; ++q)
+      slots.push_back(e < lc.b_experts ? pick_slot(rng) : -1);
     std::sort(slots.begin(), slots.end());  // rows of one expert sorted by slot, as moe_align leaves them
     for (size_t i = 0; i < slots.size(); ++i)
       lc.row_slot_expert[in.ref.expert_offsets[e] + i] = int2{slots[i], e};
   }
   std::normal_distribution<float> normal(0.f, 1.f);
-  lc.b.assign(static_cast<size_t>(S) * pb.E * pb.N * R, nan_bits);
+  lc.b.assign(static_cast<size_t>(S) * lc.b_experts * pb.N * R, nan_bits);
   for (int s = 0; s < S; ++s)
-    for (int e = 0; e < (lc.b_shared[s] ? 1 : pb.E); ++e)
+    for (int e = 0; e < (lc.b_shared[s] ? 1 : lc.b_experts); ++e)
       for (int n = 0; n < pb.N; ++n)
         for (int r = 0; r < lc.rank[s]; ++r)
-          lc.b[((static_cast<size_t>(s) * pb.E + e) * pb.N + n) * R + r] = f32_to_bf16_bits(0.3f * normal(rng));
+          lc.b[((static_cast<size_t>(s) * lc.b_experts + e) * pb.N + n) * R + r] =
+              f32_to_bf16_bits(0.3f * normal(rng));
   lc.partial.assign(static_cast<size_t>(lc.splits) * row_capacity * R, std::numeric_limits<float>::quiet_NaN());
   for (int sp = 0; sp < lc.splits; ++sp)
     for (int q = 0; q < row_capacity; ++q) {
@@ -336,7 +342,8 @@ Tensor lora_epilogue_expected(const HostInputs& in, const Problem& pb, const Lor
     for (int n = 0; n < pb.N; ++n) {
       double d = 0;
       for (int r = 0; r < lc.rank[s]; ++r)
-        d += u[r] * bf16_bits_to_f32(lc.b[((static_cast<size_t>(s) * pb.E + eb) * pb.N + n) * R + r]);
+        d += u[r] * bf16_bits_to_f32(
+                        lc.b[((static_cast<size_t>(s) * lc.b_experts + eb) * pb.N + n) * R + r]);
       out[static_cast<size_t>(q) * pb.N + n] += static_cast<float>(d);
     }
   }
@@ -353,59 +360,68 @@ TEST(Sm90_MoeGemmFp8Stream, LoraEpilogueMatchesReference) {
   const int sms = cuda::device_info(0).num_sms;
   StreamInputs s = make_stream_inputs(in, pb, 16);
   const int row_capacity = s.args.act_rows;
-  const LoraEpilogueCase lc = make_lora_epilogue_case(in, pb, row_capacity, rng);
-  const Tensor expected = lora_epilogue_expected(in, pb, lc, row_capacity);
-  auto b = upload_vector(lc.b);
-  auto partial = upload_vector(lc.partial);
-  auto rse = upload_vector(lc.row_slot_expert);
-  auto rank = upload_vector(lc.rank);
-  auto scaling = upload_vector(lc.scaling);
-  auto b_shared = upload_vector(lc.b_shared);
-  ops::cuda::MoeGemmLoraEpilogue l;
-  l.b = b.as<__nv_bfloat16>();
-  l.scaling = scaling.as<float>();
-  l.rank = rank.as<int32_t>();
-  l.b_shared = b_shared.as<uint8_t>();
-  l.partial = partial.as<float>();
-  l.row_slot_expert = rse.as<int2>();
-  l.num_slots = static_cast<int>(lc.rank.size());
-  l.b_experts = pb.E;
-  l.max_rank = lc.max_rank;
-  l.splits = lc.splits;
-  l.row_capacity = row_capacity;
-
   cuda::Stream stream;
   ops::cuda::launch_moe_gemm_fp8_stream(s.args, sms, false, stream.get());
   stream.synchronize();
   const auto base = test::download_vector<uint16_t>(s.out, static_cast<size_t>(P) * pb.N);
   cuda::DeviceBuffer counters(2 * sizeof(int32_t));
-  MOELORA_CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
-  std::vector<uint16_t> first;
-  for (bool claimed : {false, true})
-    for (bool pdl : {false, true}) {
-      const std::string what = std::string(claimed ? "claimed" : "round-robin") + (pdl ? ", pdl" : "");
-      ops::cuda::MoeGemmFp8Args args = s.args;
-      args.lora = l;
-      if (claimed) args.work_counters = counters.as<int32_t>();
-      MOELORA_CUDA_CHECK(cudaMemsetAsync(s.out.get(), 0xff, s.out.bytes(), stream.get()));
-      ops::cuda::launch_moe_gemm_fp8_stream(args, sms, pdl, stream.get());
-      stream.synchronize();
-      Tensor got = cuda::to_host(s.out, DType::kBF16, {P, pb.N}).to_f32();
-      EXPECT_TRUE(test::close_bf16(got, expected)) << what;
-      const auto bits = test::download_vector<uint16_t>(s.out, static_cast<size_t>(P) * pb.N);
-      int adapter_rows_changed = 0;
-      for (int q = 0; q < P; ++q) {
-        const bool base_row = lc.row_slot_expert[q].x < 0;
-        const bool same = std::equal(bits.begin() + static_cast<size_t>(q) * pb.N,
-                                     bits.begin() + static_cast<size_t>(q + 1) * pb.N,
-                                     base.begin() + static_cast<size_t>(q) * pb.N);
-        if (base_row) EXPECT_TRUE(same) << what << ": base row " << q << " changed by the LoRA epilogue";
-        adapter_rows_changed += !base_row && !same;
+  for (bool base_only_last_expert : {false, true}) {
+    SCOPED_TRACE(base_only_last_expert ? "base-only last expert" : "LoRA on every expert");
+    const LoraEpilogueCase lc =
+        make_lora_epilogue_case(in, pb, row_capacity, rng, base_only_last_expert);
+    const Tensor expected = lora_epilogue_expected(in, pb, lc, row_capacity);
+    auto b = upload_vector(lc.b);
+    auto partial = upload_vector(lc.partial);
+    auto rse = upload_vector(lc.row_slot_expert);
+    auto rank = upload_vector(lc.rank);
+    auto scaling = upload_vector(lc.scaling);
+    auto b_shared = upload_vector(lc.b_shared);
+    ops::cuda::MoeGemmLoraEpilogue l;
+    l.b = b.as<__nv_bfloat16>();
+    l.scaling = scaling.as<float>();
+    l.rank = rank.as<int32_t>();
+    l.b_shared = b_shared.as<uint8_t>();
+    l.partial = partial.as<float>();
+    l.row_slot_expert = rse.as<int2>();
+    l.num_slots = static_cast<int>(lc.rank.size());
+    l.b_experts = lc.b_experts;
+    l.base_only_experts = pb.E - lc.b_experts;
+    l.max_rank = lc.max_rank;
+    l.splits = lc.splits;
+    l.row_capacity = row_capacity;
+
+    MOELORA_CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+    std::vector<uint16_t> first;
+    for (bool claimed : {false, true})
+      for (bool pdl : {false, true}) {
+        const std::string what =
+            std::string(claimed ? "claimed" : "round-robin") + (pdl ? ", pdl" : "");
+        ops::cuda::MoeGemmFp8Args args = s.args;
+        args.lora = l;
+        if (claimed) args.work_counters = counters.as<int32_t>();
+        MOELORA_CUDA_CHECK(cudaMemsetAsync(s.out.get(), 0xff, s.out.bytes(), stream.get()));
+        ops::cuda::launch_moe_gemm_fp8_stream(args, sms, pdl, stream.get());
+        stream.synchronize();
+        Tensor got = cuda::to_host(s.out, DType::kBF16, {P, pb.N}).to_f32();
+        EXPECT_TRUE(test::close_bf16(got, expected)) << what;
+        const auto bits = test::download_vector<uint16_t>(s.out, static_cast<size_t>(P) * pb.N);
+        int adapter_rows_changed = 0;
+        for (int q = 0; q < P; ++q) {
+          const bool base_row = lc.row_slot_expert[q].x < 0;
+          const bool same = std::equal(bits.begin() + static_cast<size_t>(q) * pb.N,
+                                       bits.begin() + static_cast<size_t>(q + 1) * pb.N,
+                                       base.begin() + static_cast<size_t>(q) * pb.N);
+          if (base_row)
+            EXPECT_TRUE(same) << what << ": base row " << q << " changed by the LoRA epilogue";
+          adapter_rows_changed += !base_row && !same;
+        }
+        EXPECT_GT(adapter_rows_changed, 0) << what;
+        if (first.empty())
+          first = bits;
+        else
+          EXPECT_EQ(bits, first) << what << ": results depend on the schedule";
       }
-      EXPECT_GT(adapter_rows_changed, 0) << what;
-      if (first.empty()) first = bits;
-      else EXPECT_EQ(bits, first) << what << ": results depend on the schedule";
-    }
+  }
 }
 
 TEST(Sm90_MoeGemmFp8Stream, RefusesBadLoraEpilogue) {
@@ -439,6 +455,17 @@ TEST(Sm90_MoeGemmFp8Stream, RefusesBadLoraEpilogue) {
   bad = a;
   bad.lora.partial = nullptr;
   EXPECT_THROW(ops::cuda::launch_moe_gemm_fp8_stream(bad, 132, false, nullptr), Error);
+  bad = a;
+  bad.lora.base_only_experts = 1;  // B still holds both experts
+  EXPECT_NE(test::error_message([&] {
+              ops::cuda::launch_moe_gemm_fp8_stream(bad, 132, false, nullptr);
+            }).find("B expert extent 2 (must be 1 or the experts with LoRA, 1"),
+            std::string::npos);
+  bad.lora.base_only_experts = 2;
+  EXPECT_NE(test::error_message([&] {
+              ops::cuda::launch_moe_gemm_fp8_stream(bad, 132, false, nullptr);
+            }).find("base_only_experts = 2"),
+            std::string::npos);
 }
 
 TEST(Sm90_MoeGemmFp8Stream, RefusesGatherAndRowMajorScales) {

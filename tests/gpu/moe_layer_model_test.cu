@@ -324,6 +324,10 @@ TEST_F(Sm90_MoeLayer, ExpertParallelHalvesSumToTheWholeLayer) {
 // bit-equal to the side-stream expand; graph replays bit-equal to the eager run; the no-LoRA
 // pipeline bit-equal to a LoRA forward of base tokens and to the base tokens of the mixed batch.
 TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsMatchesReference) {
+  // The shared expert's activations are FP8 too: one more quantization per row whose codes can flip
+  // between the reference's fp32 and the GPU's bf16-rounded inputs, so a row may reach PERF.md's
+  // FP8 bound (cosine 0.999, relative error 0.0447; 0.0406 seen in the 300-token forward).
+  const double max_row_error = 0.0447;
   for (const bool gate : {true, false}) {
     SCOPED_TRACE(gate ? "gated shared expert" : "ungated shared expert");
     std::mt19937_64 rng(test::test_seed(gate ? 540 : 541));
@@ -346,14 +350,14 @@ TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsMatchesReference) {
     for (const auto path : kDecodeLoraPaths) {
       SCOPED_TRACE(decode_lora_name(path));
       layer.set_decode_lora_path(path);
-      check_rows(run(layer, x, slots, logits), x, slots, lf, refs, logits);
+      check_rows(run(layer, x, slots, logits), x, slots, lf, refs, logits, max_row_error);
     }
     layer.set_decode_lora_path(ops::cuda::DecodeLoraPath::kSideStream);
     const Tensor eager = run(layer, x, slots, logits);
     for (const auto gemm : {ops::cuda::GemmPath::kPrefill, ops::cuda::GemmPath::kDecodeRegister}) {
       SCOPED_TRACE(gemm == ops::cuda::GemmPath::kPrefill ? "prefill GEMM" : "register decode GEMM");
       layer.set_gemm_path(gemm);
-      check_rows(run(layer, x, slots, logits), x, slots, lf, refs, logits);
+      check_rows(run(layer, x, slots, logits), x, slots, lf, refs, logits, max_row_error);
     }
     layer.set_gemm_path(ops::cuda::GemmPath::kAuto);
     ops::cuda::SideStreamScheduling side_expand;
@@ -374,7 +378,7 @@ TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsMatchesReference) {
     std::vector<int32_t> single(T, 1);
     for (int t = 0; t < T; t += 3) single[t] = -1;
     const Tensor one = run(layer, x, single, logits, true, /*single_slot=*/1);
-    check_rows(one, x, single, lf, refs, logits);
+    check_rows(one, x, single, lf, refs, logits, max_row_error);
     EXPECT_TRUE(test::close_bf16(one, run(layer, x, single, logits, true, -1)))
         << "single adapter path";
     // A prefill-sized forward: the tensor-core LoRA kernels, the shared expert's down shrink
@@ -384,7 +388,7 @@ TEST_F(Sm90_MoeLayer, SharedExpertAmongTheRoutedExpertsMatchesReference) {
     Tensor lp = test::random_normal({Tp, E}, rng, 3.0f);
     std::vector<int32_t> sp(Tp);
     for (int t = 0; t < Tp; ++t) sp[t] = (t % 4) - 1;
-    check_rows(run(layer, xp, sp, lp), xp, sp, lf, refs, lp);
+    check_rows(run(layer, xp, sp, lp), xp, sp, lf, refs, lp, max_row_error);
   }
 }
 

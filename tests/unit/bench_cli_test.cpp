@@ -58,7 +58,7 @@ TEST(BenchCli, TableAndJson) {
   EXPECT_EQ(j["adapter_slots"], 2);
   EXPECT_EQ(j["max_lora_rank"], pool_rank);
   EXPECT_EQ(j["attention_kernel"], "reference");  // the CPU backend
-  EXPECT_EQ(j["moe_shared_expert_in_experts"], false);  // the engine's default
+  EXPECT_EQ(j["moe_shared_expert_in_experts"], true);  // the engine's default
   EXPECT_EQ(j["moe_shared_experts_in_experts_layers"], 0);
   EXPECT_EQ(j["kv_cache_pages"], 0);              // the CPU backend has no page pool
   EXPECT_EQ(j["device"], "cpu");
@@ -140,7 +140,7 @@ TEST(BenchCli, DistinctAdaptersAndSynthesizedPreset) {
   const fs::path json = tmp / "bench.json";
   const auto r = test::run_moelora(
       "bench --device cpu --preset tiny-qwen3-moe --synth-adapters 1 --synth-rank 4 "
-      "--adapter-dist distinct "
+      "--adapter-dist distinct --moe-shared-expert-separate "
       "--batch-sizes 3 "
       "--input-len 4 --output-len 3 --max-batch-tokens 5 --json " +
       quote(json));
@@ -153,6 +153,7 @@ TEST(BenchCli, DistinctAdaptersAndSynthesizedPreset) {
   EXPECT_EQ(j["model"]["preset"], "tiny-qwen3-moe");
   EXPECT_EQ(j["adapter_slots"], 3);  // one registered name per request of the largest batch
   EXPECT_EQ(j["max_lora_rank"], 8);  // --synth-rank 4, rounded up to a multiple of 8
+  EXPECT_EQ(j["moe_shared_expert_in_experts"], false);  // --moe-shared-expert-separate
   EXPECT_TRUE(contains(r.output, "adapter slots 3 (max 3 per batch), max LoRA rank 8")) << r.output;
 }
 

@@ -34,7 +34,10 @@ struct MoeGemmLoraEpilogue {
   const float* partial = nullptr;          // [splits, row_capacity, R]
   const int2* row_slot_expert = nullptr;   // [rows] {slot, expert} of each sorted position
   int num_slots = 0;                       // S
-  int b_experts = 1;                       // Eb (1 or E)
+  int b_experts = 1;                       // Eb (1, E or E - base_only_experts)
+  // Trailing experts of the GEMM whose rows all carry slot -1, so B has no region for them: the
+  // shared expert stored as expert E of the routed stacks (its LoRA is applied outside the GEMM).
+  int base_only_experts = 0;
   int max_rank = 0;                        // R, a multiple of 8, at most 256
   int splits = 0;                          // K chunks of the partials
   int row_capacity = 0;                    // rows of one split (>= the sorted positions)

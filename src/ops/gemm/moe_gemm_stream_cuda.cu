@@ -491,10 +491,16 @@ void check_lora_epilogue(const MoeGemmFp8Args& a) {
   MOELORA_CHECK(l.max_rank > 0 && l.max_rank % 8 == 0 && l.max_rank <= 256,
                 ErrorCode::kInvalidArgument, "stream GEMM LoRA epilogue: max_rank = ", l.max_rank,
                 " must be a positive multiple of 8, at most 256");
-  MOELORA_CHECK(l.num_slots > 0 && (l.b_experts == 1 || l.b_experts == a.num_experts),
+  const int lora_experts = a.num_experts - l.base_only_experts;
+  MOELORA_CHECK(l.base_only_experts >= 0 && l.base_only_experts < a.num_experts,
+                ErrorCode::kInvalidArgument,
+                "stream GEMM LoRA epilogue: base_only_experts = ", l.base_only_experts,
+                " (must be in [0, E = ", a.num_experts, "))");
+  MOELORA_CHECK(l.num_slots > 0 && (l.b_experts == 1 || l.b_experts == lora_experts),
                 ErrorCode::kInvalidArgument, "stream GEMM LoRA epilogue: ", l.num_slots,
-                " slots and B expert extent ", l.b_experts, " (must be 1 or E = ", a.num_experts,
-                ")");
+                " slots and B expert extent ", l.b_experts,
+                " (must be 1 or the experts with LoRA, ", lora_experts, " = E ", a.num_experts,
+                " - ", l.base_only_experts, " base-only)");
   MOELORA_CHECK(l.splits > 0 && l.row_capacity >= a.act_rows, ErrorCode::kInvalidArgument,
                 "stream GEMM LoRA epilogue: splits = ", l.splits, ", row_capacity = ",
                 l.row_capacity, " (must be > 0 and >= act_rows = ", a.act_rows, ")");

@@ -396,6 +396,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     l.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
     l.num_slots = v.num_slots;
     l.b_experts = v.eb;
+    l.base_only_experts = Ex - E;  // the shared expert's pairs are in its base bin
     l.max_rank = v.max_rank;
     l.splits = row_shrink_splits(t);
     l.row_capacity = m.P;
