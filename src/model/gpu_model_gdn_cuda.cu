@@ -1,7 +1,8 @@
 // Gated DeltaNet linear attention of the GPU model (Qwen3.5 "linear_attention" layers):
 //
 //   proj = hnorm . [in_proj_qkv ; in_proj_z ; in_proj_b ; in_proj_a]^T   one GEMM, [T, conv_dim +
-//          value_dim + 2 nv], with the LoRA of the four targets into their column blocks
+//          value_dim + 2 nv], with the LoRA of the four targets into their column blocks (decode:
+//          into gdn_delta_ on the side stream beside the GEMM, added by the mix kernels)
 //   mix  = ops::cuda::launch_gdn_mix: per sequence (rows [cu_seqlens[k], cu_seqlens[k + 1]), state
 //          slot state_slot[k]) the causal conv with its rolling state, the gated delta rule on
 //          the fp32 recurrent state and the gated RMSNorm -> [T, value_dim] bf16
@@ -20,10 +21,21 @@ void GpuModelImpl::linear_attention(const ForwardShape& shape, const Layer& laye
   const int conv_dim = static_cast<int>(g.conv_dim()), vd = static_cast<int>(g.value_dim()),
             nv = static_cast<int>(g.num_v_heads);
   const int width = layer.gdn_in.out;  // conv_dim + vd + 2 nv
-  // One GEMM for the four projections and one multi-target LoRA launch pair for their adapters
-  // (shrink beside the GEMM on the side stream, expand adding into the four column blocks).
-  project(shape, layer, hnorm_, layer.gdn_in, gdn_proj_,
-          {{kInQkv, 0}, {kInZ, conv_dim}, {kInB, conv_dim + vd}, {kInA, conv_dim + vd + nv}});
+  // Prefill chunks of long prompts take the chunked (tensor-core) rule; decode steps (max_q_len 1)
+  // never launch it.
+  const int chunked_min_tokens =
+      shape.max_q_len >= ops::cuda::kGdnChunkedMinTokens ? ops::cuda::kGdnChunkedMinTokens : 0;
+  // One GEMM for the four projections and one multi-target LoRA launch pair for their adapters:
+  // the shrink beside the GEMM on the side stream, then the expand, for decode-sized forwards also
+  // there, into gdn_delta_ (the mix adds it as it reads; otherwise the expand would wait for the
+  // GEMM and add in place, ~6 us on the critical path of each layer at 16-64 sequences), else
+  // adding into the four column blocks after the GEMM.
+  bf16* const delta_rows =
+      shape.tokens <= gdn_delta_rows_ && chunked_min_tokens == 0 ? gdn_delta_ : nullptr;
+  const bool delta =
+      project(shape, layer, hnorm_, layer.gdn_in, gdn_proj_,
+              {{kInQkv, 0}, {kInZ, conv_dim}, {kInB, conv_dim + vd}, {kInA, conv_dim + vd + nv}},
+              delta_rows);
 
   ops::cuda::GdnMixArgs a;
   a.shape = g;
@@ -39,6 +51,14 @@ void GpuModelImpl::linear_attention(const ForwardShape& shape, const Layer& laye
   a.b_stride = width;
   a.a = gdn_proj_ + conv_dim + vd + nv;
   a.a_stride = width;
+  if (delta) {
+    a.delta.qkv = delta_rows;
+    a.delta.z = delta_rows + conv_dim;
+    a.delta.b = delta_rows + conv_dim + vd;
+    a.delta.a = delta_rows + conv_dim + vd + nv;
+    a.delta.stride = width;
+    a.delta.row_slot = d.token_slot;
+  }
   a.conv_weight = layer.conv_weight;
   a.a_log = layer.a_log;
   a.dt_bias = layer.dt_bias;
@@ -52,10 +72,7 @@ void GpuModelImpl::linear_attention(const ForwardShape& shape, const Layer& laye
   a.workspace_bytes = gdn_ws_bytes_;
   a.num_sms = num_sms_;  // the rule kernel's persistent grid (two CTAs per SM, state prefetch)
   a.pdl = true;          // the conv kernel's launch overlaps the projection's tail
-  // Prefill chunks of long prompts take the chunked (tensor-core) rule; decode steps (max_q_len 1)
-  // never launch it.
-  a.chunked_min_tokens =
-      shape.max_q_len >= ops::cuda::kGdnChunkedMinTokens ? ops::cuda::kGdnChunkedMinTokens : 0;
+  a.chunked_min_tokens = chunked_min_tokens;
   ops::cuda::launch_gdn_mix(a, main_.get());
   project_branch(shape, layer, gdn_mix_, layer.gdn_out, kOutProj);
 }

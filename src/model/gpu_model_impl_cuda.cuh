@@ -470,6 +470,12 @@ class GpuModelImpl final : public GpuModel {
   bool has_linear_ = false;
   int num_sms_ = 0;
   bf16 *gdn_proj_ = nullptr, *gdn_mix_ = nullptr;
+  // [gdn_delta_rows_, gdn_proj_ width]: the in-projection's LoRA delta of forwards of at most that
+  // many rows that take no chunked rule, written on the side stream beside the base GEMM and added
+  // by the mix kernels as they read their inputs (ops::cuda::GdnInputDelta); nullptr without
+  // adapter slots.
+  bf16* gdn_delta_ = nullptr;
+  int gdn_delta_rows_ = 0;
   uint8_t* gdn_ws_ = nullptr;
   size_t gdn_ws_bytes_ = 0;
   uint8_t* attn_ws_ = nullptr;

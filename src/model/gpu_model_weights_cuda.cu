@@ -559,8 +559,12 @@ void GpuModelImpl::finish_construction() {
       layer.rec_state =
           alloc<float>(static_cast<size_t>(B) * g.num_v_heads * g.head_k_dim * g.head_v_dim);
     }
-    gdn_proj_ =
-        alloc<bf16>(static_cast<size_t>(T) * (g.conv_dim() + g.value_dim() + 2 * g.num_v_heads));
+    const size_t gdn_width = g.conv_dim() + g.value_dim() + 2 * g.num_v_heads;
+    gdn_proj_ = alloc<bf16>(static_cast<size_t>(T) * gdn_width);
+    // Decode-sized forwards (as qkv_delta_ below): the in-projection's LoRA delta, read by the mix.
+    gdn_delta_rows_ = std::min(T, B);
+    if (limits_.num_slots > 0)
+      gdn_delta_ = alloc<bf16>(static_cast<size_t>(gdn_delta_rows_) * gdn_width);
     gdn_mix_ = alloc<bf16>(static_cast<size_t>(T) * g.value_dim());
     gdn_ws_bytes_ = ops::cuda::gdn_mix_workspace_bytes(g, T);
     gdn_ws_ = alloc<uint8_t>(gdn_ws_bytes_);

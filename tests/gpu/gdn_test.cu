@@ -14,6 +14,11 @@
 //     chunk boundary, within its bounds elsewhere;
 //   - the rule kernel's grid alternates between two CTAs per SM, two CTAs in all and one per
 //     (sequence, head), so its item loop and state prefetch run with one and with many items;
+//   - LoRA deltas of the inputs read beside them (GdnInputDelta): sequences whose rows carry a
+//     delta (base rows + delta rows, the reference given bf16(base + delta), what an in-place add
+//     leaves) mixed with sequences without one (delta rows NaN, row slot -1), in decode steps and
+//     in multi-row sequences of the recurrent rule (the conv taps of earlier rows and the rule
+//     kernel's conv state update read deltas too); the conv states stay bitwise;
 //   - can_implement_gdn_mix names the argument it rejects (no device needed);
 //   - the decode step at Qwen3.5's shape (nv = 32, nk = 16, dk = dv = 128): checked, then timed for
 //     B = 1 .. 64 with achieved GB/s printed (no timing assertion).
@@ -102,7 +107,19 @@ struct SeqInput {
   int slot = 0;
   int T = 0;
   std::vector<uint16_t> qkv, z, b, a;  // [T, conv_dim], [T, value_dim], [T, nv], [T, nv]
+  // With a LoRA delta (GdnInputDelta): the rows the kernels read are base + delta, and the inputs
+  // above (the reference's) are bf16(base + delta). Empty: no delta.
+  std::vector<uint16_t> base_qkv, base_z, base_b, base_a, d_qkv, d_z, d_b, d_a;
+  bool has_delta() const { return !d_qkv.empty(); }
 };
+
+// bf16(x + d) with fp32 addition and round-to-nearest-even, as the kernels compute it.
+std::vector<uint16_t> bf16_sum(const std::vector<uint16_t>& x, const std::vector<uint16_t>& d) {
+  std::vector<uint16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i)
+    out[i] = f32_to_bf16_bits(bf16_bits_to_f32(x[i]) + bf16_bits_to_f32(d[i]));
+  return out;
+}
 
 // Layer weights, device states and buffers for one shape, with the reference's states beside the
 // GPU's. Calls are staged (inputs uploaded, padding sequences added), launched, then checked.
@@ -161,6 +178,9 @@ class GdnRig {
     conv_state_d_ =
         upload_vector(conv_state_host_.empty() ? std::vector<uint16_t>(1) : conv_state_host_);
     rec_state_d_ = upload_vector(rec_state_host_);
+    delta_stride_ = conv_dim_ + vd_ + 2 * c.nv + 7;
+    delta_d_ = cuda::DeviceBuffer(static_cast<size_t>(max_tokens) * delta_stride_ * 2);
+    row_slot_d_ = cuda::DeviceBuffer(static_cast<size_t>(max_tokens) * 4);
     qkv_d_ = cuda::DeviceBuffer(static_cast<size_t>(max_tokens) * qkv_stride_ * 2);
     z_d_ = cuda::DeviceBuffer(static_cast<size_t>(max_tokens) * z_stride_ * 2);
     b_d_ = cuda::DeviceBuffer(static_cast<size_t>(max_tokens) * ba_stride_ * 2);
@@ -189,8 +209,9 @@ class GdnRig {
   }
   int conv_dim() const { return conv_dim_; }
 
-  // Random rows for a sequence of T tokens.
-  SeqInput random_seq(std::mt19937_64& rng, int slot, int T) const {
+  // Random rows for a sequence of T tokens; with_delta: base rows and LoRA delta rows (about a
+  // quarter of the base's size), the reference's inputs their bf16 sum.
+  SeqInput random_seq(std::mt19937_64& rng, int slot, int T, bool with_delta = false) const {
     SeqInput s;
     s.slot = slot;
     s.T = T;
@@ -198,6 +219,16 @@ class GdnRig {
     s.z = random_bf16(rng, static_cast<size_t>(T) * vd_, 1.0f);
     s.b = random_bf16(rng, static_cast<size_t>(T) * cfg_.nv, 1.0f);
     s.a = random_bf16(rng, static_cast<size_t>(T) * cfg_.nv, 1.0f);
+    if (with_delta) {
+      const std::pair<std::vector<uint16_t>*, std::vector<uint16_t>*> parts[] = {
+          {&s.qkv, &s.d_qkv}, {&s.z, &s.d_z}, {&s.b, &s.d_b}, {&s.a, &s.d_a}};
+      std::vector<uint16_t>* bases[] = {&s.base_qkv, &s.base_z, &s.base_b, &s.base_a};
+      for (int i = 0; i < 4; ++i) {
+        *parts[i].second = random_bf16(rng, parts[i].first->size(), 0.25f);
+        *bases[i] = *parts[i].first;
+        *parts[i].first = bf16_sum(*bases[i], *parts[i].second);
+      }
+    }
     return s;
   }
 
@@ -222,20 +253,47 @@ class GdnRig {
     EXPECT_LE(seq_count, max_seqs_);
     EXPECT_LE(rows, max_tokens_);
 
-    // Rows: the sequences' inputs; padding rows random (they must not be read into any result).
-    auto fill = [&](std::vector<uint16_t> SeqInput::*field, int width, int64_t stride,
-                    cuda::DeviceBuffer& dst) {
+    // Rows: the sequences' inputs (their base rows where they carry a delta); padding rows random
+    // (they must not be read into any result).
+    bool any_delta = false;
+    for (const SeqInput& s : seqs) any_delta = any_delta || s.has_delta();
+    auto fill = [&](std::vector<uint16_t> SeqInput::*field, std::vector<uint16_t> SeqInput::*base,
+                    int width, int64_t stride, cuda::DeviceBuffer& dst) {
       std::vector<uint16_t> host = random_bf16(rng, static_cast<size_t>(rows) * stride, 1.0f);
       for (size_t i = 0; i < seqs.size(); ++i)
         for (int t = 0; t < seqs[i].T; ++t)
-          std::copy_n((seqs[i].*field).begin() + static_cast<size_t>(t) * width, width,
-                      host.begin() + static_cast<size_t>(cu[i] + t) * stride);
+          std::copy_n((seqs[i].has_delta() ? seqs[i].*base : seqs[i].*field).begin() +
+                          static_cast<size_t>(t) * width,
+                      width, host.begin() + static_cast<size_t>(cu[i] + t) * stride);
       dst.upload(host.data(), host.size() * 2);
     };
-    fill(&SeqInput::qkv, conv_dim_, qkv_stride_, qkv_d_);
-    fill(&SeqInput::z, vd_, z_stride_, z_d_);
-    fill(&SeqInput::b, cfg_.nv, ba_stride_, b_d_);
-    fill(&SeqInput::a, cfg_.nv, ba_stride_, a_d_);
+    fill(&SeqInput::qkv, &SeqInput::base_qkv, conv_dim_, qkv_stride_, qkv_d_);
+    fill(&SeqInput::z, &SeqInput::base_z, vd_, z_stride_, z_d_);
+    fill(&SeqInput::b, &SeqInput::base_b, cfg_.nv, ba_stride_, b_d_);
+    fill(&SeqInput::a, &SeqInput::base_a, cfg_.nv, ba_stride_, a_d_);
+    // Deltas: one row-major buffer [rows, delta_stride_] with the four inputs' column blocks;
+    // NaN in the rows of sequences without a delta (row slot -1) and of the padding, which must
+    // never be read.
+    if (any_delta) {
+      std::vector<uint16_t> delta(static_cast<size_t>(rows) * delta_stride_, 0x7fc0);
+      std::vector<int32_t> row_slot(rows, -1);
+      const int offsets[] = {0, conv_dim_, conv_dim_ + vd_, conv_dim_ + vd_ + cfg_.nv};
+      const int widths[] = {conv_dim_, vd_, cfg_.nv, cfg_.nv};
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        if (!seqs[i].has_delta()) continue;
+        const std::vector<uint16_t>* parts[] = {&seqs[i].d_qkv, &seqs[i].d_z, &seqs[i].d_b,
+                                                &seqs[i].d_a};
+        for (int t = 0; t < seqs[i].T; ++t) {
+          row_slot[cu[i] + t] = static_cast<int32_t>(i % 3);  // any adapter slot >= 0
+          for (int p = 0; p < 4; ++p)
+            std::copy_n(
+                parts[p]->begin() + static_cast<size_t>(t) * widths[p], widths[p],
+                delta.begin() + static_cast<size_t>(cu[i] + t) * delta_stride_ + offsets[p]);
+        }
+      }
+      delta_d_.upload(delta.data(), delta.size() * 2);
+      row_slot_d_.upload(row_slot.data(), row_slot.size() * 4);
+    }
     const std::vector<uint16_t> sentinel(static_cast<size_t>(rows) * out_stride_, kSentinel);
     out_d_.upload(sentinel.data(), sentinel.size() * 2);
     cu_d_.upload(cu.data(), cu.size() * 4);
@@ -257,6 +315,15 @@ class GdnRig {
     a.b_stride = ba_stride_;
     a.a = a_d_.as<__nv_bfloat16>();
     a.a_stride = ba_stride_;
+    if (any_delta) {
+      const __nv_bfloat16* d = delta_d_.as<__nv_bfloat16>();
+      a.delta.qkv = d;
+      a.delta.z = d + conv_dim_;
+      a.delta.b = d + conv_dim_ + vd_;
+      a.delta.a = d + conv_dim_ + vd_ + cfg_.nv;
+      a.delta.stride = delta_stride_;
+      a.delta.row_slot = row_slot_d_.as<int32_t>();
+    }
     a.conv_weight = conv_w_d_.as<__nv_bfloat16>();
     a.a_log = a_log_d_.as<float>();
     a.dt_bias = dt_bias_d_.as<float>();
@@ -435,7 +502,7 @@ class GdnRig {
   GdnShape shape_;
   int max_tokens_, max_seqs_;
   int conv_dim_ = 0, vd_ = 0, k1_ = 0;
-  int64_t qkv_stride_ = 0, z_stride_ = 0, ba_stride_ = 0, out_stride_ = 0;
+  int64_t qkv_stride_ = 0, z_stride_ = 0, ba_stride_ = 0, out_stride_ = 0, delta_stride_ = 0;
   std::vector<uint16_t> conv_w_;
   std::vector<float> a_log_, dt_bias_, norm_w_;
   ops::GdnWeights weights_;
@@ -443,7 +510,8 @@ class GdnRig {
   std::vector<float> rec_state_host_;
   std::vector<GdnState> ref_states_;
   cuda::DeviceBuffer conv_w_d_, a_log_d_, dt_bias_d_, norm_w_d_, conv_state_d_, rec_state_d_;
-  cuda::DeviceBuffer qkv_d_, z_d_, b_d_, a_d_, out_d_, cu_d_, slots_d_, ws_d_;
+  cuda::DeviceBuffer qkv_d_, z_d_, b_d_, a_d_, out_d_, cu_d_, slots_d_, ws_d_, delta_d_,
+      row_slot_d_;
   size_t ws_bytes_ = 0;
   std::vector<int32_t> cu_;
   int rows_ = 0;
@@ -474,6 +542,36 @@ TEST(Sm90_Gdn, DecodeStepsMatchReference) {
       rig.run_and_check(rng, seqs, "decode step " + std::to_string(step));
       std::rotate(slots.begin(), slots.begin() + 1, slots.end());
       if (step == 1) slots.pop_back();
+    }
+  }
+}
+
+// ---------------------------------------------------------------- LoRA deltas of the inputs
+
+// The in-projection's LoRA delta read beside the inputs (GdnInputDelta, the model's decode path):
+// decode steps and recurrent-rule prefills (rows of earlier tokens in the conv taps, the rule
+// kernel's conv state update) with sequences that carry a delta beside ones that do not.
+TEST(Sm90_Gdn, InputDeltasAreAddedAsTheInputsAreRead) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(1104));
+  const GdnConfig configs[] = {
+      {"nk 2 nv 4 dk 128 dv 128", 2, 4, 128, 128, 4, 9},
+      {"nk 2 nv 2 dk 64 dv 64, K 3", 2, 2, 64, 64, 3, 9},
+  };
+  for (const GdnConfig& c : configs) {
+    GdnRig rig(c, rng, 64, 16);
+    // Prefill of the recurrent rule (T = 1, 2, 9, 17; the second and fourth without a delta).
+    const std::vector<std::pair<int, int>> prefill = {{3, 9}, {0, 2}, {5, 1}, {6, 17}};
+    std::vector<SeqInput> seqs;
+    for (size_t i = 0; i < prefill.size(); ++i)
+      seqs.push_back(rig.random_seq(rng, prefill[i].first, prefill[i].second, i % 2 == 0));
+    rig.run_and_check(rng, seqs, "prefill with deltas");
+    // Decode steps: the delta moves from sequence to sequence; one step without any.
+    for (int step = 0; step < 3; ++step) {
+      seqs.clear();
+      for (size_t i = 0; i < prefill.size(); ++i)
+        seqs.push_back(rig.random_seq(rng, prefill[i].first, 1, step < 2 && (i + step) % 2 == 1));
+      rig.run_and_check(rng, seqs, "decode step " + std::to_string(step) + " with deltas");
     }
   }
 }
@@ -618,6 +716,20 @@ TEST(Gdn, CanImplementNamesTheProblem) {
   rejects("out stride", [](GdnMixArgs& a) { a.out_stride = 4098; }, {"out_stride 4098"});
   rejects("workspace", [](GdnMixArgs& a) { a.workspace_bytes -= 1; }, {"workspace", "too small"});
   rejects("slots", [](GdnMixArgs& a) { a.num_slots = 0; }, {"num_slots"});
+  GdnMixArgs with_delta = ok;
+  with_delta.delta.qkv = with_delta.delta.z = with_delta.delta.b = with_delta.delta.a =
+      static_cast<const __nv_bfloat16*>(fake(0x9000));
+  with_delta.delta.stride = ok.shape.conv_dim() + ok.shape.value_dim() + 64;
+  with_delta.delta.row_slot = static_cast<const int32_t*>(fake(0xa000));
+  EXPECT_TRUE(ops::cuda::can_implement_gdn_mix(with_delta).is_ok())
+      << ops::cuda::can_implement_gdn_mix(with_delta).message();
+  ok = with_delta;
+  rejects("delta without row slots", [](GdnMixArgs& a) { a.delta.row_slot = nullptr; },
+          {"delta needs all of qkv, z, b, a and row_slot"});
+  rejects("delta stride", [](GdnMixArgs& a) { a.delta.stride = 100; },
+          {"delta.stride 100", "conv_dim 8192"});
+  rejects("delta with the chunked rule", [](GdnMixArgs& a) { a.chunked_min_tokens = 64; },
+          {"chunked_min_tokens = 64", "recurrent kernels only"});
 }
 
 // ---------------------------------------------------------------- Qwen3.5 decode bandwidth

@@ -108,14 +108,25 @@ struct ConvTaps {
   __nv_bfloat16 x[kK];
   float w[kK];
 
-  __device__ __forceinline__ void load(const GdnParams& p, int64_t row, int t, int slot, int c) {
+  // has_delta: the sequence's rows carry a LoRA delta (GdnInputDelta), added to the taps from
+  // this call's rows (the conv state holds inputs with their deltas already).
+  __device__ __forceinline__ void load(const GdnParams& p, int64_t row, int t, int slot, int c,
+                                       bool has_delta) {
     constexpr int k1 = kK - 1;
     const __nv_bfloat16* state = p.conv_state + (static_cast<int64_t>(slot) * p.conv_dim + c) * k1;
+    __nv_bfloat16 d[kK];
 #pragma unroll
     for (int j = 0; j < kK; ++j) {
       const int u = t + j;
-      x[j] = *(u < k1 ? state + u : p.qkv + (row - t + u - k1) * p.qkv_stride + c);
+      const int64_t src = row - t + u - k1;  // the tap's batch row, when u >= k1
+      x[j] = *(u < k1 ? state + u : p.qkv + src * p.qkv_stride + c);
+      d[j] = has_delta && u >= k1 ? p.delta.qkv[src * p.delta.stride + c] : __float2bfloat16(0.0f);
       w[j] = __bfloat162float(p.conv_weight[static_cast<int64_t>(c) * kK + j]);
+    }
+    if (has_delta) {
+#pragma unroll
+      for (int j = 0; j < kK; ++j)
+        if (t + j >= k1) x[j] = add_delta(x[j], d[j]);
     }
   }
   // silu(sum_j w[j] u[t + j]), summed in the reference's order.
@@ -146,6 +157,7 @@ __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnPara
   if (!slot_valid(p, slot)) return;
   const int t = row - p.cu_seqlens[seq], T = p.cu_seqlens[seq + 1] - p.cu_seqlens[seq];
   const int64_t r = row;
+  const bool has_delta = row_has_delta(p, r);
   const int lane = threadIdx.x % 32;
   const int segment = blockIdx.y * kConvWarps + threadIdx.x / 32;
 
@@ -156,8 +168,8 @@ __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnPara
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int c = kh * kDk + lane + 32 * i;
-      tq[i].load(p, r, t, slot, c);
-      tk[i].load(p, r, t, slot, p.key_dim + c);
+      tq[i].load(p, r, t, slot, c, has_delta);
+      tk[i].load(p, r, t, slot, p.key_dim + c, has_delta);
     }
     float q[kPerLane], k[kPerLane], ss_q = 0.0f, ss_k = 0.0f;
 #pragma unroll
@@ -195,7 +207,7 @@ __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnPara
     const int64_t o0 = r * p.value_dim + (segment - p.nk) * kDv + lane;
     ConvTaps<kK> tv[kPerLane];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) tv[i].load(p, r, t, slot, c0 + 32 * i);
+    for (int i = 0; i < kPerLane; ++i) tv[i].load(p, r, t, slot, c0 + 32 * i, has_delta);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) p.ws.v[o0 + 32 * i] = tv[i].conv_silu();
     if (T == 1) {
@@ -206,8 +218,13 @@ __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnPara
 
   if (blockIdx.y == 0) {
     for (int h = threadIdx.x; h < p.nv; h += blockDim.x) {
-      const float bv = __bfloat162float(p.b[r * p.b_stride + h]);
-      const float av = __bfloat162float(p.a[r * p.a_stride + h]);
+      __nv_bfloat16 b = p.b[r * p.b_stride + h], a = p.a[r * p.a_stride + h];
+      if (has_delta) {
+        b = add_delta(b, p.delta.b[r * p.delta.stride + h]);
+        a = add_delta(a, p.delta.a[r * p.delta.stride + h]);
+      }
+      const float bv = __bfloat162float(b);
+      const float av = __bfloat162float(a);
       p.ws.beta[r * p.nv + h] = 1.0f / (1.0f + expf(-bv));
       p.ws.g[r * p.nv + h] = -expf(p.a_log[h]) * softplus(av + p.dt_bias[h]);
     }
@@ -244,7 +261,7 @@ struct RuleStage {
 // z, or one scalar in .x (beta, decay = exp(g), k.q).
 template <int kDk, int kDv>
 __device__ __forceinline__ float4 load_stage(const GdnParams& p, int64_t row, int h, int kh,
-                                             int tid) {
+                                             int tid, bool has_delta) {
   using St = RuleStage<kDk, kDv>;
   const int e = 4 * tid;  // offset in the stage
   if (e < St::kOffK) {
@@ -257,9 +274,16 @@ __device__ __forceinline__ float4 load_stage(const GdnParams& p, int64_t row, in
     return *reinterpret_cast<const float4*>(p.ws.v + row * p.value_dim + h * kDv + (e - St::kOffV));
   }
   if (e < St::kOffBeta) {  // four bf16 loads: z may be a column slice at any element offset
-    const __nv_bfloat16* z = p.z + row * p.z_stride + h * kDv + (e - St::kOffZ);
-    return make_float4(__bfloat162float(z[0]), __bfloat162float(z[1]), __bfloat162float(z[2]),
-                       __bfloat162float(z[3]));
+    const int64_t col = h * kDv + (e - St::kOffZ);
+    const __nv_bfloat16* z = p.z + row * p.z_stride + col;
+    __nv_bfloat16 zv[4] = {z[0], z[1], z[2], z[3]};
+    if (has_delta) {
+      const __nv_bfloat16* dz = p.delta.z + row * p.delta.stride + col;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) zv[i] = add_delta(zv[i], dz[i]);
+    }
+    return make_float4(__bfloat162float(zv[0]), __bfloat162float(zv[1]), __bfloat162float(zv[2]),
+                       __bfloat162float(zv[3]));
   }
   const int which = tid - St::kVectors;
   float v;
@@ -366,10 +390,11 @@ __global__ void __launch_bounds__(kRuleThreads, 2) gdn_rule_kernel(const GdnPara
 
   for (uint32_t phase = 0;; phase ^= 1) {
     const int kh = it.h / p.group;
+    const bool has_delta = row_has_delta(p, it.start);  // the sequence's rows share their adapter
     // The first token's loads are issued first; the next item's lookup and the conv state update
     // (which stall on their own loads) and the state copy in flight overlap them.
     float4 next = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (tid < St::kLoaders) next = load_stage<kDk, kDv>(p, it.start, it.h, kh, tid);
+    if (tid < St::kLoaders) next = load_stage<kDk, kDv>(p, it.start, it.h, kh, tid, has_delta);
     RuleItem next_it;
     const int next_index = next_item(p, item + gridDim.x, items, next_it);
     update_conv_state(p, it.h, it.slot, it.start, it.T);
@@ -396,7 +421,7 @@ __global__ void __launch_bounds__(kRuleThreads, 2) gdn_rule_kernel(const GdnPara
       const int nxt = cur == 2 ? 0 : cur + 1;
       const bool more = t + 1 < it.T;
       if (more && tid < St::kLoaders)
-        next = load_stage<kDk, kDv>(p, it.start + t + 1, it.h, kh, tid);
+        next = load_stage<kDk, kDv>(p, it.start + t + 1, it.h, kh, tid, has_delta);
 
       // Partial S^T k and S^T q over this thread's rows.
       float4 pk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq = pk;
@@ -544,6 +569,20 @@ Status can_implement_gdn_mix(const GdnMixArgs& a) {
   if (a.chunked_min_tokens < 0)
     return invalid(
         concat("chunked_min_tokens must be >= 0 (0: no chunked form), got ", a.chunked_min_tokens));
+  const GdnInputDelta& d = a.delta;
+  if (d.qkv || d.z || d.b || d.a || d.row_slot) {
+    if (!d.qkv || !d.z || !d.b || !d.a || !d.row_slot)
+      return invalid(concat("delta needs all of qkv, z, b, a and row_slot (got ", d.qkv, ", ", d.z,
+                            ", ", d.b, ", ", d.a, ", ", d.row_slot, ")"));
+    if (d.stride < s.conv_dim())
+      return invalid(concat("delta.stride ", d.stride,
+                            " is smaller than the widest input, conv_dim ", s.conv_dim()));
+    if (a.chunked_min_tokens > 0)
+      return Status(ErrorCode::kUnsupported,
+                    concat("gdn_mix: input deltas are read by the recurrent kernels only; got "
+                           "chunked_min_tokens = ",
+                           a.chunked_min_tokens, " (pass 0, or add the deltas in place)"));
+  }
   if (a.num_sms < 0) return invalid(concat("num_sms must be >= 0, got ", a.num_sms));
   if (a.max_tokens < 0) return invalid(concat("max_tokens must be >= 0, got ", a.max_tokens));
   if (a.max_seqs == 0 || a.max_tokens == 0) return Status::ok();  // nothing to run
@@ -619,6 +658,7 @@ void launch_gdn_mix(const GdnMixArgs& args, cudaStream_t stream) {
   p.z_stride = args.z_stride;
   p.b_stride = args.b_stride;
   p.a_stride = args.a_stride;
+  p.delta = args.delta;
   p.conv_weight = args.conv_weight;
   p.a_log = args.a_log;
   p.dt_bias = args.dt_bias;

@@ -58,6 +58,20 @@ inline constexpr int kGdnChunkedMinTokens = 64;
 // Widest causal conv the kernels take (Qwen3.5 / Qwen3-Next use K = 4); the narrowest is 2.
 inline constexpr int kGdnMaxConvKernel = 4;
 
+// LoRA deltas of the mix's four inputs, added as they are read: the model's expand writes them on
+// the side stream while the projection GEMM runs (instead of adding them in place after it, on the
+// critical path). Rows [max_tokens, stride] bf16 with the inputs' columns (qkv .. a point into
+// them); a row counts only where row_slot[row] >= 0, since the expand writes no delta for a
+// base-model row. Each input is then read as bf16(input + delta), what the in-place add leaves.
+struct GdnInputDelta {
+  const __nv_bfloat16* qkv = nullptr;  // [max_tokens, conv_dim] at stride; nullptr = no deltas
+  const __nv_bfloat16* z = nullptr;    // [max_tokens, value_dim]
+  const __nv_bfloat16* b = nullptr;    // [max_tokens, nv]
+  const __nv_bfloat16* a = nullptr;    // [max_tokens, nv]
+  int64_t stride = 0;                  // elements between rows, >= conv_dim
+  const int32_t* row_slot = nullptr;   // [max_tokens] adapter slot of each row, < 0 = none
+};
+
 struct GdnMixArgs {
   // nk, nv (a multiple of nk), dk and dv in {64, 128}, K in [2, kGdnMaxConvKernel], norm_eps;
   // shape.hidden is not used. conv_dim = 2 nk dk + nv dv, value_dim = nv dv.
@@ -79,6 +93,8 @@ struct GdnMixArgs {
   int64_t b_stride = 0;                // >= nv
   const __nv_bfloat16* a = nullptr;    // [max_tokens, nv] in_proj_a output
   int64_t a_stride = 0;                // >= nv
+  // Their LoRA deltas (see GdnInputDelta); not with chunked_min_tokens > 0 (decode-sized calls).
+  GdnInputDelta delta;
 
   // Weights of the layer.
   const __nv_bfloat16* conv_weight = nullptr;  // [conv_dim, K] (conv1d.weight [conv_dim, 1, K])

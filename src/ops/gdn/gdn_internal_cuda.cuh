@@ -34,6 +34,7 @@ struct GdnParams {
   int chunk_min_tokens;
   const __nv_bfloat16 *qkv, *z, *b, *a;
   int64_t qkv_stride, z_stride, b_stride, a_stride;
+  GdnInputDelta delta;  // delta.qkv == nullptr: none
   const __nv_bfloat16* conv_weight;
   const float *a_log, *dt_bias, *norm_weight;
   __nv_bfloat16* conv_state;
@@ -59,12 +60,23 @@ __device__ __forceinline__ bool slot_valid(const GdnParams& p, int slot) {
   return slot >= 0 && slot < p.num_slots;
 }
 
+// Whether batch row `row`'s inputs have a LoRA delta (GdnInputDelta); rows of one sequence share
+// their adapter, so any row of the sequence answers for all.
+__device__ __forceinline__ bool row_has_delta(const GdnParams& p, int64_t row) {
+  return p.delta.qkv != nullptr && p.delta.row_slot[row] >= 0;
+}
+// An input with its delta, rounded to bf16 as the expand's in-place add would leave it.
+__device__ __forceinline__ __nv_bfloat16 add_delta(__nv_bfloat16 x, __nv_bfloat16 d) {
+  return __float2bfloat16(__bfloat162float(x) + __bfloat162float(d));
+}
+
 // The sequence's new conv state for the channels this CTA owns (see the file comment): u = [old
 // state ; the call's T rows], new state = u[T .. T + K - 2]. Each channel is read whole before it
 // is written, by one thread.
 __device__ inline void update_conv_state(const GdnParams& p, int h, int slot, int start, int T) {
   if (T == 1) return;  // the conv kernel did it
   const int k1 = p.conv_kernel - 1;
+  const bool has_delta = row_has_delta(p, start);
   const int kh = h / p.group;
   const int count = p.dv + (h % p.group == 0 ? 2 * p.dk : 0);
   for (int i = threadIdx.x; i < count; i += blockDim.x) {
@@ -82,8 +94,10 @@ __device__ inline void update_conv_state(const GdnParams& p, int h, int slot, in
     for (int j = 0; j < kGdnMaxConvKernel - 1; ++j) {
       if (j < k1) {
         const int u = T + j;
-        next[j] =
-            u < k1 ? state[u] : p.qkv[(static_cast<int64_t>(start) + u - k1) * p.qkv_stride + c];
+        const int64_t row = static_cast<int64_t>(start) + u - k1;
+        next[j] = u < k1 ? state[u] : p.qkv[row * p.qkv_stride + c];
+        if (u >= k1 && has_delta)
+          next[j] = add_delta(next[j], p.delta.qkv[row * p.delta.stride + c]);
       }
     }
 #pragma unroll
