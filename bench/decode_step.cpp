@@ -64,6 +64,7 @@ struct Options {
   bool pdl_after_side_join = true;
   int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
   bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
+  bool gdn_delta_in_mix = false;  // EngineOptions::gdn_lora_delta_in_mix
   bool no_timeline = false;
   std::string out;
   uint64_t seed = 0;
@@ -228,7 +229,8 @@ int run(const Options& o) {
       (o.pdl_after_side_join ? "" : "_plain_after_join") +
       (o.seam2_in_finalize >= 0 ? "_seam2_in_finalize_" + std::to_string(o.seam2_in_finalize)
                                 : "") +
-      (o.shared_in_experts ? "" : "_shared_separate");
+      (o.shared_in_experts ? "" : "_shared_separate") +
+      (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -244,6 +246,7 @@ int run(const Options& o) {
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
       std::to_string(o.seam2_in_finalize) +
       (o.shared_in_experts ? "" : " --shared-expert-separate") +
+      (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; 'main idle before' is the gap on the main queue before the "
       "kernel's launches (launch latency, or a wait on the side stream).\n\n";
@@ -268,6 +271,7 @@ int run(const Options& o) {
       options.moe_pdl_after_side_join = o.pdl_after_side_join;
       options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
       options.moe_shared_expert_in_experts = o.shared_in_experts;
+      options.gdn_lora_delta_in_mix = o.gdn_delta_in_mix;
       const int64_t prefill_steps =
           (batch * o.context + options.max_batch_tokens - 1) / options.max_batch_tokens;
       const int64_t max_new_tokens = prefill_steps + o.warm_steps + o.steps + 4;
@@ -379,6 +383,7 @@ int run(const Options& o) {
                           {"pdl_after_side_join", o.pdl_after_side_join},
                           {"seam2_in_finalize", o.seam2_in_finalize},
                           {"shared_expert_in_experts", o.shared_in_experts},
+                          {"gdn_delta_in_mix", o.gdn_delta_in_mix},
                           {"runs", results}};
     std::ofstream(base.string() + ".json") << doc.dump(2) << "\n";
   }
@@ -438,6 +443,10 @@ int main(int argc, char** argv) {
                "DeepSeek-V3 / Kimi shapes) run it as one more expert of the routed FP8 GEMMs (the "
                "default); --shared-expert-separate keeps it a separate bf16 MLP (two cuBLAS GEMMs "
                "and an activation after GEMM2) (EngineOptions::moe_shared_expert_in_experts)");
+  app.add_flag("--gdn-delta-in-mix", o.gdn_delta_in_mix,
+               "Gated DeltaNet layers: expand the in-projection's LoRA delta on the side stream "
+               "beside the base GEMM and add it in the mix kernels as they read their inputs, "
+               "instead of in place after the GEMM (EngineOptions::gdn_lora_delta_in_mix)");
   app.add_flag("--no-timeline", o.no_timeline,
                "Record no CUPTI kernel timeline (for Nsight Compute, which cannot attach beside "
                "it): the recorded steps run between cudaProfilerStart and Stop and only their "

@@ -147,6 +147,11 @@ struct EngineOptions {
   // shared_in_experts; the default: it saves the three bf16 kernels after GEMM2, docs/gpu_moe.md
   // §1a); false keeps it a separate bf16 MLP.
   bool moe_shared_expert_in_experts = true;
+  // Gated DeltaNet layers (Qwen3.5): at decode sizes, expand the in-projection's LoRA delta on the
+  // side stream beside the base GEMM and let the mix kernels add it as they read their inputs,
+  // instead of adding it in place after the GEMM (model::GpuModelOptions::gdn_lora_delta_in_mix;
+  // off until measured, docs/gpu_engine.md §3a).
+  bool gdn_lora_delta_in_mix = false;
 };
 
 struct SamplingParams {

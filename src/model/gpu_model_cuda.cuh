@@ -82,6 +82,11 @@ struct GpuModelOptions {
   // experts, all experts on this GPU) run it as expert E of the routed GEMMs
   // (ops::cuda::MoeLayerConfig::shared_in_experts); false: a separate bf16 MLP (dequantized).
   bool moe_shared_expert_in_experts = true;
+  // Gated DeltaNet layers, forwards of at most max_seqs rows that take no chunked rule: the
+  // in-projection's LoRA expand writes a delta buffer on the side stream beside the base GEMM and
+  // the mix kernels add it as they read (ops::cuda::GdnInputDelta); false: the expand adds in place
+  // after the GEMM, on the main stream.
+  bool gdn_lora_delta_in_mix = false;
   // Tensor / expert parallelism: this model is rank collectives->rank() of collectives->size(), its
   // config and weights that rank's share (dist::shard_checkpoint: the rank's heads, intermediate
   // channels and routed experts [r E / n, (r + 1) E / n) of the config's num_experts), and the

@@ -1,8 +1,9 @@
 // Gated DeltaNet linear attention of the GPU model (Qwen3.5 "linear_attention" layers):
 //
 //   proj = hnorm . [in_proj_qkv ; in_proj_z ; in_proj_b ; in_proj_a]^T   one GEMM, [T, conv_dim +
-//          value_dim + 2 nv], with the LoRA of the four targets into their column blocks (decode:
-//          into gdn_delta_ on the side stream beside the GEMM, added by the mix kernels)
+//          value_dim + 2 nv], with the LoRA of the four targets into their column blocks (decode
+//          with GpuModelOptions::gdn_lora_delta_in_mix: into gdn_delta_ on the side stream beside
+//          the GEMM, added by the mix kernels)
 //   mix  = ops::cuda::launch_gdn_mix: per sequence (rows [cu_seqlens[k], cu_seqlens[k + 1]), state
 //          slot state_slot[k]) the causal conv with its rolling state, the gated delta rule on
 //          the fp32 recurrent state and the gated RMSNorm -> [T, value_dim] bf16
@@ -26,10 +27,9 @@ void GpuModelImpl::linear_attention(const ForwardShape& shape, const Layer& laye
   const int chunked_min_tokens =
       shape.max_q_len >= ops::cuda::kGdnChunkedMinTokens ? ops::cuda::kGdnChunkedMinTokens : 0;
   // One GEMM for the four projections and one multi-target LoRA launch pair for their adapters:
-  // the shrink beside the GEMM on the side stream, then the expand, for decode-sized forwards also
-  // there, into gdn_delta_ (the mix adds it as it reads; otherwise the expand would wait for the
-  // GEMM and add in place, ~6 us on the critical path of each layer at 16-64 sequences), else
-  // adding into the four column blocks after the GEMM.
+  // the shrink beside the GEMM on the side stream, then the expand, adding into the four column
+  // blocks after the GEMM; with gdn_lora_delta_in_mix (gdn_delta_ allocated) and a decode-sized
+  // forward, the expand too on the side stream into gdn_delta_, which the mix adds as it reads.
   bf16* const delta_rows =
       shape.tokens <= gdn_delta_rows_ && chunked_min_tokens == 0 ? gdn_delta_ : nullptr;
   const bool delta =

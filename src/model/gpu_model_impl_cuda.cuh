@@ -473,7 +473,7 @@ class GpuModelImpl final : public GpuModel {
   // [gdn_delta_rows_, gdn_proj_ width]: the in-projection's LoRA delta of forwards of at most that
   // many rows that take no chunked rule, written on the side stream beside the base GEMM and added
   // by the mix kernels as they read their inputs (ops::cuda::GdnInputDelta); nullptr without
-  // adapter slots.
+  // adapter slots or without GpuModelOptions::gdn_lora_delta_in_mix.
   bf16* gdn_delta_ = nullptr;
   int gdn_delta_rows_ = 0;
   uint8_t* gdn_ws_ = nullptr;

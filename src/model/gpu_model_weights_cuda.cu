@@ -562,8 +562,8 @@ void GpuModelImpl::finish_construction() {
     const size_t gdn_width = g.conv_dim() + g.value_dim() + 2 * g.num_v_heads;
     gdn_proj_ = alloc<bf16>(static_cast<size_t>(T) * gdn_width);
     // Decode-sized forwards (as qkv_delta_ below): the in-projection's LoRA delta, read by the mix.
-    gdn_delta_rows_ = std::min(T, B);
-    if (limits_.num_slots > 0)
+    gdn_delta_rows_ = options_.gdn_lora_delta_in_mix ? std::min(T, B) : 0;
+    if (limits_.num_slots > 0 && gdn_delta_rows_ > 0)
       gdn_delta_ = alloc<bf16>(static_cast<size_t>(gdn_delta_rows_) * gdn_width);
     gdn_mix_ = alloc<bf16>(static_cast<size_t>(T) * g.value_dim());
     gdn_ws_bytes_ = ops::cuda::gdn_mix_workspace_bytes(g, T);

@@ -65,8 +65,9 @@ struct GpuExecutorOptions {
   int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;
-  // model::GpuModelOptions::moe_shared_expert_in_experts
+  // model::GpuModelOptions::moe_shared_expert_in_experts, gdn_lora_delta_in_mix
   bool moe_shared_expert_in_experts = true;
+  bool gdn_lora_delta_in_mix = false;
   bool show_progress = false;
   int device = 0;
   // One rank of a tensor / expert parallel group (one process per GPU): the group that sums each

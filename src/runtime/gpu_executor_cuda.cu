@@ -553,6 +553,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.moe_pdl_after_side_join = o.moe_pdl_after_side_join;
   mo.moe_seam2_in_finalize_max_tokens = o.moe_seam2_in_finalize_max_tokens;
   mo.moe_shared_expert_in_experts = o.moe_shared_expert_in_experts;
+  mo.gdn_lora_delta_in_mix = o.gdn_lora_delta_in_mix;
   mo.collectives = o.collectives;
   std::unique_ptr<model::GpuModel> model =
       o.random_weights ? model::GpuModel::random(config, o.random_seed, fp8_experts, m, mo)

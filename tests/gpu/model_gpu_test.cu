@@ -300,7 +300,7 @@ class Fixture {
  public:
   Fixture(const std::string& fixture, const std::string& checkpoint,
           const std::vector<std::string>& adapters, int max_batch = 6,
-          bool shared_expert_in_experts = false)
+          bool shared_expert_in_experts = false, bool gdn_lora_delta_in_mix = false)
       : dir_(parity_dir(fixture)) {
     io::LoadOptions load;
     load.show_progress = false;
@@ -313,6 +313,7 @@ class Fixture {
     GpuModelOptions gpu_options;
     gpu_options.show_progress = false;
     gpu_options.moe_shared_expert_in_experts = shared_expert_in_experts;
+    gpu_options.gdn_lora_delta_in_mix = gdn_lora_delta_in_mix;
     gpu_ = GpuModel::load(weights_, small_limits(max_batch, static_cast<int>(ids.dim(1))),
                           gpu_options);
     for (int64_t b = 0; b < ids.dim(0); ++b) {
@@ -452,6 +453,18 @@ TEST(Sm90_GpuModel, Qwen35MoePublishedFormAndMixedBatch) {
   Fixture f("qwen3_5_moe", "base", kQwen35Adapters);
   f.check_mixed({{"lora_all", 0}, {"base", 1}, {"lora_linear", 1}, {"base", 0}, {"lora_all", 1}},
                 "qwen3_5_moe mixed");
+}
+
+// The Gated DeltaNet in-projection's LoRA delta added by the mix kernels
+// (GpuModelOptions::gdn_lora_delta_in_mix): the adapters alone and in a mixed batch with base rows
+// (whose delta rows are never written) against the CPU model, through prefill and graph decode.
+TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMix) {
+  MOELORA_REQUIRE_SM90();
+  const ScopedQwen35Bound bound;
+  Fixture f("qwen3_5_moe", "base", kQwen35Adapters, 6, false, /*gdn_lora_delta_in_mix=*/true);
+  for (const std::string& a : kQwen35Adapters) f.check_single(a, "qwen3_5_moe/" + a + " delta");
+  f.check_mixed({{"lora_all", 0}, {"base", 1}, {"lora_linear", 1}, {"base", 0}, {"lora_all", 1}},
+                "qwen3_5_moe mixed, delta in the mix");
 }
 
 TEST(Sm90_GpuModel, DeepseekV3BaseAndAdapters) {

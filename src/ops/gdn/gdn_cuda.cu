@@ -108,10 +108,27 @@ struct ConvTaps {
   __nv_bfloat16 x[kK];
   float w[kK];
 
-  // has_delta: the sequence's rows carry a LoRA delta (GdnInputDelta), added to the taps from
-  // this call's rows (the conv state holds inputs with their deltas already).
+  __device__ __forceinline__ void load_plain(const GdnParams& p, int64_t row, int t, int slot,
+                                             int c) {
+    constexpr int k1 = kK - 1;
+    const __nv_bfloat16* state = p.conv_state + (static_cast<int64_t>(slot) * p.conv_dim + c) * k1;
+#pragma unroll
+    for (int j = 0; j < kK; ++j) {
+      const int u = t + j;
+      x[j] = *(u < k1 ? state + u : p.qkv + (row - t + u - k1) * p.qkv_stride + c);
+      w[j] = __bfloat162float(p.conv_weight[static_cast<int64_t>(c) * kK + j]);
+    }
+  }
+
+  // has_delta (kDelta instances only): the sequence's rows carry a LoRA delta (GdnInputDelta),
+  // added to the taps from this call's rows (the conv state holds inputs with their deltas).
+  template <bool kDelta>
   __device__ __forceinline__ void load(const GdnParams& p, int64_t row, int t, int slot, int c,
                                        bool has_delta) {
+    if constexpr (!kDelta) {
+      load_plain(p, row, t, slot, c);
+      return;
+    }
     constexpr int k1 = kK - 1;
     const __nv_bfloat16* state = p.conv_state + (static_cast<int64_t>(slot) * p.conv_dim + c) * k1;
     __nv_bfloat16 d[kK];
@@ -145,8 +162,9 @@ struct ConvTaps {
   }
 };
 
-// Grid (max_tokens, ceil((nk + nv) / kConvWarps)); see the file comment.
-template <int kDk, int kDv, int kK>
+// Grid (max_tokens, ceil((nk + nv) / kConvWarps)); see the file comment. kDelta: the instance for
+// calls with input deltas (GdnInputDelta).
+template <int kDk, int kDv, int kK, bool kDelta>
 __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnParams p) {
   ::moelora::cuda::sm90::grid_dependency_wait();
   ::moelora::cuda::sm90::launch_dependents();
@@ -157,7 +175,7 @@ __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnPara
   if (!slot_valid(p, slot)) return;
   const int t = row - p.cu_seqlens[seq], T = p.cu_seqlens[seq + 1] - p.cu_seqlens[seq];
   const int64_t r = row;
-  const bool has_delta = row_has_delta(p, r);
+  const bool has_delta = kDelta && row_has_delta(p, r);
   const int lane = threadIdx.x % 32;
   const int segment = blockIdx.y * kConvWarps + threadIdx.x / 32;
 
@@ -168,8 +186,8 @@ __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnPara
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int c = kh * kDk + lane + 32 * i;
-      tq[i].load(p, r, t, slot, c, has_delta);
-      tk[i].load(p, r, t, slot, p.key_dim + c, has_delta);
+      tq[i].template load<kDelta>(p, r, t, slot, c, has_delta);
+      tk[i].template load<kDelta>(p, r, t, slot, p.key_dim + c, has_delta);
     }
     float q[kPerLane], k[kPerLane], ss_q = 0.0f, ss_k = 0.0f;
 #pragma unroll
@@ -207,7 +225,8 @@ __global__ void __launch_bounds__(kConvWarps * 32) gdn_conv_kernel(const GdnPara
     const int64_t o0 = r * p.value_dim + (segment - p.nk) * kDv + lane;
     ConvTaps<kK> tv[kPerLane];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) tv[i].load(p, r, t, slot, c0 + 32 * i, has_delta);
+    for (int i = 0; i < kPerLane; ++i)
+      tv[i].template load<kDelta>(p, r, t, slot, c0 + 32 * i, has_delta);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) p.ws.v[o0 + 32 * i] = tv[i].conv_silu();
     if (T == 1) {
@@ -259,7 +278,7 @@ struct RuleStage {
 
 // Thread `tid`'s share of token row `row` for the stage (tid < kLoaders): a float4 of q, k, v or
 // z, or one scalar in .x (beta, decay = exp(g), k.q).
-template <int kDk, int kDv>
+template <int kDk, int kDv, bool kDelta>
 __device__ __forceinline__ float4 load_stage(const GdnParams& p, int64_t row, int h, int kh,
                                              int tid, bool has_delta) {
   using St = RuleStage<kDk, kDv>;
@@ -277,7 +296,7 @@ __device__ __forceinline__ float4 load_stage(const GdnParams& p, int64_t row, in
     const int64_t col = h * kDv + (e - St::kOffZ);
     const __nv_bfloat16* z = p.z + row * p.z_stride + col;
     __nv_bfloat16 zv[4] = {z[0], z[1], z[2], z[3]};
-    if (has_delta) {
+    if (kDelta && has_delta) {
       const __nv_bfloat16* dz = p.delta.z + row * p.delta.stride + col;
 #pragma unroll
       for (int i = 0; i < 4; ++i) zv[i] = add_delta(zv[i], dz[i]);
@@ -351,8 +370,8 @@ __device__ __forceinline__ float* state_of(const GdnParams& p, const RuleItem& i
 
 // Grid: min(nv max_seqs, 2 SMs) CTAs of kRuleThreads threads, each looping over the items
 // blockIdx.x, blockIdx.x + gridDim.x, ...; dynamic shared memory: one state [dk, dv] (fp32). See
-// the file comment.
-template <int kDk, int kDv>
+// the file comment. kDelta: the instance for calls with input deltas (GdnInputDelta).
+template <int kDk, int kDv, bool kDelta>
 __global__ void __launch_bounds__(kRuleThreads, 2) gdn_rule_kernel(const GdnParams p) {
   constexpr int kColGroups = kDv / 4;                    // threads across a row (float4 each)
   constexpr int kRowGroups = kRuleThreads / kColGroups;  // 8 (dv 128) or 16 (dv 64)
@@ -390,14 +409,16 @@ __global__ void __launch_bounds__(kRuleThreads, 2) gdn_rule_kernel(const GdnPara
 
   for (uint32_t phase = 0;; phase ^= 1) {
     const int kh = it.h / p.group;
-    const bool has_delta = row_has_delta(p, it.start);  // the sequence's rows share their adapter
+    // the sequence's rows share their adapter
+    const bool has_delta = kDelta && row_has_delta(p, it.start);
     // The first token's loads are issued first; the next item's lookup and the conv state update
     // (which stall on their own loads) and the state copy in flight overlap them.
     float4 next = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (tid < St::kLoaders) next = load_stage<kDk, kDv>(p, it.start, it.h, kh, tid, has_delta);
+    if (tid < St::kLoaders)
+      next = load_stage<kDk, kDv, kDelta>(p, it.start, it.h, kh, tid, has_delta);
     RuleItem next_it;
     const int next_index = next_item(p, item + gridDim.x, items, next_it);
-    update_conv_state(p, it.h, it.slot, it.start, it.T);
+    update_conv_state<kDelta>(p, it.h, it.slot, it.start, it.T);
 
     // S: thread (rg, cg) holds S[rg + i * kRowGroups][4 cg .. 4 cg + 4), i < kRows.
     ::moelora::cuda::sm90::mbar_wait(bar, phase);
@@ -421,7 +442,7 @@ __global__ void __launch_bounds__(kRuleThreads, 2) gdn_rule_kernel(const GdnPara
       const int nxt = cur == 2 ? 0 : cur + 1;
       const bool more = t + 1 < it.T;
       if (more && tid < St::kLoaders)
-        next = load_stage<kDk, kDv>(p, it.start + t + 1, it.h, kh, tid, has_delta);
+        next = load_stage<kDk, kDv, kDelta>(p, it.start + t + 1, it.h, kh, tid, has_delta);
 
       // Partial S^T k and S^T q over this thread's rows.
       float4 pk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq = pk;
@@ -502,22 +523,22 @@ Status invalid(std::string message) {
   return Status(ErrorCode::kInvalidArgument, "gdn_mix: " + std::move(message));
 }
 
-template <int kDk, int kDv>
+template <int kDk, int kDv, bool kDelta>
 void launch_pair(const GdnParams& p, const GdnMixArgs& args, cudaStream_t stream) {
   const dim3 conv_grid(args.max_tokens, (p.nk + p.nv + kConvWarps - 1) / kConvWarps);
   const dim3 conv_block(kConvWarps * 32);
   switch (p.conv_kernel) {
     case 2:
-      ::moelora::cuda::launch_kernel(gdn_conv_kernel<kDk, kDv, 2>, conv_grid, conv_block, 0, stream,
-                                     args.pdl, p);
+      ::moelora::cuda::launch_kernel(gdn_conv_kernel<kDk, kDv, 2, kDelta>, conv_grid, conv_block, 0,
+                                     stream, args.pdl, p);
       break;
     case 3:
-      ::moelora::cuda::launch_kernel(gdn_conv_kernel<kDk, kDv, 3>, conv_grid, conv_block, 0, stream,
-                                     args.pdl, p);
+      ::moelora::cuda::launch_kernel(gdn_conv_kernel<kDk, kDv, 3, kDelta>, conv_grid, conv_block, 0,
+                                     stream, args.pdl, p);
       break;
     default:
-      ::moelora::cuda::launch_kernel(gdn_conv_kernel<kDk, kDv, 4>, conv_grid, conv_block, 0, stream,
-                                     args.pdl, p);
+      ::moelora::cuda::launch_kernel(gdn_conv_kernel<kDk, kDv, 4, kDelta>, conv_grid, conv_block, 0,
+                                     stream, args.pdl, p);
       break;
   }
   // Always a programmatic dependent of the conv kernel, which lets it start at once: the state
@@ -526,7 +547,7 @@ void launch_pair(const GdnParams& p, const GdnMixArgs& args, cudaStream_t stream
   const int items = p.nv * args.max_seqs;
   const int grid = args.num_sms > 0 ? std::min(items, kRuleCtasPerSm * args.num_sms) : items;
   constexpr int kSmem = kDk * kDv * sizeof(float);
-  auto kernel = gdn_rule_kernel<kDk, kDv>;
+  auto kernel = gdn_rule_kernel<kDk, kDv, kDelta>;
   MOELORA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   ::moelora::cuda::launch_kernel(kernel, dim3(grid), dim3(kRuleThreads), kSmem, stream, true, p);
@@ -676,11 +697,17 @@ void launch_gdn_mix(const GdnMixArgs& args, cudaStream_t stream) {
     base += regions[i];
   }
 
-  switch (p.dk * 1000 + p.dv) {
-    case 64064: launch_pair<64, 64>(p, args, stream); break;
-    case 64128: launch_pair<64, 128>(p, args, stream); break;
-    case 128064: launch_pair<128, 64>(p, args, stream); break;
-    default: launch_pair<128, 128>(p, args, stream); break;
+  // Calls with input deltas take their own instances (the others keep the code without them).
+  const bool delta = p.delta.qkv != nullptr;
+  switch (p.dk * 1000 + p.dv + (delta ? 1 : 0)) {
+    case 64064: launch_pair<64, 64, false>(p, args, stream); break;
+    case 64065: launch_pair<64, 64, true>(p, args, stream); break;
+    case 64128: launch_pair<64, 128, false>(p, args, stream); break;
+    case 64129: launch_pair<64, 128, true>(p, args, stream); break;
+    case 128064: launch_pair<128, 64, false>(p, args, stream); break;
+    case 128065: launch_pair<128, 64, true>(p, args, stream); break;
+    case 128129: launch_pair<128, 128, true>(p, args, stream); break;
+    default: launch_pair<128, 128, false>(p, args, stream); break;
   }
 }
 

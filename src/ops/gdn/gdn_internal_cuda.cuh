@@ -72,11 +72,13 @@ __device__ __forceinline__ __nv_bfloat16 add_delta(__nv_bfloat16 x, __nv_bfloat1
 
 // The sequence's new conv state for the channels this CTA owns (see the file comment): u = [old
 // state ; the call's T rows], new state = u[T .. T + K - 2]. Each channel is read whole before it
-// is written, by one thread.
+// is written, by one thread. kDelta: the call may carry input deltas (GdnInputDelta), added to this
+// call's rows (a separate instance, so the kernels without deltas keep their code).
+template <bool kDelta = false>
 __device__ inline void update_conv_state(const GdnParams& p, int h, int slot, int start, int T) {
   if (T == 1) return;  // the conv kernel did it
   const int k1 = p.conv_kernel - 1;
-  const bool has_delta = row_has_delta(p, start);
+  const bool has_delta = kDelta && row_has_delta(p, start);
   const int kh = h / p.group;
   const int count = p.dv + (h % p.group == 0 ? 2 * p.dk : 0);
   for (int i = threadIdx.x; i < count; i += blockDim.x) {

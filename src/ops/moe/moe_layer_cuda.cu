@@ -135,8 +135,6 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
   MOELORA_CHECK(c.num_slots == 0 || (c.max_rank > 0 && c.max_rank % 8 == 0),
                 ErrorCode::kInvalidArgument, "MoeLayerCuda: max_rank = ", c.max_rank,
                 " must be a positive multiple of 8 when slots exist");
-  if (c.shared_in_experts && c.shared_inter > 0 && c.num_slots > 0)
-    m.shared_lora_stream = std::make_unique<::moelora::cuda::Stream>();
   check_route_params(c.route);
   const int E = c.num_experts, H = c.hidden, I = c.inter, k = c.top_k;
   const int Er = static_cast<int>(c.route.num_experts);  // experts the router scores

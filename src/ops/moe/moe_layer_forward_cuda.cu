@@ -263,20 +263,16 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // segmented kernel, or one dense cuBLAS GEMM over all T rows of x when `dense_a` is given), then
   // expand into `delta` (rows in the segments' order). max_rows bounds the rows of all segments
   // together (the mma kernels' grid capacity): T * k for expert pairs, T for tokens.
-  // On `stream` (default the side stream; dense_a only there, whose cuBLAS handle it takes).
   auto run_lora = [&](const PoolTarget& t, const LoraSegmentsView& seg, int max_rows,
                       const __nv_bfloat16* x, const int32_t* gather, float* partial,
-                      int row_capacity, __nv_bfloat16* delta, const __nv_bfloat16* dense_a,
-                      cudaStream_t stream = nullptr) {
-    if (!stream) stream = m.side;
-    MOELORA_ASSERT(!dense_a || stream == m.side, "run_lora: a dense shrink off the side stream");
+                      int row_capacity, __nv_bfloat16* delta, const __nv_bfloat16* dense_a) {
     LoraExpandArgs e;
     e.pool = m.view(t);
     e.seg = seg;
     e.partial = partial;
     e.delta = delta;
     if (dense_a) {
-      gemm_bf16_nt(cublas_side, stream, x, dense_a, partial, CUDA_R_32F, T, t.max_rank, t.in);
+      gemm_bf16_nt(cublas_side, m.side, x, dense_a, partial, CUDA_R_32F, T, t.max_rank, t.in);
       e.row_capacity = c.max_tokens;
       e.splits = 1;
       e.u_row = gather;  // u rows are x rows
@@ -289,20 +285,20 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       sh.partial = partial;
       sh.row_capacity = row_capacity;
       if (lora_mma) {
-        launch_lora_shrink_mma(sh, max_rows, stream);
+        launch_lora_shrink_mma(sh, max_rows, m.side);
         e.splits = 1;
       } else {
-        launch_lora_shrink(sh, stream);
+        launch_lora_shrink(sh, m.side);
       }
       e.row_capacity = row_capacity;
     }
     if (!delta) return;  // the expand is formed by its consumer (seam 2 in the finalize)
     if (lora_mma) {
-      launch_lora_expand_mma(e, max_rows, stream);
+      launch_lora_expand_mma(e, max_rows, m.side);
     } else {
       e.pdl = true;  // directly after its shrink (or GEMM) on the side stream: B loads overlap it
       e.beside_gemm = T >= kLoraExpandBesideGemmTokens;
-      launch_lora_expand(e, stream);
+      launch_lora_expand(e, m.side);
     }
   };
   // A slot's A factor of target t (expert 0), for the dense single-adapter shrink.
@@ -339,9 +335,6 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     MOELORA_CHECK(f.single_slot >= -1 && f.single_slot < c.num_slots, ErrorCode::kOutOfRange,
                   "MoeLayerCuda::forward: single_slot ", f.single_slot, " outside [-1, ",
                   c.num_slots, ")");
-  // The shared expert's LoRA stream, when it runs among the routed experts with adapters.
-  cudaStream_t const shared_stream =
-      lora && shared_pairs && m.shared_lora_stream ? m.shared_lora_stream->get() : nullptr;
   auto enqueue_seam1_side = [&] {
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_route.get(), 0));
     const int single = f.single_slot;
@@ -354,13 +347,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr);
       m.ev_lora1.record(m.side);
     }
-    if (shared && shared_stream) {  // its own stream (Impl::shared_lora_stream), segment shrink
-      MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_stream, m.ev_route.get(), 0));
-      run_lora(m.shared_gate_up, token_segments, T, f.x, m.x<int32_t>(m.token_sorted),
-               m.x<float>(m.spart1), c.max_tokens, m.x<__nv_bfloat16>(m.sd1), nullptr,
-               shared_stream);
-      m.ev_shared_lora1.record(shared_stream);
-    } else if (shared) {  // its A is a plain [R, H] matrix: dense for a single adapter
+    if (shared) {  // the shared expert's A is a plain [R, H] matrix: dense for a single adapter
       run_lora(m.shared_gate_up, token_segments, T, f.x, m.x<int32_t>(m.token_sorted),
                m.x<float>(m.spart1), c.max_tokens, m.x<__nv_bfloat16>(m.sd1),
                single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr);
@@ -575,16 +562,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       run_lora(m.down, pair_segments, P, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2),
                m.P, seam2_in_finalize ? nullptr : m.x<__nv_bfloat16>(m.d2), nullptr);
     }
-    // The shared expert's down LoRA over its pairs' activation rows: on its own stream beside
-    // the routed shrink (its 2-16 CTAs ended ~3 us after GEMM2 when queued behind it, holding the
-    // finalize; bench/results/h200/h100/shared_expert_in_experts/), else after it.
-    if (shared_pairs && shared_stream)
-      MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_stream, m.ev_act.get(), 0));
-    if (shared_pairs)
+    if (shared_pairs)  // the shared expert's down LoRA over its pairs' activation rows
       run_lora(m.shared_down, token_segments, T, m.x<__nv_bfloat16>(m.a16),
                m.x<int32_t>(m.token_shared_row), m.x<float>(m.spart2), c.max_tokens,
-               m.x<__nv_bfloat16>(m.sd2), nullptr, shared_stream);
-    if (shared_pairs && shared_stream) m.ev_shared_lora2.record(shared_stream);
+               m.x<__nv_bfloat16>(m.sd2), nullptr);
   }
 
   // 5. GEMM2
@@ -650,7 +631,6 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     m.ev_lora2.record(m.side);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora2.get(), 0));
   }
-  if (shared_stream) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_shared_lora2.get(), 0));
 
   // 7. finalize
   MoeFinalizeArgs fa;

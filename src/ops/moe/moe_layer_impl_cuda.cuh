@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "core/cuda_utils.h"
@@ -60,12 +59,6 @@ struct MoeLayerCuda::Impl {
   ::moelora::cuda::CublasHandle cublas, cublas_side;  // one per stream: each owns its workspace
   std::vector<uint8_t> slot_shared_a;  // host copy: gate_up A of the slot is shared by all experts
   ::moelora::cuda::Event ev_route, ev_act, ev_shared_act, ev_lora1, ev_shared_lora1, ev_lora2;
-  // The shared expert's LoRA when it runs among the routed experts (shared_in_experts, slots > 0):
-  // a stream of its own beside the side stream, so that its small kernels (a few CTAs each) run
-  // beside the routed experts' segment kernels instead of after them; null otherwise (they then
-  // queue on the side stream). No cuBLAS on it: its shrinks take the segment kernel.
-  std::unique_ptr<::moelora::cuda::Stream> shared_lora_stream;
-  ::moelora::cuda::Event ev_shared_lora2;
 
   // weights (one arena) and workspace (another)
   ::moelora::cuda::DeviceArena weights;
@@ -107,8 +100,7 @@ struct MoeLayerCuda::Impl {
         ev_shared_act(false),
         ev_lora1(false),
         ev_shared_lora1(false),
-        ev_lora2(false),
-        ev_shared_lora2(false) {}
+        ev_lora2(false) {}
 
   template <typename T>
   T* w(size_t off) const {
