@@ -27,9 +27,9 @@
 //
 // Numerics: TF32 keeps 10 mantissa bits of each product's operands (relative 2^-11 per operand,
 // rounded to nearest); sums are fp32. Against the fp32 reference this adds ~1e-3 relative errors to
-// the deltas and the state (gdn_test.cu states the bounds), which decay with g like the state
-// itself. The split of a prompt into calls changes where the chunks start, so unlike the recurrent
-// kernel a split prompt gives the one-call outputs only within those bounds, not bitwise.
+// the deltas and the state (tests/gpu/gdn_rig.cuh states the bounds), which decay with g like the
+// state itself. The split of a prompt into calls changes where the chunks start, so unlike the
+// recurrent kernel a split prompt gives the one-call outputs only within those bounds, not bitwise.
 //
 // Shared memory (dk = dv = 128): S 68 KiB, Q and K 33 KiB each, V / R / D 34 KiB, L and P 17 KiB
 // each: 204 KiB, one CTA per SM. Row strides are padded so that the mma operand reads hit 32

@@ -24,7 +24,7 @@
 // S in before waiting for it; the chunked one follows it the same way. With the recurrent kernel a
 // sequence fed in several calls gives bitwise the outputs and states of one call (the per-token
 // arithmetic does not depend on the split); the chunked kernel's results depend on where its
-// chunks start, within its TF32 bounds (gdn_test.cu).
+// chunks start, within its TF32 bounds (tests/gpu/gdn_rig.cuh).
 //
 // States: conv_state is bf16 because it only ever holds copies of bf16 conv inputs (the in_proj_qkv
 // output rows), so bf16 is exact and half the bytes of fp32; the recurrent state is fp32 (it
