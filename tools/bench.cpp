@@ -9,7 +9,7 @@
 //                 [--device cpu|cuda] [--seed S] [--max-batch-tokens N] [--prefill-chunk N]
 //                 [--max-layers N|fit] [--gpu-memory-fraction F] [--adapter-slots N]
 //                 [--max-lora-rank R] [--attention auto|flashinfer|moelora]
-//                 [--moe-shared-expert-in-experts]
+//                 [--moe-shared-expert-separate]
 //
 // --device defaults to cuda when this build has CUDA and a device is visible, else cpu.
 // --random-weights (GPU only) takes the preset's config.json without writing any weights: the

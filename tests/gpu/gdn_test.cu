@@ -68,6 +68,8 @@ TEST(Sm90_Gdn, InputDeltasAreAddedAsTheInputsAreRead) {
   const GdnConfig configs[] = {
       {"nk 2 nv 4 dk 128 dv 128", 2, 4, 128, 128, 4, 9},
       {"nk 2 nv 2 dk 64 dv 64, K 3", 2, 2, 64, 64, 3, 9},
+      {"nk 1 nv 2 dk 64 dv 128, K 2", 1, 2, 64, 128, 2, 9},
+      {"nk 2 nv 2 dk 128 dv 64", 2, 2, 128, 64, 4, 9},
   };
   for (const GdnConfig& c : configs) {
     GdnRig rig(c, rng, 64, 16);
@@ -236,7 +238,7 @@ TEST(Gdn, CanImplementNamesTheProblem) {
       << ops::cuda::can_implement_gdn_mix(with_delta).message();
   ok = with_delta;
   rejects("delta without row slots", [](GdnMixArgs& a) { a.delta.row_slot = nullptr; },
-          {"delta needs all of qkv, z, b, a and row_slot"});
+          {"delta needs all of qkv, z, b, a and row_slot", "null: delta.row_slot"});
   rejects("delta stride", [](GdnMixArgs& a) { a.delta.stride = 100; },
           {"delta.stride 100", "conv_dim 8192"});
   rejects("delta with the chunked rule", [](GdnMixArgs& a) { a.chunked_min_tokens = 64; },

@@ -305,7 +305,7 @@ struct LogitsDiff {
 // softplus(a + dt_bias))) pass the bf16 rounding of b and a on to every later token; with the
 // GPU's routing imposed the worst steps measured on the H200 were cosine 0.9966 and max abs diff
 // 4.0 % of the range (the Gated DeltaNet kernels alone match the reference on the same bf16
-// inputs to 1e-4: tests/gpu/gdn_test.cu), so these fixtures get cosine 0.995 and 5 %.
+// inputs to 1e-4: tests/gpu/gdn_rig.cuh), so these fixtures get cosine 0.995 and 5 %.
 inline double g_min_logit_cosine = 0.998, g_max_diff_fraction = 0.03;
 struct ScopedQwen35Bound {
   ScopedQwen35Bound() {

@@ -457,7 +457,8 @@ TEST(Sm90_GpuModel, Qwen35MoePublishedFormAndMixedBatch) {
 
 // The Gated DeltaNet in-projection's LoRA delta added by the mix kernels
 // (GpuModelOptions::gdn_lora_delta_in_mix): the adapters alone and in a mixed batch with base rows
-// (whose delta rows are never written) against the CPU model, through prefill and graph decode.
+// against the CPU model. The fixture's 72-token prompts take the chunked rule, so their prefill
+// adds in place; the decode steps (eager, one row per sequence) read the delta.
 TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMix) {
   MOELORA_REQUIRE_SM90();
   const ScopedQwen35Bound bound;
@@ -465,6 +466,35 @@ TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMix) {
   for (const std::string& a : kQwen35Adapters) f.check_single(a, "qwen3_5_moe/" + a + " delta");
   f.check_mixed({{"lora_all", 0}, {"base", 1}, {"lora_linear", 1}, {"base", 0}, {"lora_all", 1}},
                 "qwen3_5_moe mixed, delta in the mix");
+}
+
+// The delta in the mix rounds as the in-place add does (bf16(x + bf16(delta)) both ways), so the
+// same prefill and eager decode steps give bitwise the same logits with the option on and off: an
+// adapter row, a base row and the other adapter's row in one batch, 4 decode steps. A delta read
+// where none was written (a base row's) or not read at all would show.
+TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMixIsBitwiseTheInPlaceAdd) {
+  MOELORA_REQUIRE_SM90();
+  auto run = [](Fixture& f) {
+    Driver driver(f.gpu());
+    std::vector<Driver::Item> batch = {{driver.add_sequence(0), f.prompt(0)},
+                                       {driver.add_sequence(-1), f.prompt(1)},
+                                       {driver.add_sequence(1), f.prompt(1)}};
+    std::vector<std::vector<float>> logits;
+    Driver::Output out = driver.step(batch);
+    for (int step = 0; step < 4; ++step) {
+      for (size_t i = 0; i < batch.size(); ++i) batch[i].tokens = {out.sampled[i]};
+      out = driver.step(batch);
+      logits.insert(logits.end(), out.logits.begin(), out.logits.end());
+    }
+    return logits;
+  };
+  Fixture in_place("qwen3_5_moe", "base", kQwen35Adapters, 6, false, false);
+  const std::vector<std::vector<float>> want = run(in_place);
+  Fixture in_mix("qwen3_5_moe", "base", kQwen35Adapters, 6, false, true);
+  const std::vector<std::vector<float>> got = run(in_mix);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_EQ(got[i], want[i]) << "decode step " << i / 3 << " item " << i % 3;
 }
 
 TEST(Sm90_GpuModel, DeepseekV3BaseAndAdapters) {
@@ -554,6 +584,26 @@ TEST(Sm90_GpuModel, CudaGraphDecodeReplayQwen3Moe) {
         return table[step][i];
       },
       "qwen3_moe graph");
+}
+
+// Qwen3.5 with the Gated DeltaNet delta in the mix: the decode graph (its delta path: four rows,
+// no chunked rule) replayed with other slot maps, a rewritten and a cleared slot (rank 0, whose
+// delta rows the expand writes as zeros).
+TEST(Sm90_GpuModel, CudaGraphDecodeReplayQwen35GdnDeltaInTheMix) {
+  MOELORA_REQUIRE_SM90();
+  Fixture f("qwen3_5_moe", "base", kQwen35Adapters, 6, false, /*gdn_lora_delta_in_mix=*/true);
+  std::vector<std::vector<int32_t>> prompts = {f.prompt(0), f.prompt(1)};
+  check_graph_replay(
+      f.gpu(), prompts, {0, 1, -1, 0},
+      [&](int step) {
+        if (step == 1) f.gpu().write_slot(1, f.adapter(0));
+        if (step == 3) f.gpu().clear_slot(1);
+      },
+      [](int step, int i) {
+        const int32_t table[4][4] = {{0, 1, -1, 0}, {0, 1, -1, -1}, {1, 0, -1, 0}, {1, 1, 0, -1}};
+        return table[step][i];
+      },
+      "qwen3_5_moe graph, delta in the mix");
 }
 
 TEST(Sm90_GpuModel, CudaGraphDecodeReplayDeepseekV3) {

@@ -27,6 +27,12 @@
 //    new conv state of head h's v channels and, for the first value head of each key head, of the
 //    key head's q and k channels: every channel once, after the conv kernel has read the old state.
 //
+// Input deltas (GdnInputDelta: a LoRA expand's rows beside the projection's). Calls that carry
+// them take separate instances of both kernels (kDelta), which add a row's delta to q / k / v
+// (conv taps of this call's rows), b, a and z as they read them, as bf16(x + delta): what the
+// expand's in-place add would have left, so the conv state and every output are bitwise those of
+// the in-place path. Calls without deltas run the kDelta = false instances, the code without them.
+//
 // Decode bandwidth. At Qwen3.5's shape (nv = 32, dk = dv = 128) a decode step moves 2 MiB of state
 // in and 2 MiB out per sequence; everything else (qkv, z, the conv states, the fp32 workspace) adds
 // ~6%. The byte limit is then (4 MiB B) / 4.8 TB/s, 56 us at B = 64. We expected 75-85% of it at
@@ -127,23 +133,25 @@ struct ConvTaps {
                                        bool has_delta) {
     if constexpr (!kDelta) {
       load_plain(p, row, t, slot, c);
-      return;
-    }
-    constexpr int k1 = kK - 1;
-    const __nv_bfloat16* state = p.conv_state + (static_cast<int64_t>(slot) * p.conv_dim + c) * k1;
-    __nv_bfloat16 d[kK];
+    } else {
+      constexpr int k1 = kK - 1;
+      const __nv_bfloat16* state =
+          p.conv_state + (static_cast<int64_t>(slot) * p.conv_dim + c) * k1;
+      __nv_bfloat16 d[kK];
 #pragma unroll
-    for (int j = 0; j < kK; ++j) {
-      const int u = t + j;
-      const int64_t src = row - t + u - k1;  // the tap's batch row, when u >= k1
-      x[j] = *(u < k1 ? state + u : p.qkv + src * p.qkv_stride + c);
-      d[j] = has_delta && u >= k1 ? p.delta.qkv[src * p.delta.stride + c] : __float2bfloat16(0.0f);
-      w[j] = __bfloat162float(p.conv_weight[static_cast<int64_t>(c) * kK + j]);
-    }
-    if (has_delta) {
+      for (int j = 0; j < kK; ++j) {
+        const int u = t + j;
+        const int64_t src = row - t + u - k1;  // the tap's batch row, when u >= k1
+        x[j] = *(u < k1 ? state + u : p.qkv + src * p.qkv_stride + c);
+        d[j] =
+            has_delta && u >= k1 ? p.delta.qkv[src * p.delta.stride + c] : __float2bfloat16(0.0f);
+        w[j] = __bfloat162float(p.conv_weight[static_cast<int64_t>(c) * kK + j]);
+      }
+      if (has_delta) {
 #pragma unroll
-      for (int j = 0; j < kK; ++j)
-        if (t + j >= k1) x[j] = add_delta(x[j], d[j]);
+        for (int j = 0; j < kK; ++j)
+          if (t + j >= k1) x[j] = add_delta(x[j], d[j]);
+      }
     }
   }
   // silu(sum_j w[j] u[t + j]), summed in the reference's order.
@@ -592,9 +600,13 @@ Status can_implement_gdn_mix(const GdnMixArgs& a) {
         concat("chunked_min_tokens must be >= 0 (0: no chunked form), got ", a.chunked_min_tokens));
   const GdnInputDelta& d = a.delta;
   if (d.qkv || d.z || d.b || d.a || d.row_slot) {
-    if (!d.qkv || !d.z || !d.b || !d.a || !d.row_slot)
-      return invalid(concat("delta needs all of qkv, z, b, a and row_slot (got ", d.qkv, ", ", d.z,
-                            ", ", d.b, ", ", d.a, ", ", d.row_slot, ")"));
+    std::string missing;
+    const std::pair<const void*, const char*> parts[] = {
+        {d.qkv, "qkv"}, {d.z, "z"}, {d.b, "b"}, {d.a, "a"}, {d.row_slot, "row_slot"}};
+    for (const auto& [ptr, name] : parts)
+      if (!ptr) missing += std::string(missing.empty() ? "" : ", ") + "delta." + name;
+    if (!missing.empty())
+      return invalid(concat("delta needs all of qkv, z, b, a and row_slot; null: ", missing));
     if (d.stride < s.conv_dim())
       return invalid(concat("delta.stride ", d.stride,
                             " is smaller than the widest input, conv_dim ", s.conv_dim()));
