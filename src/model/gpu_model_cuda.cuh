@@ -196,6 +196,10 @@ class GpuModel {
   // MoE layers whose shared expert runs as one more expert of the routed FP8 GEMMs
   // (GpuModelOptions::moe_shared_expert_in_experts, where the layer allows it).
   virtual int shared_experts_in_experts() const = 0;
+  // Rows of the forwards whose Gated DeltaNet in-projection delta the mix kernels add
+  // (GpuModelOptions::gdn_lora_delta_in_mix; forwards of at most this many rows without the chunked
+  // rule); 0 when the option is off or the model has no adapter slots or linear-attention layers.
+  virtual int gdn_delta_rows() const = 0;
 
   virtual cudaStream_t main_stream() const = 0;
   virtual uint64_t weight_bytes() const = 0;        // device bytes of the weights

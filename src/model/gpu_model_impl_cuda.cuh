@@ -251,6 +251,7 @@ class GpuModelImpl final : public GpuModel {
     for (const Layer& layer : layers_) n += layer.moe && layer.moe->config().shared_in_experts;
     return n;
   }
+  int gdn_delta_rows() const override { return gdn_delta_ ? gdn_delta_rows_ : 0; }
 
   void forward(const ForwardShape& shape) override;
   const float* logits() const override { return logits_; }

@@ -470,8 +470,9 @@ TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMix) {
 
 // The delta in the mix rounds as the in-place add does (bf16(x + bf16(delta)) both ways), so the
 // same prefill and eager decode steps give bitwise the same logits with the option on and off: an
-// adapter row, a base row and the other adapter's row in one batch, 4 decode steps. A delta read
-// where none was written (a base row's) or not read at all would show.
+// adapter row, a base row and the other adapter's row in one batch, 4 decode steps (3 rows: within
+// gdn_delta_rows, so the option's model takes the delta path). A delta read where none was written
+// (a base row's), a missed or wrongly placed delta, or another rounding would show.
 TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMixIsBitwiseTheInPlaceAdd) {
   MOELORA_REQUIRE_SM90();
   auto run = [](Fixture& f) {
@@ -489,8 +490,10 @@ TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMixIsBitwiseTheInPlaceAdd) {
     return logits;
   };
   Fixture in_place("qwen3_5_moe", "base", kQwen35Adapters, 6, false, false);
+  ASSERT_EQ(in_place.gpu().gdn_delta_rows(), 0);
   const std::vector<std::vector<float>> want = run(in_place);
   Fixture in_mix("qwen3_5_moe", "base", kQwen35Adapters, 6, false, true);
+  ASSERT_GE(in_mix.gpu().gdn_delta_rows(), 3) << "the option did not take effect";
   const std::vector<std::vector<float>> got = run(in_mix);
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i)

@@ -127,30 +127,20 @@ struct ConvTaps {
   }
 
   // has_delta (kDelta instances only): the sequence's rows carry a LoRA delta (GdnInputDelta),
-  // added to the taps from this call's rows (the conv state holds inputs with their deltas).
+  // added to the taps from this call's rows (the conv state holds inputs with their deltas). The
+  // delta loads do not depend on the taps', so they issue while those are in flight.
   template <bool kDelta>
   __device__ __forceinline__ void load(const GdnParams& p, int64_t row, int t, int slot, int c,
                                        bool has_delta) {
-    if constexpr (!kDelta) {
-      load_plain(p, row, t, slot, c);
-    } else {
+    load_plain(p, row, t, slot, c);
+    if constexpr (kDelta) {
       constexpr int k1 = kK - 1;
-      const __nv_bfloat16* state =
-          p.conv_state + (static_cast<int64_t>(slot) * p.conv_dim + c) * k1;
-      __nv_bfloat16 d[kK];
-#pragma unroll
-      for (int j = 0; j < kK; ++j) {
-        const int u = t + j;
-        const int64_t src = row - t + u - k1;  // the tap's batch row, when u >= k1
-        x[j] = *(u < k1 ? state + u : p.qkv + src * p.qkv_stride + c);
-        d[j] =
-            has_delta && u >= k1 ? p.delta.qkv[src * p.delta.stride + c] : __float2bfloat16(0.0f);
-        w[j] = __bfloat162float(p.conv_weight[static_cast<int64_t>(c) * kK + j]);
-      }
       if (has_delta) {
 #pragma unroll
-        for (int j = 0; j < kK; ++j)
-          if (t + j >= k1) x[j] = add_delta(x[j], d[j]);
+        for (int j = 0; j < kK; ++j) {
+          const int64_t src = row + j - k1;  // tap j's batch row, when it is one of this call's
+          if (t + j >= k1) x[j] = add_delta(x[j], p.delta.qkv[src * p.delta.stride + c]);
+        }
       }
     }
   }
