@@ -63,6 +63,7 @@ struct Options {
   int seam1_after_quant = -1;  // EngineOptions::moe_seam1_after_quant
   bool pdl_after_side_join = true;
   int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
+  int seam2_shrink_in_activation = -1;  // EngineOptions::moe_seam2_shrink_in_activation
   bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
   bool gdn_delta_in_mix = false;  // EngineOptions::gdn_lora_delta_in_mix
   bool no_timeline = false;
@@ -229,6 +230,9 @@ int run(const Options& o) {
       (o.pdl_after_side_join ? "" : "_plain_after_join") +
       (o.seam2_in_finalize >= 0 ? "_seam2_in_finalize_" + std::to_string(o.seam2_in_finalize)
                                 : "") +
+      (o.seam2_shrink_in_activation >= 0
+           ? "_seam2_shrink_in_activation_" + std::to_string(o.seam2_shrink_in_activation)
+           : "") +
       (o.shared_in_experts ? "" : "_shared_separate") +
       (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "");
   std::optional<moelora::bench::KernelTimeline> timeline;
@@ -244,7 +248,8 @@ int run(const Options& o) {
       o.attention + " --router-gemm " + o.router_gemm + " --seam1-after-quant " +
       std::to_string(o.seam1_after_quant) +
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
-      std::to_string(o.seam2_in_finalize) +
+      std::to_string(o.seam2_in_finalize) + " --seam2-shrink-in-activation " +
+      std::to_string(o.seam2_shrink_in_activation) +
       (o.shared_in_experts ? "" : " --shared-expert-separate") +
       (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
@@ -270,6 +275,7 @@ int run(const Options& o) {
       options.moe_seam1_after_quant = o.seam1_after_quant;
       options.moe_pdl_after_side_join = o.pdl_after_side_join;
       options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
+      options.moe_seam2_shrink_in_activation = o.seam2_shrink_in_activation;
       options.moe_shared_expert_in_experts = o.shared_in_experts;
       options.gdn_lora_delta_in_mix = o.gdn_delta_in_mix;
       const int64_t prefill_steps =
@@ -382,6 +388,7 @@ int run(const Options& o) {
                           {"seam1_after_quant", o.seam1_after_quant},
                           {"pdl_after_side_join", o.pdl_after_side_join},
                           {"seam2_in_finalize", o.seam2_in_finalize},
+                          {"seam2_shrink_in_activation", o.seam2_shrink_in_activation},
                           {"shared_expert_in_experts", o.shared_in_experts},
                           {"gdn_delta_in_mix", o.gdn_delta_in_mix},
                           {"runs", results}};
@@ -437,6 +444,13 @@ int main(int argc, char** argv) {
          "never, -1 = the layer's default; SideStreamScheduling::"
          "seam2_expand_in_finalize_max_tokens, which lists the other conditions)")
       ->check(CLI::Range(-1, 1 << 30))
+      ->capture_default_str();
+  app.add_option("--seam2-shrink-in-activation", o.seam2_shrink_in_activation,
+                 "MoE layers where the seam-2 expand is formed in the finalize: the routed "
+                 "experts' seam-2 LoRA shrink runs in the activation kernel (1) instead of on the "
+                 "side stream (0); -1 = the layer's rule (SideStreamScheduling::"
+                 "seam2_shrink_in_activation, docs/gpu_moe.md)")
+      ->check(CLI::Range(-1, 1))
       ->capture_default_str();
   app.add_flag("--shared-expert-in-experts,!--shared-expert-separate", o.shared_in_experts,
                "MoE layers with an FP8 shared expert of the routed experts' size (Qwen3.5, "

@@ -217,6 +217,10 @@ int parse_options(int argc, char** argv, Options& opt) {
                      v.c_str());
         return 2;
       }
+    } else if (a == "--seam2-shrink-in-activation") {
+      opt.side.seam2_shrink_in_activation = 1;
+    } else if (a == "--no-seam2-shrink-in-activation") {
+      opt.side.seam2_shrink_in_activation = 0;
     } else if (a == "--lora-side-ctas") {
       const std::string v = next();
       opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
@@ -310,6 +314,10 @@ int parse_options(int argc, char** argv, Options& opt) {
           "                      programmatic finalize, no shared expert, top_k <= 8, R <= 32); "
           "0 = never,\n"
           "                      -1 = the layer's default (64)\n"
+          "  --[no-]seam2-shrink-in-activation  where the seam-2 expand is in the finalize, the "
+          "routed seam-2\n"
+          "                      shrink runs in the activation kernel (or on the side stream); "
+          "default: the layer's rule\n"
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"

@@ -473,6 +473,7 @@ void GpuModelImpl::configure_moe(ops::cuda::MoeLayerCuda& moe) const {
   side.seam1_after_quant = options_.moe_seam1_after_quant;
   side.pdl_after_side_join = options_.moe_pdl_after_side_join;
   side.seam2_expand_in_finalize_max_tokens = options_.moe_seam2_in_finalize_max_tokens;
+  side.seam2_shrink_in_activation = options_.moe_seam2_shrink_in_activation;
   moe.set_side_stream_scheduling(side);
 }
 

@@ -552,6 +552,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.moe_seam1_after_quant = o.moe_seam1_after_quant;
   mo.moe_pdl_after_side_join = o.moe_pdl_after_side_join;
   mo.moe_seam2_in_finalize_max_tokens = o.moe_seam2_in_finalize_max_tokens;
+  mo.moe_seam2_shrink_in_activation = o.moe_seam2_shrink_in_activation;
   mo.moe_shared_expert_in_experts = o.moe_shared_expert_in_experts;
   mo.gdn_lora_delta_in_mix = o.gdn_lora_delta_in_mix;
   mo.collectives = o.collectives;

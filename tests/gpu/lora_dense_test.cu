@@ -162,6 +162,9 @@ std::vector<uint16_t> run_single_target(const DensePoolTarget& t,
                                         const ops::cuda::LoraSegmentsView& view,
                                         const cuda::DeviceBuffer& x, int T) {
   cuda::DeviceBuffer part(ops::cuda::lora_partial_bytes(t.in, T, t.R));
+  // NaN partials: the expand reads every rank below R and must drop those past a slot's rank,
+  // which no shrink writes
+  MOELORA_CUDA_CHECK(cudaMemset(part.get(), 0xff, part.bytes()));
   cuda::DeviceBuffer delta(static_cast<size_t>(T) * t.out * 2);
   MOELORA_CUDA_CHECK(cudaMemset(delta.get(), 0xff, delta.bytes()));
   ops::cuda::LoraShrinkArgs sa{t.view(), view, x.as<__nv_bfloat16>(), nullptr, part.as<float>(), T};
@@ -287,6 +290,7 @@ void check_multi_target(const MultiTargetCase& c, uint64_t seed) {
   MOELORA_CUDA_CHECK(cudaMemset(delta.get(), 0xff, delta.bytes()));
   for (int i = 0; i < nt; ++i) {
     parts.emplace_back(ops::cuda::lora_partial_bytes(c.in, T, R));
+    MOELORA_CUDA_CHECK(cudaMemset(parts.back().get(), 0xff, parts.back().bytes()));  // NaN
     sa.targets[i] = {targets[i].view(), parts[i].as<float>()};
     ea.targets[i].pool = targets[i].view();
     ea.targets[i].partial = parts[i].as<float>();

@@ -462,7 +462,9 @@ TEST(Sm90_GpuModel, Qwen35MoePublishedFormAndMixedBatch) {
 TEST(Sm90_GpuModel, Qwen35MoeGdnDeltaInTheMix) {
   MOELORA_REQUIRE_SM90();
   const ScopedQwen35Bound bound;
-  Fixture f("qwen3_5_moe", "base", kQwen35Adapters, 6, false, /*gdn_lora_delta_in_mix=*/true);
+  // Eight state slots: the graph check's four sequences and their four shadow copies.
+  Fixture f("qwen3_5_moe", "base", kQwen35Adapters, /*max_batch=*/8, false,
+            /*gdn_lora_delta_in_mix=*/true);
   for (const std::string& a : kQwen35Adapters) f.check_single(a, "qwen3_5_moe/" + a + " delta");
   f.check_mixed({{"lora_all", 0}, {"base", 1}, {"lora_linear", 1}, {"base", 0}, {"lora_all", 1}},
                 "qwen3_5_moe mixed, delta in the mix");
@@ -594,7 +596,9 @@ TEST(Sm90_GpuModel, CudaGraphDecodeReplayQwen3Moe) {
 // delta rows the expand writes as zeros).
 TEST(Sm90_GpuModel, CudaGraphDecodeReplayQwen35GdnDeltaInTheMix) {
   MOELORA_REQUIRE_SM90();
-  Fixture f("qwen3_5_moe", "base", kQwen35Adapters, 6, false, /*gdn_lora_delta_in_mix=*/true);
+  // Eight state slots: the graph check's four sequences and their four shadow copies.
+  Fixture f("qwen3_5_moe", "base", kQwen35Adapters, /*max_batch=*/8, false,
+            /*gdn_lora_delta_in_mix=*/true);
   std::vector<std::vector<int32_t>> prompts = {f.prompt(0), f.prompt(1)};
   check_graph_replay(
       f.gpu(), prompts, {0, 1, -1, 0},

@@ -305,6 +305,26 @@ TEST(Sm90_MoeFinalize, FoldRefusesWhatItCannotHold) {
   a.shared = dummy.as<__nv_bfloat16>();
   a.shared_in_pairs = true;
   refused(a, "not both");
+  // the shared expert's folded seam-2 expand (MoeFinalizeArgs::shared_lora_expand)
+  ops::cuda::MoeFinalizeArgs s = f;
+  s.shared_in_pairs = true;
+  s.lora_expand.row_capacity = 36;
+  s.shared_lora_expand = f.lora_expand;
+  s.shared_lora_expand.row_capacity = 4;
+  a = s;
+  a.shared_in_pairs = false;
+  a.lora_expand.row_capacity = 32;
+  refused(a, "needs shared_in_pairs");
+  a = s;
+  a.shared_lora_expand.row_capacity = 3;
+  refused(a, "row_capacity >= T (3 vs 4)");
+  a = s;
+  a.shared_lora_expand.pool.max_rank = 24;  // the routed pool's R 16 takes the 16-rank instance
+  refused(a, "R within the routed pool's instance (24 vs 16)");
+  a = s;
+  a.shared_delta = dummy.as<__nv_bfloat16>();
+  a.shared_delta_row = dummy.as<int32_t>();
+  refused(a, "no shared_delta");
 }
 
 }  // namespace

@@ -233,22 +233,35 @@ class Sm90_MoeLayer : public ::testing::Test {
   }
   // Captures one LoRA forward of `layer` on (x, slots, logits) into a graph and expects each of
   // `replays` replays to write `want` bit for bit.
+  // Device copies of a LoRA forward's inputs (x [T, H], the slot map, router logits [T, E]), its
+  // output buffer [T, H] bf16 and the forward's arguments over them.
+  struct UploadedForward {
+    cuda::DeviceBuffer x, slots, logits, out;
+    ops::cuda::MoeForwardArgs args;
+  };
+  static UploadedForward upload_forward(const ops::cuda::MoeLayerCuda& layer, const Tensor& x,
+                                        const std::vector<int32_t>& slots, const Tensor& logits) {
+    const int T = static_cast<int>(slots.size()), H = layer.config().hidden;
+    UploadedForward u{cuda::to_device(x.to(DType::kBF16)),
+                      upload_vector(slots),
+                      cuda::to_device(logits),
+                      cuda::DeviceBuffer(static_cast<size_t>(T) * H * 2),
+                      {}};
+    u.args.x = u.x.as<__nv_bfloat16>();
+    u.args.slot = u.slots.as<int32_t>();
+    u.args.router_logits = u.logits.as<float>();
+    u.args.tokens = T;
+    u.args.lora = true;
+    u.args.out = u.out.as<__nv_bfloat16>();
+    return u;
+  }
   void expect_graph_replays_equal(ops::cuda::MoeLayerCuda& layer, const Tensor& x,
                                   const std::vector<int32_t>& slots, const Tensor& logits,
                                   const Tensor& want, int replays = 3) {
     const int T = static_cast<int>(slots.size()), H = layer.config().hidden;
-    auto x_d = cuda::to_device(x.to(DType::kBF16));
-    auto l_d = cuda::to_device(logits);
-    auto s_d = upload_vector(slots);
-    cuda::DeviceBuffer out(static_cast<size_t>(T) * H * 2);
-    ops::cuda::MoeForwardArgs f;
-    f.x = x_d.as<__nv_bfloat16>();
-    f.slot = s_d.as<int32_t>();
-    f.router_logits = l_d.as<float>();
-    f.tokens = T;
-    f.lora = true;
-    f.out = out.as<__nv_bfloat16>();
-    cudaGraphExec_t exec = capture([&] { layer.forward(f); });
+    UploadedForward f = upload_forward(layer, x, slots, logits);
+    cuda::DeviceBuffer& out = f.out;
+    cudaGraphExec_t exec = capture([&] { layer.forward(f.args); });
     for (int replay = 0; replay < replays; ++replay) {
       out.zero();
       MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, main_->get()));

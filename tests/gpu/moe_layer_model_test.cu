@@ -50,12 +50,40 @@ TEST_F(Sm90_MoeLayer, ProgrammaticLaunchesAfterTheSideStreamEventsAreBitEqual) {
       layer.set_side_stream_scheduling(programmatic);
       EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0)
           << "eager, seam 1 after the quant";
-      // the defaults: by rule seam 1 after the quant and the fold (without a shared expert)
-      layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{});
+      // the defaults: by rule seam 1 after the quant and the fold (without a shared expert), here
+      // with the seam-2 shrink on the side stream (in the activation it sums in another order:
+      // Seam2ShrinkInTheActivationMatchesTheReference)
+      ops::cuda::SideStreamScheduling defaults;
+      defaults.seam2_shrink_in_activation = 0;
+      layer.set_side_stream_scheduling(defaults);
       EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), plain), 0.0) << "eager, defaults";
       expect_graph_replays_equal(layer, x, slots, logits, plain);
     }
   }
+}
+
+// Four adapters in slots 0-3 of `layer` (ranks big / 5 / 16 / 13, the second with a shared-outer
+// layout) and a batch of T tokens whose slots cycle -1, 0, 1, 2, 3.
+struct MixedAdapterBatch {
+  std::vector<HostAdapter> adapters;
+  std::vector<ops::MoeLoraRef> refs;
+  Tensor x, logits;  // [T, H] bf16-rounded, [T, E]
+  std::vector<int32_t> slots;
+};
+MixedAdapterBatch mixed_adapter_batch(ops::cuda::MoeLayerCuda& layer, const LayerFixture& lf,
+                                      int big, int T, std::mt19937_64& rng) {
+  MixedAdapterBatch b;
+  b.adapters = {make_adapter(lf, big, false, rng), make_adapter(lf, 5, true, rng),
+                make_adapter(lf, 16, false, rng), make_adapter(lf, 13, false, rng)};
+  for (int s = 0; s < 4; ++s) {
+    layer.set_adapter(s, b.adapters[s].gpu());
+    b.refs.push_back(b.adapters[s].ref());
+  }
+  b.x = bf16_round(test::random_normal({T, lf.config.hidden}, rng));
+  b.logits = test::random_normal({T, static_cast<int64_t>(lf.config.num_experts)}, rng, 3.0f);
+  b.slots.resize(T);
+  for (int t = 0; t < T; ++t) b.slots[t] = (t % 5) - 1;
+  return b;
 }
 
 // The seam-2 expand formed in the finalize kernel (SideStreamScheduling::
@@ -79,25 +107,17 @@ TEST_F(Sm90_MoeLayer, Seam2ExpandInTheFinalizeEqualsTheSideStreamExpand) {
     auto lf = make_layer(H, 128, cs.experts, cs.top_k, cs.shared_inter, cs.shared_inter > 0,
                          RouterKind::kSoftmaxTopK, T, 4, cs.max_rank, rng);
     ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
-    const int big = std::min(cs.max_rank, 24);
-    std::vector<HostAdapter> adapters = {
-        make_adapter(lf, big, false, rng), make_adapter(lf, 5, true, rng),
-        make_adapter(lf, 16, false, rng), make_adapter(lf, 13, false, rng)};
-    std::vector<ops::MoeLoraRef> refs;
-    for (int s = 0; s < 4; ++s) {
-      layer.set_adapter(s, adapters[s].gpu());
-      refs.push_back(adapters[s].ref());
-    }
-    Tensor x = bf16_round(test::random_normal({T, H}, rng));
-    Tensor logits = test::random_normal({T, cs.experts}, rng, 3.0f);
-    std::vector<int32_t> slots(T);
-    for (int t = 0; t < T; ++t) slots[t] = (t % 5) - 1;  // -1, 0, 1, 2, 3
+    const MixedAdapterBatch b = mixed_adapter_batch(layer, lf, std::min(cs.max_rank, 24), T, rng);
+    const Tensor &x = b.x, &logits = b.logits;
+    const std::vector<int32_t>& slots = b.slots;
+    const std::vector<ops::MoeLoraRef>& refs = b.refs;
     ops::cuda::SideStreamScheduling side_expand;
     side_expand.seam2_expand_in_finalize_max_tokens = 0;
     layer.set_side_stream_scheduling(side_expand);
     const Tensor plain = run(layer, x, slots, logits);
     ops::cuda::SideStreamScheduling in_finalize;
     in_finalize.seam2_expand_in_finalize_max_tokens = 64;
+    in_finalize.seam2_shrink_in_activation = 0;  // the side stream's shrink, as `plain`
     layer.set_side_stream_scheduling(in_finalize);
     const Tensor folded = run(layer, x, slots, logits);
     EXPECT_EQ(test::max_abs_diff(folded, plain), 0.0) << "eager";
@@ -110,6 +130,88 @@ TEST_F(Sm90_MoeLayer, Seam2ExpandInTheFinalizeEqualsTheSideStreamExpand) {
     in_finalize.seam2_expand_in_finalize_max_tokens = 64;
     layer.set_side_stream_scheduling(in_finalize);
     expect_graph_replays_equal(layer, x, slots, logits, plain);
+  }
+}
+
+// Kernel nodes of a captured forward that join two streams (more than one dependency).
+int joining_nodes(ops::cuda::MoeLayerCuda& layer, const ops::cuda::MoeForwardArgs& f,
+                  cudaStream_t stream) {
+  cudaGraph_t graph;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  layer.forward(f);
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  size_t num_nodes = 0;
+  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &num_nodes));
+  std::vector<cudaGraphNode_t> nodes(num_nodes);
+  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &num_nodes));
+  int joins = 0;
+  for (cudaGraphNode_t node : nodes) {
+    size_t deps = 0;
+    MOELORA_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &deps));
+    joins += deps > 1;
+  }
+  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+  return joins;
+}
+
+// The routed experts' seam-2 shrink in the activation kernel (SideStreamScheduling::
+// seam2_shrink_in_activation, where the seam-2 expand is in the finalize): LoRA rows match the
+// reference and the side stream's shrink within bf16 rounding (the same products summed in
+// another order), base rows bitwise, deterministic, graph replays equal to the eager forward; the
+// captured forward joins the two streams once (before the activation) instead of three times;
+// above the
+// fold's token threshold the side stream's shrink runs (bitwise its output). Four adapters (ranks
+// 24 / 5 / 16 / 13, one shared-outer) and base tokens in one batch; k = 2 and k = 8; the shared
+// expert among the routed experts, whose down LoRA then also shrinks in the activation (at its
+// token's row) and expands in the finalize.
+TEST_F(Sm90_MoeLayer, Seam2ShrinkInTheActivationMatchesTheReference) {
+  struct Case {
+    int experts, top_k;
+    bool shared_in_experts;
+  };
+  for (const Case& cs : {Case{8, 2, false}, Case{16, 8, false}, Case{16, 4, true}}) {
+    SCOPED_TRACE("E " + std::to_string(cs.experts) + ", k " + std::to_string(cs.top_k) +
+                 (cs.shared_in_experts ? ", shared expert among the routed" : ""));
+    std::mt19937_64 rng(test::test_seed(547 + cs.top_k));
+    const int H = 256, I = 128, T = 37;
+    auto lf =
+        make_layer(H, I, cs.experts, cs.top_k, cs.shared_in_experts ? I : 0, cs.shared_in_experts,
+                   RouterKind::kSoftmaxTopK, T, 4, 24, rng, cs.shared_in_experts);
+    ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+    const MixedAdapterBatch b = mixed_adapter_batch(layer, lf, 24, T, rng);
+    const Tensor &x = b.x, &logits = b.logits;
+    const std::vector<int32_t>& slots = b.slots;
+    ops::cuda::SideStreamScheduling side, in_activation;
+    side.seam2_shrink_in_activation = 0;
+    in_activation.seam2_shrink_in_activation = 1;
+    layer.set_side_stream_scheduling(side);
+    const Tensor side_shrink = run(layer, x, slots, logits);
+    layer.set_side_stream_scheduling(in_activation);
+    const Tensor fused = run(layer, x, slots, logits);
+    EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), fused), 0.0) << "twice";
+    for (int t = 0; t < T; t += 5)  // slot -1
+      for (int c = 0; c < H; ++c)
+        ASSERT_EQ(fused.item_f32(t * H + c), side_shrink.item_f32(t * H + c)) << "base token " << t;
+    EXPECT_TRUE(test::close_bf16(fused, side_shrink)) << "against the side stream's shrink";
+    // the reference check where the fixture's inputs separate the slots (few of the experts)
+    if (cs.top_k <= 4) check_rows(fused, x, slots, lf, b.refs, logits, 0.0447);
+    expect_graph_replays_equal(layer, x, slots, logits, fused);
+    // a threshold below the batch: no fold, so the side stream's shrink and expand
+    ops::cuda::SideStreamScheduling unfolded = in_activation;
+    unfolded.seam2_expand_in_finalize_max_tokens = T - 1;
+    layer.set_side_stream_scheduling(unfolded);
+    EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), side_shrink), 0.0)
+        << "above the fold's threshold";
+    {  // the side stream's joins in the captured forward
+      const UploadedForward f = upload_forward(layer, x, slots, logits);
+      layer.set_side_stream_scheduling(in_activation);
+      EXPECT_EQ(joining_nodes(layer, f.args, main_->get()), 1) << "the activation's join only";
+      layer.set_side_stream_scheduling(side);
+      EXPECT_EQ(joining_nodes(layer, f.args, main_->get()), 3)
+          << "the activation's, the seam-2 shrink's (after the seam-1 kernels and the activation) "
+             "and the finalize's";
+    }
+    layer.set_side_stream_scheduling({});
   }
 }
 
@@ -126,6 +228,10 @@ TEST_F(Sm90_MoeLayer, SideStreamSchedulingOutOfRangeIsRefused) {
   s.seam2_expand_in_finalize_max_tokens = -2;
   EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
                              "seam2_expand_in_finalize_max_tokens = -2"));
+  s = {};
+  s.seam2_shrink_in_activation = 2;
+  EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
+                             "seam2_shrink_in_activation = 2"));
   s = {};
   s.lora_max_ctas = -3;
   EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),

@@ -15,8 +15,9 @@
 // split instead of 2.
 // Expand: CTA = (row range, 256-column tile of one target); thread = one output column n holding
 // its B row (up to R values) in registers, the range's reduced u rows staged in shared memory
-// 8 rows at a time. The add mode loads the base outputs of a pass before staging u, so their
-// latency overlaps the partial reduction.
+// 8 rows at a time. After the segment lookup the slot's rank and scaling, the B row (bounded by
+// the pool's R, not the slot's rank), a pass's base outputs (add mode) and its partials of every
+// rank below R are one round of independent loads; ranks past the slot's are masked afterwards.
 //
 // No atomics: every partial and output element is written by exactly one thread in a fixed
 // order, so results do not depend on the grid (eager and graph replays are bitwise equal).
@@ -272,14 +273,19 @@ __global__ void __launch_bounds__(kThreads)
   const bool add = p.mode == LoraExpandMode::kAdd;
   const int slot = rr.seg.x, expert = rr.seg.y;
   const int R = pool.max_rank, N = pool.out_features;
-  const int rank = min(pool.rank[slot], R);  // a slot's rank never exceeds the pool's R
-  if (rank == 0 && add) return;              // uniform: a zero delta leaves the output as it is
-  const int64_t stride = t.out_stride;       // resolved by the launcher
+  const int64_t stride = t.out_stride;  // resolved by the launcher
   const int n = (static_cast<int>(blockIdx.y) - tiles.tile_begin[target]) * kThreads + threadIdx.x;
-  const int rank_chunks = (rank + 7) / 8;
+  // One round of independent loads after the segment lookup: the slot's rank and scaling, its B
+  // row bounded by the pool's R rather than the slot's rank (so the loads need not wait for it;
+  // chunks past the rank are loaded but never used), and per pass the base outputs and the
+  // partials of every rank below R (masked past the slot's rank once it is known). The products
+  // and sums are the same as with the rank-bounded loads, in the same order.
+  const int rank = min(pool.rank[slot], R);  // a slot's rank never exceeds the pool's R
   const float scaling = pool.scaling[slot];
   uint4 b_reg[kRankChunks];
-  load_b_row<kRankChunks>(pool, slot, expert, n, rank, b_reg);
+  load_b_row<kRankChunks>(pool, slot, expert, n, R, b_reg);
+  const int width = min(8 * kRankChunks, (R + 7) / 8 * 8);  // u columns staged per row
+  constexpr int kEntries = (kExpandPassRows * 8 * kRankChunks + kThreads - 1) / kThreads;
 
   for (int q0 = rr.begin; q0 < rr.end; q0 += kExpandPassRows) {
     const int rows = min(kExpandPassRows, rr.end - q0);
@@ -289,21 +295,31 @@ __global__ void __launch_bounds__(kThreads)
       base[i] = (add && i < rows && n < N)
                     ? __bfloat162float(t.out[static_cast<int64_t>(q0 + i) * stride + n])
                     : 0.f;
-    __syncthreads();  // the previous pass finished reading u
-    // u[i][r] = scaling * sum over splits of the partials, r < 8 * rank_chunks (zero past rank)
-    const int width = 8 * rank_chunks;
-    for (int i = threadIdx.x; i < rows * width; i += kThreads) {
+    // sums[e]: entry i = threadIdx.x + e * kThreads of the pass's (row, r) partial sums
+    float sums[kEntries];
+#pragma unroll
+    for (int e = 0; e < kEntries; ++e) {
+      const int i = threadIdx.x + e * kThreads;
       const int row = i / width, r = i % width;
       float s = 0.f;
-      if (r < rank) {
+      if (i < rows * width && r < R) {
         const size_t uq = p.u_row ? p.u_row[q0 + row] : q0 + row;
 #pragma unroll 4
         for (int sp = 0; sp < splits; ++sp)
           s += t.partial[(static_cast<size_t>(sp) * p.row_capacity + uq) * R + r];
       }
-      u[row][r] = s * scaling;
+      sums[e] = s;
+    }
+    if (rank == 0 && add) return;  // uniform: a zero delta leaves the output as it is
+    __syncthreads();               // the previous pass finished reading u
+    // u[i][r] = scaling * sum over splits of the partials (zero past the slot's rank)
+#pragma unroll
+    for (int e = 0; e < kEntries; ++e) {
+      const int i = threadIdx.x + e * kThreads;
+      if (i < rows * width) u[i / width][i % width] = i % width < rank ? sums[e] * scaling : 0.f;
     }
     __syncthreads();
+    const int rank_chunks = (rank + 7) / 8;
     if (n < N) {
 #pragma unroll
       for (int i = 0; i < kExpandPassRows; ++i) {

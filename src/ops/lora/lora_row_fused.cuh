@@ -63,12 +63,36 @@ __device__ __forceinline__ const __nv_bfloat16* row_shrink_a_rows(const LoraPool
   return pool.a + (static_cast<size_t>(se.x) * pool.ea + ea) * pool.max_rank * pool.in_features;
 }
 
+// The A values of the first kRowShrinkBatch ranks at the lane's 4 columns, loaded by a kernel
+// before its griddepcontrol.wait (weights; the row's {slot, expert} is an align output, complete
+// before the previous kernel started), so that the shrink after the wait starts from registers
+// instead of a round trip to memory. `slots` staged and synchronized before.
+struct RowShrinkPreload {
+  uint2 av[kRowShrinkBatch];
+};
+__device__ __forceinline__ void row_shrink_preload(const LoraRowShrinkArgs& a,
+                                                   const RowShrinkSlots& slots, int2 se, int c0,
+                                                   RowShrinkPreload& pre) {
+  const int rank = se.x >= 0 ? slots.rank[se.x] : 0;
+  const bool active = rank > 0 && c0 < a.pool.in_features;
+  const __nv_bfloat16* a_rows = active ? row_shrink_a_rows(a.pool, slots, se) : nullptr;
+#pragma unroll
+  for (int j = 0; j < kRowShrinkBatch; ++j)
+    pre.av[j] = (active && j < rank)
+                    ? *reinterpret_cast<const uint2*>(
+                          a_rows + static_cast<size_t>(j) * a.pool.in_features + c0)
+                    : make_uint2(0, 0);
+}
+
 // All threads of the CTA call it (it synchronizes through `scratch`, kRowShrinkWarps *
 // kRowShrinkBatch floats of shared memory; `slots` staged and synchronized before). K =
-// pool.in_features; c0 = the lane's first column; se = the row's {slot, expert}.
-__device__ __forceinline__ void lora_row_shrink(const LoraRowShrinkArgs& a, const RowShrinkSlots& slots,
-                                                int2 se, int q, int chunk, int c0,
-                                                const float (&v)[4], float* scratch) {
+// pool.in_features; c0 = the lane's first column; se = the row's {slot, expert}; pre = the first
+// batch's A values from row_shrink_preload, or nullptr (loaded here). The same bits either way.
+__device__ __forceinline__ void lora_row_shrink(const LoraRowShrinkArgs& a,
+                                                const RowShrinkSlots& slots, int2 se, int q,
+                                                int chunk, int c0, const float (&v)[4],
+                                                float* scratch,
+                                                const RowShrinkPreload* pre = nullptr) {
   const LoraPoolTarget& pool = a.pool;
   const int slot = se.x;
   const int rank = slot >= 0 ? slots.rank[slot] : 0;
@@ -79,7 +103,10 @@ __device__ __forceinline__ void lora_row_shrink(const LoraRowShrinkArgs& a, cons
   for (int r0 = 0; r0 < rank; r0 += kRowShrinkBatch) {
     float s[kRowShrinkBatch];
     uint2 av[kRowShrinkBatch];
-    {  // one round of independent loads
+    if (pre && r0 == 0) {
+#pragma unroll
+      for (int j = 0; j < kRowShrinkBatch; ++j) av[j] = pre->av[j];
+    } else {  // one round of independent loads
       const int K = pool.in_features;
       const bool active = c0 < K;  // K is a multiple of 4: a lane's 4 columns are all in or all out
 #pragma unroll

@@ -22,7 +22,8 @@ static_assert(kActWarps == kRowShrinkWarps, "the fused LoRA shrink covers one CT
 // most of them, so the shrink-only instance, used when GEMM1's epilogue adds the seam-1 delta,
 // leaves it out).
 template <bool kShrink, bool kExpand>
-__global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const MoeActivationArgs p) {
+__global__ void __launch_bounds__(32 * kActWarps, kShrink && !kExpand ? 3 : 1)
+    moe_activation_kernel(const MoeActivationArgs p) {
   // The dependent (GEMM2) may be scheduled at once: before its own wait it only fetches weights.
   // Every CTA waits (also those with no row): the grid's completion then implies the previous
   // kernel's, which the kernels after this one rely on.
@@ -48,12 +49,32 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
     ncols[i] = in ? c0 + i : -1;          // gate columns
     ncols[4 + i] = in ? I + c0 + i : -1;  // up columns
   }
+  // The shrink-only instance also holds its row's first A values across the wait (the expand
+  // instance's B values take those registers).
+  RowShrinkPreload shrink_pre;
+  // The shrink of this row: the routed experts' pool, or (MoeActivationArgs::shared_lora) a
+  // shared-expert row's own, written at its token's row.
+  LoraRowShrinkArgs shrink;
+  int shrink_row = row;
   if (lora || lora_expand) {
-    if (lora) stage_row_shrink_slots(p.lora.pool, slots);
     const int2* se = lora ? p.lora.row_slot_expert : p.lora_expand.row_slot_expert;
-    if (row < (p.num_rows ? *p.num_rows : p.max_rows)) slot_expert = se[row];
+    bool shared_shrink = false;
+    if (row < (p.num_rows ? *p.num_rows : p.max_rows)) {
+      shared_shrink = !kExpand && lora && p.shared_lora.partial && row >= *p.shared_rows_begin;
+      if (shared_shrink) {
+        shrink_row = p.row_token[row];
+        slot_expert = make_int2(p.slot[shrink_row], 0);
+      } else {
+        slot_expert = se[row];
+      }
+    }
+    if (lora) {
+      shrink = shared_shrink ? p.shared_lora : p.lora;
+      stage_row_shrink_slots(shrink.pool, slots);
+    }
     if (lora_expand) row_expand_prefetch(p.lora_expand, slot_expert, ncols, expand);
     __syncthreads();  // slots
+    if (lora && !kExpand) row_shrink_preload(shrink, slots, slot_expert, c0, shrink_pre);
   }
   ::moelora::cuda::sm90::grid_dependency_wait();
   const int valid = p.num_rows ? *p.num_rows : p.max_rows;
@@ -119,7 +140,8 @@ __global__ void __launch_bounds__(32 * kActWarps) moe_activation_kernel(const Mo
 #pragma unroll
     for (int i = 0; i < 4; ++i) ar[i] = __bfloat162float(__float2bfloat16(a[i]));
     __shared__ float scratch[kRowShrinkWarps * kRowShrinkBatch];
-    lora_row_shrink(p.lora, slots, slot_expert, row, blockIdx.y, c0, ar, scratch);
+    lora_row_shrink(shrink, slots, slot_expert, shrink_row, blockIdx.y, c0, ar, scratch,
+                    kExpand ? nullptr : &shrink_pre);
   }
 }
 
@@ -189,16 +211,18 @@ __global__ void __launch_bounds__(kFinalizeThreads) moe_finalize_kernel(const Mo
   const int shared_pos = p.shared_in_pairs ? p.pair_pos[t * kp + k] : -1;
   const int valid = p.num_tokens ? *p.num_tokens : p.max_tokens;
   const bool lora = p.slot && p.slot[t] >= 0;
+  const bool has_shared = p.shared || (p.shared_in_pairs && shared_pos >= 0);
+  // The gate reads x, complete before the route kernel (whose outputs are read above) finished.
+  const float gate =
+      t < valid && has_shared && p.shared_gate ? shared_expert_gate(p, t, reduce) : 1.f;
   ::moelora::cuda::sm90::grid_dependency_wait();
   if (t >= valid) return;
   const int H = p.hidden;
   const __nv_bfloat16* __restrict__ y = p.y;
   const __nv_bfloat16* __restrict__ delta = p.delta;
-  const __nv_bfloat16* shared = p.shared ? p.shared + static_cast<size_t>(t) * H
-                                : p.shared_in_pairs && shared_pos >= 0
-                                    ? y + static_cast<size_t>(shared_pos) * H
-                                    : nullptr;
-  const float gate = shared && p.shared_gate ? shared_expert_gate(p, t, reduce) : 1.f;
+  const __nv_bfloat16* shared = p.shared     ? p.shared + static_cast<size_t>(t) * H
+                                : has_shared ? y + static_cast<size_t>(shared_pos) * H
+                                             : nullptr;
 
   const int c = blockIdx.y * kFinalizeCols + threadIdx.x * 8;
   if (c >= H) return;
@@ -242,7 +266,7 @@ constexpr int kFoldCols = 128;
 template <int kRankChunks>  // R <= 8 * kRankChunks
 __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeFinalizeArgs p) {
   constexpr int kURanks = 8 * kRankChunks;
-  __shared__ float u[kFinalizeFoldMaxTopK][kURanks];
+  __shared__ float u[kFinalizeFoldMaxTopK + 1][kURanks];  // row k: the shared expert's
   __shared__ float reduce[kFoldCols / 32];
   const LoraRowExpandArgs& e = p.lora_expand;
   const LoraPoolTarget& pool = e.pool;
@@ -266,6 +290,25 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
   const float scaling = lora ? pool.scaling[slot] : 0.f;
   const bool b_per_expert = lora && pool.eb > 1 && !(pool.b_shared && pool.b_shared[slot]);
   const int R = pool.max_rank;
+  // The shared expert's seam-2 delta formed here too (shared_lora_expand): its pool's rank,
+  // scaling and B values of the token's slot, loaded before the wait as the routed pairs' are.
+  const LoraRowExpandArgs& se = p.shared_lora_expand;
+  const bool shared_fold = lora && shared_pos >= 0 && se.partial != nullptr;
+  const int shared_rank = shared_fold ? se.pool.rank[slot] : 0;
+  const int shared_chunks = (shared_rank + 7) / 8;
+  const float shared_scaling = shared_fold ? se.pool.scaling[slot] : 0.f;
+  uint4 b_shared[kRankChunks];
+  {
+    const __nv_bfloat16* b_row =
+        shared_fold ? se.pool.b + (static_cast<size_t>(slot) * se.pool.eb * H + (n < H ? n : 0)) *
+                                      se.pool.max_rank
+                    : nullptr;
+#pragma unroll
+    for (int c = 0; c < kRankChunks; ++c)
+      b_shared[c] = (shared_fold && c < shared_chunks && n < H)
+                        ? *reinterpret_cast<const uint4*>(b_row + c * 8)
+                        : make_uint4(0, 0, 0, 0);
+  }
   uint4 b_reg[kFinalizeFoldMaxTopK][kRankChunks];
 #pragma unroll
   for (int j = 0; j < kFinalizeFoldMaxTopK; ++j) {
@@ -280,9 +323,11 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
                         ? *reinterpret_cast<const uint4*>(b_row + c * 8)
                         : make_uint4(0, 0, 0, 0);
   }
+  // The gate reads x (complete before the route kernel finished, as the routing read above).
+  const float gate =
+      t < valid && shared_pos >= 0 && p.shared_gate ? shared_expert_gate(p, t, reduce) : 1.f;
   ::moelora::cuda::sm90::grid_dependency_wait();
   if (t >= valid) return;  // uniform over the CTA: no thread reaches the barriers below
-  const float gate = shared_pos >= 0 && p.shared_gate ? shared_expert_gate(p, t, reduce) : 1.f;
   // u[j][r] for the token's pairs: the segment expand's sums (zero past the slot's rank)
   if (lora) {
     for (int i = threadIdx.x; i < k * kURanks; i += kFoldCols) {
@@ -292,6 +337,14 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
                           ? lora_partial_sum(e.partial, e.splits, e.row_capacity, pos, r, R)
                           : 0.f;
       u[j][r] = s * scaling;
+    }
+    if (shared_fold) {
+      for (int r = threadIdx.x; r < kURanks; r += kFoldCols)
+        u[kFinalizeFoldMaxTopK][r] =
+            r < shared_rank
+                ? lora_partial_sum(se.partial, se.splits, se.row_capacity, t, r, se.pool.max_rank) *
+                      shared_scaling
+                : 0.f;
     }
   }
   __syncthreads();  // u complete
@@ -312,6 +365,11 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
     if (shared_row >= 0)
       acc = fmaf(gate, __bfloat162float(p.shared_delta[static_cast<size_t>(shared_row) * H + n]),
                  acc);
+    if (shared_fold) {
+      const float d =
+          lora_expand_dot<kRankChunks>(u[kFinalizeFoldMaxTopK], b_shared, shared_chunks);
+      acc = fmaf(gate, __bfloat162float(__float2bfloat16(d)), acc);
+    }
   }
   p.out[static_cast<size_t>(t) * H + n] = __float2bfloat16(acc);
 }
@@ -337,6 +395,17 @@ void launch_moe_activation(const MoeActivationArgs& p, cudaStream_t stream) {
                 kRowShrinkMaxSlots, " slots (got ", p.lora.pool.num_slots, "), row_capacity >= max_rows (",
                 p.lora.row_capacity, " vs ", p.max_rows, ") and in_features = I (", p.lora.pool.in_features,
                 " vs ", p.inter, ")");
+  MOELORA_CHECK(!p.shared_lora.partial ||
+                    (p.lora.partial && !p.lora_expand.partial && p.shared_rows_begin &&
+                     p.row_token && p.slot && p.shared_lora.pool.a && p.shared_lora.pool.rank &&
+                     p.shared_lora.row_capacity > 0 && p.shared_lora.pool.in_features == p.inter &&
+                     p.shared_lora.pool.num_slots <= kRowShrinkMaxSlots),
+                ErrorCode::kInvalidArgument,
+                "moe activation: the shared expert's fused shrink needs the routed one (lora), no "
+                "fused expand, shared_rows_begin, row_token, slot, its pool's A and ranks, "
+                "row_capacity > 0, in_features = I (",
+                p.shared_lora.pool.in_features, " vs ", p.inter, ") and at most ",
+                kRowShrinkMaxSlots, " slots");
   MOELORA_CHECK(!p.lora_expand.partial || (!p.delta && row_expand_args_ok(p.lora_expand, p.max_rows, 2 * p.inter)),
                 ErrorCode::kInvalidArgument,
                 "moe activation: the fused LoRA expand needs row_slot_expert, the pool's B, ranks and scalings, "
@@ -381,6 +450,18 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
                   p.lora_expand.pool.out_features, " vs ", p.hidden,
                   "), R <= ", kFinalizeFoldMaxRank, " (got ", p.lora_expand.pool.max_rank,
                   "), no separate delta and no separate shared expert output");
+    const LoraRowExpandArgs& s = p.shared_lora_expand;
+    MOELORA_CHECK(
+        !s.partial ||
+            (p.shared_in_pairs && !p.shared_delta && s.pool.b && s.pool.rank && s.pool.scaling &&
+             s.splits > 0 && s.row_capacity >= p.max_tokens && s.pool.out_features == p.hidden &&
+             s.pool.max_rank <= (p.lora_expand.pool.max_rank <= 16 ? 16 : 32)),
+        ErrorCode::kInvalidArgument,
+        "moe finalize: the shared expert's folded seam-2 expand needs shared_in_pairs, no "
+        "shared_delta, its pool's B, ranks and scalings, splits > 0, row_capacity >= T (",
+        s.row_capacity, " vs ", p.max_tokens, "), out_features = H (", s.pool.out_features, " vs ",
+        p.hidden, ") and R within the routed pool's instance (", s.pool.max_rank, " vs ",
+        p.lora_expand.pool.max_rank, ")");
     if (p.max_tokens == 0) return;
     const dim3 grid(p.max_tokens, (p.hidden + kFoldCols - 1) / kFoldCols);
     if (p.lora_expand.pool.max_rank <= 16)

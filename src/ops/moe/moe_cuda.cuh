@@ -3,8 +3,8 @@
 //               copy for the down LoRA and the FP8 codes + scales for GEMM2, in one pass.
 //   finalize:   out[t] = sum_j w[t, j] (y + d2)[pair_pos(t, j)] + gate(t) * (shared[t] + ds[t]),
 //               shared[t] a row of y when the shared expert is one of the pairs,
-//               gate(t) = sigmoid(x[t] . wsg) for Qwen's gated shared expert, else 1; d2 read
-//               from the expand's rows, or formed here from the seam-2 shrink's partials.
+//               gate(t) = sigmoid(x[t] . wsg) for Qwen's gated shared expert, else 1; d2 (and
+//               ds) read from the expands' rows, or formed here from the seam-2 shrinks' partials.
 // Deltas are read only for rows whose token has a slot >= 0 (the LoRA expand wrote them).
 #pragma once
 
@@ -45,6 +45,11 @@ struct MoeActivationArgs {
   // lora_row_fused.cuh): partials [ceil(I / 1024), capacity, R] of the bf16-rounded a16 values,
   // with lora.row_token = row_token.
   LoraRowShrinkArgs lora;
+  // Optional, with `lora` and without `lora_expand`: the shared expert's rows (from
+  // *shared_rows_begin on) shrink with this pool (its down LoRA A, slot = the row's token's,
+  // expert 0) into these partials at row = the token ([ceil(I / 1024), capacity >= T, R]) instead
+  // of `lora`'s (whose {slot, expert} of those rows is the base bin's).
+  LoraRowShrinkArgs shared_lora;
   // Optional seam-1 LoRA expand fused in (lora_expand.partial != nullptr, instead of `delta`):
   // the rows' deltas from the quant kernel's shrink partials, added to the gate and up values
   // before the activation. Its B rows are read before the kernel's wait, with num_rows and
@@ -85,6 +90,11 @@ struct MoeFinalizeArgs {
   // shrink joined by an event: in a graph the event's edge into a programmatic launch may let this
   // kernel start as soon as that shrink triggers, and only the wait covers its completion).
   LoraRowExpandArgs lora_expand;
+  // Optional with lora_expand and shared_in_pairs (instead of shared_delta): the shared expert's
+  // seam-2 delta formed here too, from its shrink's partials at row = the token (the activation's
+  // MoeActivationArgs::shared_lora) and its down pool's B of the token's slot (expert 0);
+  // row_slot_expert unused.
+  LoraRowExpandArgs shared_lora_expand;
 };
 constexpr int kFinalizeFoldMaxTopK = 8;
 constexpr int kFinalizeFoldMaxRank = 32;

@@ -415,6 +415,10 @@ void MoeLayerCuda::set_side_stream_scheduling(const SideStreamScheduling& s) {
                 "SideStreamScheduling::seam2_expand_in_finalize_max_tokens = ",
                 s.seam2_expand_in_finalize_max_tokens,
                 " must be -1 (the default), 0 or a token count");
+  MOELORA_CHECK(s.seam2_shrink_in_activation >= -1 && s.seam2_shrink_in_activation <= 1,
+                ErrorCode::kInvalidArgument,
+                "SideStreamScheduling::seam2_shrink_in_activation = ", s.seam2_shrink_in_activation,
+                " must be -1 (the layer's rule), 0 or 1");
   MOELORA_CHECK(s.lora_max_ctas >= -1, ErrorCode::kInvalidArgument,
                 "SideStreamScheduling::lora_max_ctas = ", s.lora_max_ctas,
                 " must be -1 (one CTA per SM), 0 or a CTA count");

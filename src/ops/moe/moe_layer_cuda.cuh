@@ -200,6 +200,14 @@ struct SideStreamScheduling {
   // only the seam-2 shrink and the expand's grid no longer shares the SMs with GEMM2. The same bits
   // either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
   int seam2_expand_in_finalize_max_tokens = -1;
+  // Where the seam-2 expand is formed in the finalize (above): the routed experts' seam-2 shrink
+  // runs in the activation kernel (its shrink-only instance: each CTA shrinks the activation row
+  // it has just formed, the row's A values loaded at its start) instead of as a side-stream grid
+  // beside GEMM2, so the routed experts' seam 2 puts no kernel on the side stream and the finalize
+  // waits on no side-stream event unless a shared expert's LoRA is there. Other bits than the
+  // side-stream shrink (another summation order of the same products). 1 = on, 0 = off, -1 = the
+  // layer's rule (kSeam2ShrinkInActivationDefault; docs/gpu_moe.md §6.0h).
+  int seam2_shrink_in_activation = -1;
 };
 
 // The transient buffers of MoE layers that run one after another on the same two streams (the

@@ -34,6 +34,11 @@ constexpr int kSeam2ExpandInFinalizeDefaultTokens = 64;
 // layers without a shared expert whose hidden size keeps the seam-1 shrink in its
 // register-bounded instance (K <= 4096: shrink_vec <= 2), which starts beside GEMM1's CTAs.
 constexpr int kSeam1AfterQuantMaxHidden = 4096;
+// SideStreamScheduling::seam2_shrink_in_activation = -1: whether the seam-2 shrinks run in the
+// activation kernel wherever the seam-2 expand is formed in the finalize. Off: on the H100 it
+// measured 0.5-1.9 % slower on Qwen3-30B-A3B and within -1.5 / +0.7 % on Qwen3.5-35B-A3B
+// (docs/gpu_moe.md §6.0h).
+constexpr bool kSeam2ShrinkInActivationDefault = false;
 
 namespace {
 
@@ -509,6 +514,24 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                                  !shared_separate && side_scheduling_.pdl_after_side_join &&
                                  T <= seam2_max_tokens && k <= kFinalizeFoldMaxTopK &&
                                  m.down.max_rank <= kFinalizeFoldMaxRank;
+  // ... and its shrink in the activation kernel (SideStreamScheduling::seam2_shrink_in_activation),
+  // with the shared expert's (among the pairs) down LoRA likewise: seam 2 then has no side-stream
+  // kernel at all.
+  const bool seam2_shrink_in_act =
+      seam2_in_finalize && c.num_slots <= kRowShrinkMaxSlots &&
+      (!shared_pairs || m.shared_down.max_rank <= (m.down.max_rank <= 16 ? 16 : 32)) &&
+      (side_scheduling_.seam2_shrink_in_activation < 0
+           ? kSeam2ShrinkInActivationDefault
+           : side_scheduling_.seam2_shrink_in_activation > 0);
+  // Whether the side stream gets seam-2 work after the activation (and so joins before the
+  // finalize): the routed shrink / expand unless main-stream kernels form them, the shared
+  // expert's down LoRA. Without it, the side stream's last work (seam 1) was joined before the
+  // activation.
+  // The routed and the shared (among the pairs) seam-2 LoRA kernels on the side stream after the
+  // activation; a separate shared expert's follow its own activation (step 6).
+  const bool seam2_side_after_act =
+      lora && !seam2_shrink_in_act && (!epilogue_lora || shared_pairs);
+  const bool seam2_side_work = seam2_side_after_act || (lora && shared_separate);
   // 4. activation (+ seam-1 delta: from the side stream, or expanded in the kernel itself; the
   // shared expert's rows' from the side stream)
   if (lora && !fused_shrink) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora1.get(), 0));
@@ -542,7 +565,12 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // expert's rows are among the activation's: their seam-1 delta comes from the side stream.
   act.pdl = chain_pdl && (!lora || (fused_shrink && !shared_pairs) ||
                           (side_scheduling_.pdl_after_side_join && !shared));
-  if (fused_shrink) act.lora = row_shrink(m.down, m.x<float>(m.part2));
+  if (fused_shrink || seam2_shrink_in_act) act.lora = row_shrink(m.down, m.x<float>(m.part2));
+  if (seam2_shrink_in_act && shared_pairs) {  // its rows' partials at their tokens' rows
+    act.shared_lora.pool = m.view(m.shared_down);
+    act.shared_lora.partial = m.x<float>(m.spart2);
+    act.shared_lora.row_capacity = c.max_tokens;
+  }
   if (fused_lora) {
     act.lora_expand.pool = m.view(m.gate_up);
     act.lora_expand.partial = m.x<float>(m.part1);
@@ -551,11 +579,12 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     act.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
   }
   launch_moe_activation(act, m.main);
-  if (lora && (!epilogue_lora || shared_pairs)) {
+  if (seam2_side_after_act) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
-    if (epilogue_lora) {
-      // the routed seam-2 delta is GEMM2's epilogue
+    if (epilogue_lora || seam2_shrink_in_act) {
+      // the routed seam-2 delta is GEMM2's epilogue, or the activation's shrink + the finalize's
+      // expand
     } else if (fused_shrink) {
       run_fused_expand(m.down, m.x<float>(m.part2), m.x<__nv_bfloat16>(m.d2));
     } else {
@@ -627,7 +656,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
                m.x<__nv_bfloat16>(m.sd2), nullptr);
     }
   }
-  if (side_work) {
+  if (side_work && seam2_side_work) {
     m.ev_lora2.record(m.side);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora2.get(), 0));
   }
@@ -639,7 +668,14 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (seam2_in_finalize) {
     fa.lora_expand.pool = m.view(m.down);
     fa.lora_expand.partial = m.x<float>(m.part2);
-    fa.lora_expand.splits = lora_shrink_splits(m.down.in);
+    fa.lora_expand.splits =
+        seam2_shrink_in_act ? row_shrink_splits(m.down) : lora_shrink_splits(m.down.in);
+    if (seam2_shrink_in_act && shared_pairs) {
+      fa.shared_lora_expand.pool = m.view(m.shared_down);
+      fa.shared_lora_expand.partial = m.x<float>(m.spart2);
+      fa.shared_lora_expand.splits = row_shrink_splits(m.shared_down);
+      fa.shared_lora_expand.row_capacity = c.max_tokens;
+    }
     fa.lora_expand.row_capacity = m.P;
     fa.lora_expand.row_slot_expert = m.x<int2>(m.sorted_slot_expert);
   }
@@ -648,7 +684,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.slot = lora ? f.slot : nullptr;
   fa.shared = shared_separate ? m.x<__nv_bfloat16>(m.sout) : nullptr;
   fa.shared_in_pairs = shared_pairs;
-  fa.shared_delta = (shared && lora) ? m.x<__nv_bfloat16>(m.sd2) : nullptr;
+  fa.shared_delta = (shared && lora && !seam2_shrink_in_act) ? m.x<__nv_bfloat16>(m.sd2) : nullptr;
   fa.shared_delta_row = (shared && lora) ? m.x<int32_t>(m.token_pos) : nullptr;
   fa.shared_gate = (shared && m.has_shared_gate) ? m.w<__nv_bfloat16>(m.sgate) : nullptr;
   fa.x = f.x;
@@ -659,7 +695,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.out = f.out;
   // Directly after GEMM2 on this stream (also after the seam-2 expand's event, as the
   // activation), not after the shared expert's cuBLAS kernels.
-  fa.pdl = chain_pdl && !shared_separate && (!side_work || side_scheduling_.pdl_after_side_join);
+  fa.pdl = chain_pdl && !shared_separate &&
+           (!side_work || !seam2_side_work || side_scheduling_.pdl_after_side_join);
   launch_moe_finalize(fa, m.main);
 }
 
