@@ -446,10 +446,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
   app.add_option("--seam2-shrink-in-activation", o.seam2_shrink_in_activation,
-                 "MoE layers where the seam-2 expand is formed in the finalize: the routed "
-                 "experts' seam-2 LoRA shrink runs in the activation kernel (1) instead of on the "
-                 "side stream (0); -1 = the layer's rule (SideStreamScheduling::"
-                 "seam2_shrink_in_activation, docs/gpu_moe.md)")
+                 "MoE layers where the seam-2 expand is formed in the finalize: the seam-2 LoRA "
+                 "shrinks (routed experts and a shared expert among them) run in the activation "
+                 "kernel and the shared expert's expand in the finalize (1) instead of on the side "
+                 "stream (0); -1 = the layer's rule, off (SideStreamScheduling::"
+                 "seam2_shrink_in_activation, docs/gpu_moe.md §6.0h)")
       ->check(CLI::Range(-1, 1))
       ->capture_default_str();
   app.add_flag("--shared-expert-in-experts,!--shared-expert-separate", o.shared_in_experts,

@@ -137,8 +137,8 @@ struct EngineOptions {
   // the seam-1 work released after the quant kernel instead of the align (1 / 0; -1 = the layer's
   // measured rule), the activation / finalize launched programmatically after the side stream's
   // events, and the seam-2 expand formed in the finalize for decode forwards of at most this many
-  // tokens (0 = never, -1 = the layer's default), where it is, the routed seam-2 shrink in the
-  // activation kernel (1 / 0; -1 = the layer's rule).
+  // tokens (0 = never, -1 = the layer's default), where it is, the seam-2 shrinks (routed and
+  // shared expert) in the activation kernel (1 / 0; -1 = the layer's rule: off).
   int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;

@@ -74,8 +74,8 @@ struct GpuModelOptions {
   // bench_decode_step): the seam-1 LoRA work released after the quant kernel instead of the
   // align (1 / 0; -1 = the layer's rule), the activation / finalize launched programmatically
   // after their LoRA events, and the seam-2 expand in the finalize for decode forwards of at most
-  // this many tokens (0 = never, -1 = the layer's default), where it is, the routed seam-2
-  // shrink in the activation kernel (1 / 0; -1 = the layer's rule).
+  // this many tokens (0 = never, -1 = the layer's default), where it is, the seam-2 shrinks
+  // (routed and shared expert) in the activation kernel (1 / 0; -1 = the layer's rule: off).
   int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;

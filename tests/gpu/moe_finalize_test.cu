@@ -316,6 +316,9 @@ TEST(Sm90_MoeFinalize, FoldRefusesWhatItCannotHold) {
   a.lora_expand.row_capacity = 32;
   refused(a, "needs shared_in_pairs");
   a = s;
+  a.lora_expand = {};
+  refused(a, "needs the routed one (lora_expand)");
+  a = s;
   a.shared_lora_expand.row_capacity = 3;
   refused(a, "row_capacity >= T (3 vs 4)");
   a = s;

@@ -193,6 +193,10 @@ TEST_F(Sm90_MoeLayer, Seam2ShrinkInTheActivationMatchesTheReference) {
       for (int c = 0; c < H; ++c)
         ASSERT_EQ(fused.item_f32(t * H + c), side_shrink.item_f32(t * H + c)) << "base token " << t;
     EXPECT_TRUE(test::close_bf16(fused, side_shrink)) << "against the side stream's shrink";
+    // Only the summation order of the seam-2 shrinks differs (the activations and their FP8 codes
+    // are the same): a missing delta (e.g. the shared expert's) would move its rows much further.
+    for (int t = 0; t < T; ++t)
+      EXPECT_LT(row_rel_error(fused, side_shrink, t), 0.01) << "token " << t;
     // the reference check where the fixture's inputs separate the slots (few of the experts)
     if (cs.top_k <= 4) check_rows(fused, x, slots, lf, b.refs, logits, 0.0447);
     expect_graph_replays_equal(layer, x, slots, logits, fused);
@@ -236,6 +240,32 @@ TEST_F(Sm90_MoeLayer, SideStreamSchedulingOutOfRangeIsRefused) {
   s.lora_max_ctas = -3;
   EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
                              "lora_max_ctas = -3"));
+}
+
+// Layers sharing one MoeSharedWorkspace share its two cuBLAS handles and their workspaces
+// (32 MB each): building eight more such layers takes far less device memory than the eight
+// private pairs (512 MB) would.
+TEST_F(Sm90_MoeLayer, LayersSharingOneWorkspaceShareTheirCublasHandles) {
+  std::mt19937_64 rng(test::test_seed(518));
+  auto lf = make_layer(256, 128, 8, 2, 0, false, RouterKind::kSoftmaxTopK, 16, 1, 16, rng);
+  ops::cuda::MoeSharedWorkspace shared;
+  std::vector<std::unique_ptr<ops::cuda::MoeLayerCuda>> layers;
+  layers.push_back(std::make_unique<ops::cuda::MoeLayerCuda>(lf.config, lf.host, main_->get(),
+                                                             side_->get(), &shared));
+  void* const main_handle = shared.cublas_main();
+  void* const side_handle = shared.cublas_side();
+  EXPECT_NE(main_handle, side_handle);
+  size_t free_before = 0, free_after = 0, total = 0;
+  MOELORA_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  for (int i = 0; i < 8; ++i)
+    layers.push_back(std::make_unique<ops::cuda::MoeLayerCuda>(lf.config, lf.host, main_->get(),
+                                                               side_->get(), &shared));
+  MOELORA_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  EXPECT_EQ(shared.cublas_main(), main_handle);
+  EXPECT_EQ(shared.cublas_side(), side_handle);
+  EXPECT_LT(free_before - std::min(free_before, free_after), size_t{128} << 20)
+      << "eight layers sharing a workspace allocated " << (free_before - free_after) / (1 << 20)
+      << " MB";
 }
 
 // Layers of different shapes sharing one MoeSharedWorkspace (as a model's layers do) give the

@@ -275,15 +275,18 @@ __global__ void __launch_bounds__(kThreads)
   const int R = pool.max_rank, N = pool.out_features;
   const int64_t stride = t.out_stride;  // resolved by the launcher
   const int n = (static_cast<int>(blockIdx.y) - tiles.tile_begin[target]) * kThreads + threadIdx.x;
-  // One round of independent loads after the segment lookup: the slot's rank and scaling, its B
-  // row bounded by the pool's R rather than the slot's rank (so the loads need not wait for it;
-  // chunks past the rank are loaded but never used), and per pass the base outputs and the
-  // partials of every rank below R (masked past the slot's rank once it is known). The products
-  // and sums are the same as with the rank-bounded loads, in the same order.
+  // Pools of R <= 16 (the 2-chunk instance): one round of independent loads after the segment
+  // lookup, the slot's rank and scaling, its B row bounded by the pool's R rather than the slot's
+  // rank (so the loads need not wait for it; chunks past the rank are loaded but never used), and
+  // per pass the base outputs and the partials of every rank below R (masked past the slot's rank
+  // once it is known). Larger pools bound B and the partials by the slot's rank, as a pool of R =
+  // 64 serving rank-16 adapters would otherwise read 4x the bytes. The products and sums are the
+  // same either way, in the same order.
   const int rank = min(pool.rank[slot], R);  // a slot's rank never exceeds the pool's R
   const float scaling = pool.scaling[slot];
+  const int load_rank = kRankChunks <= 2 ? R : rank;
   uint4 b_reg[kRankChunks];
-  load_b_row<kRankChunks>(pool, slot, expert, n, R, b_reg);
+  load_b_row<kRankChunks>(pool, slot, expert, n, load_rank, b_reg);
   const int width = min(8 * kRankChunks, (R + 7) / 8 * 8);  // u columns staged per row
   constexpr int kEntries = (kExpandPassRows * 8 * kRankChunks + kThreads - 1) / kThreads;
 
@@ -302,7 +305,7 @@ __global__ void __launch_bounds__(kThreads)
       const int i = threadIdx.x + e * kThreads;
       const int row = i / width, r = i % width;
       float s = 0.f;
-      if (i < rows * width && r < R) {
+      if (i < rows * width && r < load_rank) {
         const size_t uq = p.u_row ? p.u_row[q0 + row] : q0 + row;
 #pragma unroll 4
         for (int sp = 0; sp < splits; ++sp)

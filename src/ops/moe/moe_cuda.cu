@@ -438,6 +438,9 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
   MOELORA_CHECK(p.top_k >= 1 && p.top_k <= 32, ErrorCode::kUnsupported, "moe finalize: top_k = ", p.top_k,
                 " outside [1, 32] (the GPU router's limit)");
   const int pair_rows = p.max_tokens * (p.top_k + (p.shared_in_pairs ? 1 : 0));  // T kp
+  MOELORA_CHECK(!p.shared_lora_expand.partial || p.lora_expand.partial, ErrorCode::kInvalidArgument,
+                "moe finalize: the shared expert's folded seam-2 expand (shared_lora_expand) needs "
+                "the routed one (lora_expand)");
   if (p.lora_expand.partial) {
     MOELORA_CHECK(!p.delta && !p.shared && p.slot && p.top_k <= kFinalizeFoldMaxTopK &&
                       row_expand_args_ok(p.lora_expand, pair_rows, p.hidden) &&

@@ -109,11 +109,28 @@ void MoeSharedWorkspace::reserve(size_t bytes) {
   if (bytes > buffer_.bytes()) buffer_ = ::moelora::cuda::DeviceBuffer(bytes);
 }
 
+void* MoeSharedWorkspace::cublas_main() {
+  if (!cublas_main_) cublas_main_.emplace();
+  return cublas_main_->get();
+}
+
+void* MoeSharedWorkspace::cublas_side() {
+  if (!cublas_side_) cublas_side_.emplace();
+  return cublas_side_->get();
+}
+
 MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeights& hw,
                            cudaStream_t main_stream, cudaStream_t side_stream,
                            MoeSharedWorkspace* shared_workspace)
     : impl_(std::make_unique<Impl>(config, main_stream, side_stream)), config_(config) {
   Impl& m = *impl_;
+  if (shared_workspace) {
+    m.cublas = shared_workspace->cublas_main();
+    m.cublas_side = shared_workspace->cublas_side();
+  } else {
+    m.cublas = m.own_cublas.emplace().get();
+    m.cublas_side = m.own_cublas_side.emplace().get();
+  }
   const MoeLayerConfig& c = config_;
   MOELORA_CHECK(c.hidden > 0 && c.inter > 0 && c.num_experts > 0 && c.top_k > 0 && c.max_tokens > 0,
                 ErrorCode::kInvalidArgument, "MoeLayerCuda: H = ", c.hidden, ", I = ", c.inter,

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "core/cuda_utils.h"
@@ -200,13 +201,14 @@ struct SideStreamScheduling {
   // only the seam-2 shrink and the expand's grid no longer shares the SMs with GEMM2. The same bits
   // either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
   int seam2_expand_in_finalize_max_tokens = -1;
-  // Where the seam-2 expand is formed in the finalize (above): the routed experts' seam-2 shrink
-  // runs in the activation kernel (its shrink-only instance: each CTA shrinks the activation row
-  // it has just formed, the row's A values loaded at its start) instead of as a side-stream grid
-  // beside GEMM2, so the routed experts' seam 2 puts no kernel on the side stream and the finalize
-  // waits on no side-stream event unless a shared expert's LoRA is there. Other bits than the
-  // side-stream shrink (another summation order of the same products). 1 = on, 0 = off, -1 = the
-  // layer's rule (kSeam2ShrinkInActivationDefault; docs/gpu_moe.md §6.0h).
+  // Where the seam-2 expand is formed in the finalize (above): the seam-2 shrinks run in the
+  // activation kernel (its shrink-only instance: each CTA shrinks the activation row it has just
+  // formed, the row's A values loaded at its start) instead of as side-stream grids beside GEMM2,
+  // the routed experts' and, when it is among them, the shared expert's, whose expand the
+  // finalize then forms too: seam 2 puts no kernel on the side stream and the finalize waits on no
+  // side-stream event. Other bits than the side-stream shrinks (another summation order of the same
+  // products). 1 = on, 0 = off, -1 = the layer's rule (kSeam2ShrinkInActivationDefault: off;
+  // docs/gpu_moe.md §6.0h).
   int seam2_shrink_in_activation = -1;
 };
 
@@ -217,16 +219,22 @@ struct SideStreamScheduling {
 // ~1.2 GB and a Kimi-K2.5 NVFP4 layer ~4.9 GB, which private copies per layer multiplied into most
 // of the GPU. Layers reserve their plan at construction (growing the allocation) and look up its
 // address at every forward, so every layer sharing it must be built before the first forward or
-// graph capture of any of them.
+// graph capture of any of them. For the same reason the layers share one cuBLAS handle per stream
+// (each with a 32 MB workspace: private pairs cost 2.6 GB on Qwen3.5-35B-A3B's 40 MoE layers).
 class MoeSharedWorkspace {
  public:
   // At least `bytes`; reallocates (contents lost) when it has fewer.
   void reserve(size_t bytes);
   void* get() const { return buffer_.get(); }
   size_t bytes() const { return buffer_.bytes(); }
+  // The cuBLAS handles (cublasHandle_t) of the main and the side stream, created by the first
+  // call (a layer's construction, before any capture).
+  void* cublas_main();
+  void* cublas_side();
 
  private:
   ::moelora::cuda::DeviceBuffer buffer_;
+  std::optional<::moelora::cuda::CublasHandle> cublas_main_, cublas_side_;
 };
 
 class MoeLayerCuda {

@@ -79,7 +79,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   const int kp = k + (shared_pairs ? 1 : 0);  // pairs per token
   const int Ex = E + (shared_pairs ? 1 : 0);  // experts in the GEMMs
   const int P = T * kp;
-  auto* cublas = static_cast<cublasHandle_t>(m.cublas.get());
+  auto* cublas = static_cast<cublasHandle_t>(m.cublas);
   int32_t* offsets = m.x<int32_t>(m.offsets);
   const int32_t* num_pairs = offsets + Ex;  // device value: number of pairs (the shared ones too)
 
@@ -263,7 +263,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   const int lora_max_ctas =
       side_scheduling_.lora_max_ctas < 0 ? m.num_sms : side_scheduling_.lora_max_ctas;
   pair_segments.max_ctas = token_segments.max_ctas = lora_max_ctas;
-  auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side.get());
+  auto* cublas_side = static_cast<cublasHandle_t>(m.cublas_side);
   // The LoRA of one target, on the side stream: shrink x rows (gathered) into fp32 partials (the
   // segmented kernel, or one dense cuBLAS GEMM over all T rows of x when `dense_a` is given), then
   // expand into `delta` (rows in the segments' order). max_rows bounds the rows of all segments
@@ -523,12 +523,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       (side_scheduling_.seam2_shrink_in_activation < 0
            ? kSeam2ShrinkInActivationDefault
            : side_scheduling_.seam2_shrink_in_activation > 0);
-  // Whether the side stream gets seam-2 work after the activation (and so joins before the
-  // finalize): the routed shrink / expand unless main-stream kernels form them, the shared
-  // expert's down LoRA. Without it, the side stream's last work (seam 1) was joined before the
-  // activation.
-  // The routed and the shared (among the pairs) seam-2 LoRA kernels on the side stream after the
-  // activation; a separate shared expert's follow its own activation (step 6).
+  // Seam-2 LoRA kernels on the side stream after the activation: the routed experts' (unless
+  // GEMM2's epilogue or, with the option, the activation and the fold form them) and the shared
+  // expert's among the pairs (unless the option moved them too); a separate shared expert's follow
+  // its own activation (step 6). With none, the side stream's last work (seam 1) was joined before
+  // the activation and the finalize waits on no event.
   const bool seam2_side_after_act =
       lora && !seam2_shrink_in_act && (!epilogue_lora || shared_pairs);
   const bool seam2_side_work = seam2_side_after_act || (lora && shared_separate);
@@ -582,9 +581,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (seam2_side_after_act) {
     m.ev_act.record(m.main);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_act.get(), 0));
-    if (epilogue_lora || seam2_shrink_in_act) {
-      // the routed seam-2 delta is GEMM2's epilogue, or the activation's shrink + the finalize's
-      // expand
+    if (epilogue_lora) {
+      // the routed seam-2 delta is GEMM2's epilogue
     } else if (fused_shrink) {
       run_fused_expand(m.down, m.x<float>(m.part2), m.x<__nv_bfloat16>(m.d2));
     } else {

@@ -56,7 +56,11 @@ struct MoeLayerCuda::Impl {
   // Ex: experts in the GEMM stacks (E, + 1 with shared_in_experts); P: pair rows (T kp).
   int Hp = 0, Ip = 0, P = 0, Ex = 0, num_sms = 0;
   int scale_ld = 0;  // leading dimension of the k-major activation scales (P rounded up to 4)
-  ::moelora::cuda::CublasHandle cublas, cublas_side;  // one per stream: each owns its workspace
+  // One cuBLAS handle per stream, each with its own workspace: the MoeSharedWorkspace's when the
+  // layer shares one, else the layer's own.
+  std::optional<::moelora::cuda::CublasHandle> own_cublas, own_cublas_side;
+  void* cublas = nullptr;  // cublasHandle_t
+  void* cublas_side = nullptr;
   std::vector<uint8_t> slot_shared_a;  // host copy: gate_up A of the slot is shared by all experts
   ::moelora::cuda::Event ev_route, ev_act, ev_shared_act, ev_lora1, ev_shared_lora1, ev_lora2;
 
