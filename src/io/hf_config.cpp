@@ -8,6 +8,7 @@
 // quantization scheme) the parser refuses with kUnsupported instead of loading a model that
 // computes something else.
 #include "io/hf_config.h"
+#include "io/hf_config_fields.h"
 #include "io/input_limits.h"
 
 #include <algorithm>
@@ -28,114 +29,13 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using hf_config_internal::describe;
+using hf_config_internal::Fields;
+using hf_config_internal::parse_quantization_config;
+using hf_config_internal::quant_to_json;
 
 constexpr const char* kSupportedModelTypes =
     "qwen3_moe, qwen3_5_moe, qwen3_5_moe_text, deepseek_v3, kimi_k2, kimi_k25";
-
-std::string describe(const json& value) {
-  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (text.size() > 80) text = text.substr(0, 77) + "...";
-  return text;
-}
-
-// Typed access to the fields of one JSON object. Errors name the source file and the dotted
-// path of the field ("text_config.hidden_size"). A null value counts as absent.
-class Fields {
- public:
-  Fields(const json& object, std::string source, std::string prefix)
-      : object_(object), source_(std::move(source)), prefix_(std::move(prefix)) {}
-
-  const std::string& source() const { return source_; }
-  std::string path(const std::string& key) const { return prefix_ + key; }
-  bool has(const std::string& key) const {
-    auto it = object_.find(key);
-    return it != object_.end() && !it->is_null();
-  }
-  // Present and explicitly null.
-  bool is_null(const std::string& key) const {
-    auto it = object_.find(key);
-    return it != object_.end() && it->is_null();
-  }
-  const json& at(const std::string& key) const {
-    MOELORA_CHECK(has(key), ErrorCode::kInvalidFile, source_, ": missing field '", path(key), "'");
-    return object_.at(key);
-  }
-  [[noreturn]] void fail_type(const std::string& key, const char* expected) const {
-    MOELORA_THROW(ErrorCode::kInvalidFile, source_, ": field '", path(key), "' must be ", expected, ", got ",
-                  describe(object_.at(key)));
-  }
-
-  int64_t integer(const std::string& key) const {
-    const json& v = at(key);
-    if (!v.is_number_integer()) fail_type(key, "an integer");
-    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())) {
-      fail_type(key, "an integer within int64");
-    }
-    return v.get<int64_t>();
-  }
-  int64_t integer(const std::string& key, int64_t fallback) const {
-    return has(key) ? integer(key) : fallback;
-  }
-
-  double number(const std::string& key) const {
-    const json& v = at(key);
-    if (!v.is_number()) fail_type(key, "a number");
-    return v.get<double>();
-  }
-  double number(const std::string& key, double fallback) const { return has(key) ? number(key) : fallback; }
-
-  bool boolean(const std::string& key, bool fallback) const {
-    if (!has(key)) return fallback;
-    const json& v = at(key);
-    if (!v.is_boolean()) fail_type(key, "true or false");
-    return v.get<bool>();
-  }
-
-  std::string string(const std::string& key) const {
-    const json& v = at(key);
-    if (!v.is_string()) fail_type(key, "a string");
-    return v.get<std::string>();
-  }
-  std::string string(const std::string& key, const std::string& fallback) const {
-    return has(key) ? string(key) : fallback;
-  }
-
-  std::vector<int64_t> integer_list(const std::string& key) const {
-    std::vector<int64_t> out;
-    if (!has(key)) return out;
-    const json& v = at(key);
-    if (!v.is_array()) fail_type(key, "a list of integers");
-    for (const json& item : v) {
-      if (!item.is_number_integer()) fail_type(key, "a list of integers");
-      out.push_back(item.get<int64_t>());
-    }
-    return out;
-  }
-  std::vector<std::string> string_list(const std::string& key) const {
-    std::vector<std::string> out;
-    if (!has(key)) return out;
-    const json& v = at(key);
-    if (!v.is_array()) fail_type(key, "a list of strings");
-    for (const json& item : v) {
-      if (!item.is_string()) fail_type(key, "a list of strings");
-      out.push_back(item.get<std::string>());
-    }
-    return out;
-  }
-  // The object under `key`, or nullptr when absent or null.
-  const json* object(const std::string& key) const {
-    if (!has(key)) return nullptr;
-    const json& v = at(key);
-    if (!v.is_object()) fail_type(key, "an object");
-    return &v;
-  }
-  Fields sub(const std::string& key) const { return Fields(*object(key), source_, path(key) + "."); }
-
- private:
-  const json& object_;
-  std::string source_;
-  std::string prefix_;
-};
 
 // Reads the first of `keys` that is present (aliases such as num_experts / num_local_experts);
 // when several are present they must agree.
@@ -219,132 +119,6 @@ RopeConfig parse_rope(const Fields& f, int64_t max_position_embeddings, double d
   return rope;
 }
 
-// ---- quantization ----
-
-// Case-insensitive equality for algorithm names ("NVFP4", "nvfp4").
-bool same_name(std::string a, std::string b) {
-  auto lower = [](std::string& s) {
-    for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  };
-  lower(a);
-  lower(b);
-  return a == b;
-}
-
-void check_nvfp4_algo(const Fields& f, const std::string& key) {
-  MOELORA_CHECK(f.has(key), ErrorCode::kUnsupported, f.source(), ": field '", f.path(key),
-                "' is null or missing (no weight quantization); supported: NVFP4");
-  const std::string algo = f.string(key);
-  MOELORA_CHECK(same_name(algo, "NVFP4"), ErrorCode::kUnsupported, f.source(), ": field '", f.path(key),
-                "' is \"", algo, "\"; the only supported ModelOpt algorithm is NVFP4");
-}
-
-// kv_cache_quant_algo ("FP8" or null) or a compressed-tensors style kv_cache_scheme
-// ({"num_bits": 8, "type": "float", ...}) -> "" or "FP8".
-std::string parse_kv_cache_algo(const Fields& f) {
-  std::string algo;
-  if (f.has("kv_cache_quant_algo")) {
-    algo = f.string("kv_cache_quant_algo");
-    MOELORA_CHECK(same_name(algo, "FP8"), ErrorCode::kUnsupported, f.source(), ": field '",
-                  f.path("kv_cache_quant_algo"), "' is \"", algo, "\"; supported: null or \"FP8\"");
-    algo = "FP8";
-  }
-  if (f.object("kv_cache_scheme") != nullptr) {
-    const Fields kv = f.sub("kv_cache_scheme");
-    const int64_t bits = kv.integer("num_bits");
-    const std::string type = kv.string("type", "float");
-    MOELORA_CHECK(bits == 8 && type == "float", ErrorCode::kUnsupported, f.source(), ": field '",
-                  f.path("kv_cache_scheme"), "' describes a ", bits, "-bit ", type,
-                  " KV cache; only 8-bit float (FP8) is supported");
-    algo = "FP8";
-  }
-  return algo;
-}
-
-int parse_group_size(const Fields& f) {
-  int64_t group = 16;
-  if (f.has("group_size")) {
-    group = f.integer("group_size");
-  } else if (const json* groups = f.object("config_groups")) {
-    // newer ModelOpt exports: config_groups.<name>.weights.group_size
-    for (const auto& [name, value] : groups->items()) {
-      if (value.is_object() && value.contains("weights") && value["weights"].is_object()) {
-        const Fields weights(value["weights"], f.source(), f.path("config_groups." + name + ".weights."));
-        group = weights.integer("group_size", group);
-      }
-    }
-  }
-  MOELORA_CHECK(group == 16, ErrorCode::kUnsupported, f.source(), ": NVFP4 group size is ", group,
-                " (field '", f.path("group_size"), "'); only 16 is supported");
-  return 16;
-}
-
-QuantConfig parse_quantization_config(const Fields& q) {
-  QuantConfig quant;
-  quant.source = "config.json";
-  const std::string method = q.string("quant_method");
-  if (method == "fp8") {
-    quant.method = QuantMethod::kFp8Block;
-    const std::string fmt = q.string("fmt", "e4m3");
-    MOELORA_CHECK(fmt == "e4m3", ErrorCode::kUnsupported, q.source(), ": field '", q.path("fmt"), "' is \"",
-                  fmt, "\"; only e4m3 FP8 weights are supported");
-    MOELORA_CHECK(q.has("weight_block_size"), ErrorCode::kUnsupported, q.source(), ": field '",
-                  q.path("weight_block_size"),
-                  "' is missing: per-tensor FP8 is not supported, expected block scales [128, 128]");
-    const std::vector<int64_t> block = q.integer_list("weight_block_size");
-    MOELORA_CHECK(block == (std::vector<int64_t>{128, 128}), ErrorCode::kUnsupported, q.source(), ": field '",
-                  q.path("weight_block_size"), "' is ", describe(q.at("weight_block_size")),
-                  "; only [128, 128] blocks are supported");
-    quant.block_n = quant.block_k = 128;
-    quant.activation_scheme = q.string("activation_scheme", "dynamic");
-    MOELORA_CHECK(quant.activation_scheme == "dynamic", ErrorCode::kUnsupported, q.source(), ": field '",
-                  q.path("activation_scheme"), "' is \"", quant.activation_scheme,
-                  "\"; only dynamic FP8 activation scaling is supported");
-    quant.scale_fmt = q.string("scale_fmt", "");
-    if (quant.scale_fmt == "float") quant.scale_fmt.clear();  // FineGrainedFP8Config's default
-    MOELORA_CHECK(quant.scale_fmt.empty() || quant.scale_fmt == "ue8m0", ErrorCode::kUnsupported, q.source(),
-                  ": field '", q.path("scale_fmt"), "' is \"", quant.scale_fmt,
-                  "\"; supported: float, ue8m0");
-    for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
-      for (std::string& m : q.string_list(key)) quant.modules_to_not_convert.push_back(std::move(m));
-    }
-    return quant;
-  }
-  if (method == "modelopt") {
-    quant.method = QuantMethod::kNvfp4;
-    check_nvfp4_algo(q, "quant_algo");
-    quant.group_size = parse_group_size(q);
-    quant.kv_cache_quant_algo = parse_kv_cache_algo(q);
-    for (const char* key : {"ignore", "exclude_modules"}) {
-      for (std::string& m : q.string_list(key)) quant.modules_to_not_convert.push_back(std::move(m));
-    }
-    return quant;
-  }
-  MOELORA_THROW(ErrorCode::kUnsupported, q.source(), ": field '", q.path("quant_method"), "' is \"", method,
-                "\"; supported: fp8 (block-wise [128, 128]) and modelopt (NVFP4)");
-}
-
-// Glob match where '*' matches any run of characters (fnmatch without character classes).
-bool glob_match(std::string_view pattern, std::string_view text) {
-  size_t p = 0, t = 0, star = std::string_view::npos, resume = 0;
-  while (t < text.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      resume = t;
-    } else if (p < pattern.size() && pattern[p] == text[t]) {
-      ++p;
-      ++t;
-    } else if (star != std::string_view::npos) {
-      p = star + 1;
-      t = ++resume;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
-}
-
 // ---- JSON helpers for the writer ----
 
 json eos_to_json(const std::vector<int64_t>& ids) {
@@ -370,30 +144,6 @@ json rope_to_json(const RopeConfig& rope, bool qwen35) {
     if (!rope.truncate) r["truncate"] = false;
   }
   return r;
-}
-
-json quant_to_json(const QuantConfig& q) {
-  switch (q.method) {
-    case QuantMethod::kNone: return nullptr;
-    case QuantMethod::kFp8Block: {
-      json j = {{"quant_method", "fp8"},
-                {"fmt", "e4m3"},
-                {"activation_scheme", q.activation_scheme.empty() ? "dynamic" : q.activation_scheme},
-                {"weight_block_size", {q.block_n, q.block_k}}};
-      if (!q.scale_fmt.empty()) j["scale_fmt"] = q.scale_fmt;
-      if (!q.modules_to_not_convert.empty()) j["modules_to_not_convert"] = q.modules_to_not_convert;
-      return j;
-    }
-    case QuantMethod::kNvfp4: {
-      json j = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}, {"group_size", q.group_size}};
-      if (!q.modules_to_not_convert.empty()) j["ignore"] = q.modules_to_not_convert;
-      if (!q.kv_cache_quant_algo.empty()) {
-        j["kv_cache_scheme"] = {{"num_bits", 8}, {"type", "float"}, {"dynamic", false}};
-      }
-      return j;
-    }
-  }
-  return nullptr;
 }
 
 std::string read_text(const fs::path& path, const char* what) {
@@ -545,15 +295,6 @@ const char* architecture_name(Architecture a) {
   return "unknown";
 }
 
-const char* quant_method_name(QuantMethod q) {
-  switch (q) {
-    case QuantMethod::kNone: return "none";
-    case QuantMethod::kFp8Block: return "fp8-block";
-    case QuantMethod::kNvfp4: return "nvfp4";
-  }
-  return "unknown";
-}
-
 double RopeConfig::yarn_get_mscale(double scale, double m) {
   return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
 }
@@ -565,32 +306,6 @@ double RopeConfig::yarn_attention_factor() const {
     return yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim);
   }
   return yarn_get_mscale(factor);
-}
-
-bool QuantConfig::operator==(const QuantConfig& o) const {
-  return method == o.method && block_n == o.block_n && block_k == o.block_k && group_size == o.group_size &&
-         activation_scheme == o.activation_scheme && scale_fmt == o.scale_fmt &&
-         kv_cache_quant_algo == o.kv_cache_quant_algo && modules_to_not_convert == o.modules_to_not_convert;
-}
-
-bool QuantConfig::is_excluded(const std::string& module) const {
-  // Component boundaries of the module name: the ends of its ancestors and the starts of its
-  // trailing runs of components.
-  std::vector<size_t> dots;
-  for (size_t i = 0; i < module.size(); ++i) {
-    if (module[i] == '.') dots.push_back(i);
-  }
-  for (std::string pattern : modules_to_not_convert) {
-    while (!pattern.empty() && pattern.back() == '.') pattern.pop_back();
-    if (pattern.empty()) continue;
-    if (glob_match(pattern, module)) return true;
-    const std::string_view name(module);
-    for (size_t dot : dots) {
-      if (glob_match(pattern, name.substr(0, dot))) return true;   // an ancestor
-      if (glob_match(pattern, name.substr(dot + 1))) return true;  // a trailing run
-    }
-  }
-  return false;
 }
 
 int64_t ModelConfig::rotary_dim() const {
@@ -840,25 +555,6 @@ ModelConfig parse_model_config(const json& config, const std::string& source) {
   return c;
 }
 
-QuantConfig parse_hf_quant_config(const json& config, const std::string& source) {
-  MOELORA_CHECK(config.is_object(), ErrorCode::kInvalidFile, source, ": expected a JSON object, got ",
-                describe(config));
-  const Fields top(config, source, "");
-  MOELORA_CHECK(top.object("quantization") != nullptr, ErrorCode::kInvalidFile, source,
-                ": missing field 'quantization'");
-  const Fields q = top.sub("quantization");
-  QuantConfig quant;
-  quant.source = "hf_quant_config.json";
-  quant.method = QuantMethod::kNvfp4;
-  check_nvfp4_algo(q, "quant_algo");
-  quant.group_size = parse_group_size(q);
-  quant.kv_cache_quant_algo = parse_kv_cache_algo(q);
-  for (const char* key : {"exclude_modules", "ignore"}) {
-    for (std::string& m : q.string_list(key)) quant.modules_to_not_convert.push_back(std::move(m));
-  }
-  return quant;
-}
-
 ModelConfig load_model_config(const fs::path& dir) {
   std::error_code ec;
   const fs::path config_path = fs::is_regular_file(dir, ec) ? dir : dir / "config.json";
@@ -965,16 +661,6 @@ json model_config_to_json(const ModelConfig& c) {
   }
   if (c.quant.method != QuantMethod::kNone) top["quantization_config"] = quant_to_json(c.quant);
   return top;
-}
-
-json hf_quant_config_to_json(const QuantConfig& quant) {
-  MOELORA_CHECK(quant.method == QuantMethod::kNvfp4, ErrorCode::kInvalidArgument,
-                "hf_quant_config.json describes ModelOpt NVFP4 only, not ", quant_method_name(quant.method));
-  json q = {{"quant_algo", "NVFP4"},
-            {"group_size", quant.group_size},
-            {"exclude_modules", quant.modules_to_not_convert},
-            {"kv_cache_quant_algo", quant.kv_cache_quant_algo.empty() ? json(nullptr) : json("FP8")}};
-  return {{"producer", {{"name", "modelopt"}, {"version", "moelora"}}}, {"quantization", std::move(q)}};
 }
 
 }  // namespace moelora::io
