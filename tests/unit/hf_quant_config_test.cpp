@@ -14,11 +14,7 @@
 namespace moelora::io {
 namespace {
 
-namespace fs = std::filesystem;
-using json = nlohmann::json;
-using test::error_message;
-using ::testing::HasSubstr;
-using namespace hf_config_test;
+using namespace hf_config_test;  // json, the gmock matchers, error_message
 
 TEST(HfConfigQuant, Fp8Variants) {
   json j = parse(kQwen3_30B_A3B);
