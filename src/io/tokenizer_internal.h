@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "io/input_limits.h"
 #include "io/tokenizer.h"
 
 namespace moelora::io::tokenizer_detail {
@@ -268,5 +270,14 @@ std::shared_ptr<Tokenizer::Impl> build_tiktoken_impl(std::string_view model_text
 
 // Encodes valid UTF-8 text with a tiktoken tokenizer (impl.tiktoken set), appending to `out`.
 void encode_tiktoken(const Tokenizer::Impl& impl, std::string_view text, std::vector<int32_t>& out);
+
+// tokenizer_json.cpp: the text of a tokenizer file, refused past max_bytes (tokenizer.json may be
+// large, kMaxTokenizerFileBytes; its config and templates are small files); tokenizer.json ->
+// Impl; tokenizer_config.json's settings (special tokens, chat templates) applied to an Impl.
+// Errors name the source and the field.
+std::string read_file(const std::filesystem::path& path, uint64_t max_bytes = kMaxJsonFileBytes);
+std::shared_ptr<Tokenizer::Impl> build_impl(std::string_view json_text, const std::string& source);
+void apply_config(Tokenizer::Impl& impl, std::string_view config_text,
+                  const std::string& config_source);
 
 }  // namespace moelora::io::tokenizer_detail

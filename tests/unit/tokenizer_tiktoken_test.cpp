@@ -23,12 +23,14 @@
 #include "io/tokenizer.h"
 #include "io/tokenizer_internal.h"
 #include "support/test_support.h"
+#include "unit/tokenizer_test_support.h"
 
 namespace moelora::io {
 namespace {
 
 using nlohmann::json;
 using test::TempDir;
+using tokenizer_test::throws_error;
 
 std::filesystem::path fixture_dir() {
   return test::data_dir() / "tokenizer_tiktoken";
@@ -43,26 +45,6 @@ const json& goldens() {
     return json::parse(text.str());
   }();
   return data;
-}
-
-::testing::AssertionResult throws_error(const std::function<void()>& fn, ErrorCode code,
-                                        std::initializer_list<std::string> parts) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (e.code() != code) {
-      return ::testing::AssertionFailure()
-             << "error code " << error_code_name(e.code()) << ", expected " << error_code_name(code)
-             << "; message: " << e.what();
-    }
-    for (const auto& part : parts) {
-      if (std::string(e.what()).find(part) == std::string::npos) {
-        return ::testing::AssertionFailure() << "message lacks '" << part << "': " << e.what();
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-  return ::testing::AssertionFailure() << "no exception thrown";
 }
 
 std::string utf8(char32_t cp) {
