@@ -23,9 +23,6 @@ class PeftBadAdapter : public PeftSynthetic {
     const fs::path dir = d.write(prefix);
     return error_message([&] { load_adapter(dir, base_, "bad", options); }, code);
   }
-  std::string file_of(const AdapterDir& d) const {
-    return (d.path() / "adapter_model.safetensors").string();
-  }
 };
 
 TEST_F(PeftBadAdapter, DoraInConfigAndInFile) {
@@ -38,8 +35,8 @@ TEST_F(PeftBadAdapter, DoraInConfigAndInFile) {
   d.add("model.layers.0.self_attn.q_proj.lora_magnitude_vector", random({64}));
   EXPECT_THAT(
       load_error(d, ErrorCode::kUnsupported),
-      AllOf(HasSubstr(file_of(d)),
-            HasSubstr("model.layers.0.self_attn.q_proj.lora_magnitude_vector"), HasSubstr("DoRA")));
+      AllOf(HasSubstr(d.file()), HasSubstr("model.layers.0.self_attn.q_proj.lora_magnitude_vector"),
+            HasSubstr("DoRA")));
 }
 
 TEST_F(PeftBadAdapter, ModulesToSaveAndLoraBias) {
@@ -64,7 +61,7 @@ TEST_F(PeftBadAdapter, UnsupportedTargets) {
     d.config()["target_modules"] = json::array({"gate"});
     d.add_lora("model.layers.0.mlp.gate", random({4, 64}), random({8, 4}));
     EXPECT_THAT(load_error(d, ErrorCode::kUnsupported),
-                AllOf(HasSubstr(file_of(d)), HasSubstr("model.layers.0.mlp.gate.lora_A.weight"),
+                AllOf(HasSubstr(d.file()), HasSubstr("model.layers.0.mlp.gate.lora_A.weight"),
                       HasSubstr("router")));
   }
   {
@@ -93,7 +90,7 @@ TEST_F(PeftBadAdapter, WrongShape) {
   AdapterDir d;
   d.add_lora("model.layers.0.self_attn.q_proj", random({4, 48}), random({64, 4}));
   EXPECT_THAT(load_error(d, ErrorCode::kUnsupported),
-              AllOf(HasSubstr(file_of(d)), HasSubstr("lora_A of 'model.layers.0.self_attn.q_proj'"),
+              AllOf(HasSubstr(d.file()), HasSubstr("lora_A of 'model.layers.0.self_attn.q_proj'"),
                     HasSubstr("shape [4, 48], expected [4, 64]"), HasSubstr("in_features")));
   AdapterDir e;
   e.add_lora("model.layers.0.self_attn.k_proj", random({4, 64}),
@@ -119,7 +116,7 @@ TEST_F(PeftBadAdapter, RankMismatchWithConfig) {
     return e == 7 && proj == "up_proj" ? 16 : 8;
   });
   EXPECT_THAT(load_error(d, ErrorCode::kInvalidFile),
-              AllOf(HasSubstr(file_of(d)),
+              AllOf(HasSubstr(d.file()),
                     HasSubstr("lora_A of 'model.layers.0.mlp.experts.7.up_proj' has rank 16"),
                     HasSubstr("adapter_config.json says r=8")));
   AdapterDir e;
@@ -226,7 +223,7 @@ TEST_F(PeftBadAdapter, MissingLoraB) {
   d.remove("model.layers.0.self_attn.q_proj.lora_B.weight");
   EXPECT_THAT(
       load_error(d, ErrorCode::kInvalidFile),
-      AllOf(HasSubstr(file_of(d)),
+      AllOf(HasSubstr(d.file()),
             HasSubstr("'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' "
                       "has no matching lora_B"),
             HasSubstr(

@@ -24,6 +24,7 @@
 #include "model/lora_binding.h"
 #include "model/weights.h"
 #include "support/test_support.h"
+#include "unit/peft_test_support.h"
 
 namespace moelora {
 namespace {
@@ -79,37 +80,13 @@ const Projection kProjections[] = {
     {"out_proj", &LayerLora::out_proj, kValueDim, kH},
 };
 
-// adapter_config.json + adapter_model.safetensors in a temporary directory.
-class AdapterDir {
- public:
-  AdapterDir() {
-    config_ = {{"peft_type", "LORA"},
-               {"r", 4},
-               {"lora_alpha", 8},
-               {"target_modules",
-                json::array({"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-                             "conv1d", "in_proj_qkvz", "q_proj", "k_proj", "v_proj", "o_proj"})}};
-  }
-  json& config() { return config_; }
-  // module: the path after "base_model.model."
-  void add_lora(const std::string& module, const Tensor& a, const Tensor& b) {
-    tensors_[module + ".lora_A.weight"] = a;
-    tensors_[module + ".lora_B.weight"] = b;
-  }
-  const Tensor& tensor(const std::string& name) const { return tensors_.at(name); }
-  fs::path write(const std::string& prefix = "base_model.model.") const {
-    test::write_text_file(dir_ / "adapter_config.json", config_.dump(2));
-    io::SafetensorsWriter writer;
-    for (const auto& [name, t] : tensors_) writer.add(prefix + name, t);
-    writer.write(dir_ / "adapter_model.safetensors");
-    return dir_.path();
-  }
-  std::string file() const { return (dir_ / "adapter_model.safetensors").string(); }
-
- private:
-  test::TempDir dir_;
-  json config_;
-  std::map<std::string, Tensor> tensors_;
+// The shared synthetic adapter directory with the linear-attention targets (and the attention
+// and fused-projection names the rejection tests use).
+struct AdapterDir : io::peft_test::AdapterDir {
+  AdapterDir()
+      : io::peft_test::AdapterDir(
+            json::array({"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "conv1d",
+                         "in_proj_qkvz", "q_proj", "k_proj", "v_proj", "o_proj"})) {}
 };
 
 class PeftLinearAttention : public ::testing::Test {

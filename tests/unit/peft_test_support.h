@@ -113,17 +113,18 @@ inline Accessor element(const Tensor& t, int64_t row_stride, int64_t col_stride,
 // Synthetic adapters against the tiny Qwen3-MoE config (H 64, q 64, k/v 32, 8 experts, I 32,
 // layer 1 dense with intermediate 96)
 
+// adapter_config.json (r 4, alpha 8, `targets`) + adapter_model.safetensors in a temporary
+// directory; also peft_linear_attention_test.cpp's, with the linear-attention targets.
 class AdapterDir {
  public:
-  AdapterDir() {
-    config_ = {{"peft_type", "LORA"},
-               {"r", 4},
-               {"lora_alpha", 8},
-               {"target_modules", json::array({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                               "up_proj", "down_proj"})}};
+  explicit AdapterDir(json targets = json::array({"q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"})) {
+    config_ = {
+        {"peft_type", "LORA"}, {"r", 4}, {"lora_alpha", 8}, {"target_modules", std::move(targets)}};
   }
   json& config() { return config_; }
   const fs::path& path() const { return dir_.path(); }
+  std::string file() const { return (dir_ / "adapter_model.safetensors").string(); }
   // name: the tensor name after "base_model.model."
   void add(const std::string& name, const Tensor& t) { tensors_[name] = t; }
   void add_lora(const std::string& module, const Tensor& a, const Tensor& b) {

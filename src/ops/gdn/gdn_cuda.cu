@@ -128,7 +128,8 @@ struct ConvTaps {
 
   // has_delta (kDelta instances only): the sequence's rows carry a LoRA delta (GdnInputDelta),
   // added to the taps from this call's rows (the conv state holds inputs with their deltas). The
-  // delta loads do not depend on the taps', so they issue while those are in flight.
+  // delta loads wait for the row's slot lookup (has_delta); issuing them beside the taps' loads
+  // instead measured the same (docs/gpu_engine.md §3a).
   template <bool kDelta>
   __device__ __forceinline__ void load(const GdnParams& p, int64_t row, int t, int slot, int c,
                                        bool has_delta) {
