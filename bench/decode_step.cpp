@@ -64,6 +64,8 @@ struct Options {
   bool pdl_after_side_join = true;
   int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
   int seam2_shrink_in_activation = -1;  // EngineOptions::moe_seam2_shrink_in_activation
+  int shared_lora_stream = -1;          // EngineOptions::moe_shared_lora_stream
+  int activation_pdl_shared = -1;       // EngineOptions::moe_activation_pdl_with_shared_pairs
   bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
   bool gdn_delta_in_mix = false;  // EngineOptions::gdn_lora_delta_in_mix
   bool no_timeline = false;
@@ -233,6 +235,11 @@ int run(const Options& o) {
       (o.seam2_shrink_in_activation >= 0
            ? "_seam2_shrink_in_activation_" + std::to_string(o.seam2_shrink_in_activation)
            : "") +
+      (o.shared_lora_stream >= 0 ? "_shared_lora_stream_" + std::to_string(o.shared_lora_stream)
+                                 : "") +
+      (o.activation_pdl_shared >= 0
+           ? "_activation_pdl_shared_" + std::to_string(o.activation_pdl_shared)
+           : "") +
       (o.shared_in_experts ? "" : "_shared_separate") +
       (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "");
   std::optional<moelora::bench::KernelTimeline> timeline;
@@ -249,7 +256,9 @@ int run(const Options& o) {
       std::to_string(o.seam1_after_quant) +
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
       std::to_string(o.seam2_in_finalize) + " --seam2-shrink-in-activation " +
-      std::to_string(o.seam2_shrink_in_activation) +
+      std::to_string(o.seam2_shrink_in_activation) + " --shared-lora-stream " +
+      std::to_string(o.shared_lora_stream) + " --activation-pdl-with-shared-pairs " +
+      std::to_string(o.activation_pdl_shared) +
       (o.shared_in_experts ? "" : " --shared-expert-separate") +
       (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
@@ -276,6 +285,8 @@ int run(const Options& o) {
       options.moe_pdl_after_side_join = o.pdl_after_side_join;
       options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
       options.moe_seam2_shrink_in_activation = o.seam2_shrink_in_activation;
+      options.moe_shared_lora_stream = o.shared_lora_stream;
+      options.moe_activation_pdl_with_shared_pairs = o.activation_pdl_shared;
       options.moe_shared_expert_in_experts = o.shared_in_experts;
       options.gdn_lora_delta_in_mix = o.gdn_delta_in_mix;
       const int64_t prefill_steps =
@@ -389,6 +400,8 @@ int run(const Options& o) {
                           {"pdl_after_side_join", o.pdl_after_side_join},
                           {"seam2_in_finalize", o.seam2_in_finalize},
                           {"seam2_shrink_in_activation", o.seam2_shrink_in_activation},
+                          {"shared_lora_stream", o.shared_lora_stream},
+                          {"activation_pdl_with_shared_pairs", o.activation_pdl_shared},
                           {"shared_expert_in_experts", o.shared_in_experts},
                           {"gdn_delta_in_mix", o.gdn_delta_in_mix},
                           {"runs", results}};
@@ -451,6 +464,20 @@ int main(int argc, char** argv) {
                  "kernel and the shared expert's expand in the finalize (1) instead of on the side "
                  "stream (0); -1 = the layer's rule, off (SideStreamScheduling::"
                  "seam2_shrink_in_activation, docs/gpu_moe.md §6.0h)")
+      ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
+  app.add_option("--shared-lora-stream", o.shared_lora_stream,
+                 "MoE layers with the shared expert among the routed GEMMs' experts: its LoRA "
+                 "kernels on a second side stream beside the routed experts' (1) or after them on "
+                 "the side stream (0); -1 = the layer's rule (SideStreamScheduling::"
+                 "shared_lora_stream, docs/gpu_moe.md §6.0i)")
+      ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
+  app.add_option("--activation-pdl-with-shared-pairs", o.activation_pdl_shared,
+                 "MoE layers with the shared expert among the routed GEMMs' experts: the "
+                 "activation a programmatic launch after its LoRA events (1) or a plain one (0); "
+                 "-1 = the layer's rule (SideStreamScheduling::activation_pdl_with_shared_pairs, "
+                 "docs/gpu_moe.md §6.0i)")
       ->check(CLI::Range(-1, 1))
       ->capture_default_str();
   app.add_flag("--shared-expert-in-experts,!--shared-expert-separate", o.shared_in_experts,

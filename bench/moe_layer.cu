@@ -194,7 +194,9 @@ int main(int argc, char** argv) {
               MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_stream.get(), cudaStreamCaptureModeGlobal));
               layer.forward(f);
               MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_stream.get(), &g));
-              MOELORA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+              // node priorities, as the engine's graphs (the shared expert's LoRA stream)
+              MOELORA_CUDA_CHECK(
+                  cudaGraphInstantiate(&e, g, cudaGraphInstantiateFlagUseNodePriority));
             };
             cudaGraph_t graph;
             cudaGraphExec_t exec;

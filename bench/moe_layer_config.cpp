@@ -221,6 +221,14 @@ int parse_options(int argc, char** argv, Options& opt) {
       opt.side.seam2_shrink_in_activation = 1;
     } else if (a == "--no-seam2-shrink-in-activation") {
       opt.side.seam2_shrink_in_activation = 0;
+    } else if (a == "--shared-lora-stream") {
+      opt.side.shared_lora_stream = 1;
+    } else if (a == "--no-shared-lora-stream") {
+      opt.side.shared_lora_stream = 0;
+    } else if (a == "--activation-pdl-with-shared-pairs") {
+      opt.side.activation_pdl_with_shared_pairs = 1;
+    } else if (a == "--no-activation-pdl-with-shared-pairs") {
+      opt.side.activation_pdl_with_shared_pairs = 0;
     } else if (a == "--lora-side-ctas") {
       const std::string v = next();
       opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
@@ -319,6 +327,16 @@ int parse_options(int argc, char** argv, Options& opt) {
           "                      (routed and shared expert) run in the activation kernel (or on "
           "the side stream);\n"
           "                      default: the layer's rule (off)\n"
+          "  --[no-]shared-lora-stream  a shared expert among the routed experts runs its LoRA "
+          "kernels on a\n"
+          "                      second side stream (or after the routed experts' on the side "
+          "stream);\n"
+          "                      default: the layer's rule\n"
+          "  --[no-]activation-pdl-with-shared-pairs  with a shared expert among the routed "
+          "experts, the\n"
+          "                      activation is a programmatic launch after its LoRA events (or a "
+          "plain one);\n"
+          "                      default: the layer's rule\n"
           "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
           "(default, one\n"
           "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"

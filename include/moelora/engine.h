@@ -143,6 +143,13 @@ struct EngineOptions {
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;
   int moe_seam2_shrink_in_activation = -1;
+  // MoE layers with the shared expert among the routed experts' GEMMs
+  // (moe_shared_expert_in_experts) and LoRA: its LoRA kernels on a second side stream beside the
+  // routed experts' (1 / 0), and the activation a programmatic launch after its LoRA events (1 /
+  // 0); -1 = the layer's rules (ops::cuda::SideStreamScheduling::shared_lora_stream,
+  // activation_pdl_with_shared_pairs).
+  int moe_shared_lora_stream = -1;
+  int moe_activation_pdl_with_shared_pairs = -1;
   // MoE layers with FP8 routed experts and an FP8 shared expert of the routed experts' size (the
   // published Qwen3.5 / DeepSeek-V3 FP8 checkpoints; random FP8 weights likewise): true runs the
   // shared expert as one more expert of the routed GEMMs (ops::cuda::MoeLayerConfig::

@@ -97,6 +97,10 @@ Tensor to_host(const DeviceBuffer& buf, DType dtype, const Shape& shape);
 class Stream {
  public:
   Stream();  // non-blocking stream
+  // A non-blocking stream of the device's greatest priority: the block scheduler places its
+  // kernels' pending CTAs before those of lower-priority streams (and, in CUDA graphs instantiated
+  // with cudaGraphInstantiateFlagUseNodePriority, its captured kernel nodes keep that priority).
+  static Stream greatest_priority();
   ~Stream();
   Stream(Stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
   Stream& operator=(Stream&& o) noexcept;

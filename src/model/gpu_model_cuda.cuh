@@ -80,6 +80,11 @@ struct GpuModelOptions {
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;
   int moe_seam2_shrink_in_activation = -1;
+  // Layers with the shared expert among the pairs: its LoRA on a second side stream, and the
+  // activation a programmatic launch (1 / 0; -1 = the layer's rules: ops::cuda::
+  // SideStreamScheduling::shared_lora_stream, activation_pdl_with_shared_pairs).
+  int moe_shared_lora_stream = -1;
+  int moe_activation_pdl_with_shared_pairs = -1;
   // MoE layers whose shared expert is FP8 with the routed experts' intermediate size (FP8 routed
   // experts, all experts on this GPU) run it as expert E of the routed GEMMs
   // (ops::cuda::MoeLayerConfig::shared_in_experts); false: a separate bf16 MLP (dequantized).

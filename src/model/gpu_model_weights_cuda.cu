@@ -474,6 +474,8 @@ void GpuModelImpl::configure_moe(ops::cuda::MoeLayerCuda& moe) const {
   side.pdl_after_side_join = options_.moe_pdl_after_side_join;
   side.seam2_expand_in_finalize_max_tokens = options_.moe_seam2_in_finalize_max_tokens;
   side.seam2_shrink_in_activation = options_.moe_seam2_shrink_in_activation;
+  side.shared_lora_stream = options_.moe_shared_lora_stream;
+  side.activation_pdl_with_shared_pairs = options_.moe_activation_pdl_with_shared_pairs;
   moe.set_side_stream_scheduling(side);
 }
 

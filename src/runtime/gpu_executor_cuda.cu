@@ -402,7 +402,11 @@ class GpuExecutor final : public Executor {
       const cudaError_t end = cudaStreamEndCapture(stream, &graph);
       ok = ok && end == cudaSuccess && graph != nullptr;
     }
-    if (ok) ok = cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+    // Node priorities: kernels captured from a stream of greater priority (the MoE layers' shared
+    // expert LoRA stream) keep it in replays, instead of all taking the launch stream's.
+    if (ok)
+      ok = cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority) ==
+           cudaSuccess;
     if (graph) cudaGraphDestroy(graph);
     if (!ok) {
       cudaGetLastError();  // clear the capture error; this key runs eagerly from now on
@@ -553,6 +557,8 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.moe_pdl_after_side_join = o.moe_pdl_after_side_join;
   mo.moe_seam2_in_finalize_max_tokens = o.moe_seam2_in_finalize_max_tokens;
   mo.moe_seam2_shrink_in_activation = o.moe_seam2_shrink_in_activation;
+  mo.moe_shared_lora_stream = o.moe_shared_lora_stream;
+  mo.moe_activation_pdl_with_shared_pairs = o.moe_activation_pdl_with_shared_pairs;
   mo.moe_shared_expert_in_experts = o.moe_shared_expert_in_experts;
   mo.gdn_lora_delta_in_mix = o.gdn_lora_delta_in_mix;
   mo.collectives = o.collectives;

@@ -272,14 +272,14 @@ class Sm90_MoeLayer : public ::testing::Test {
     MOELORA_CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   // Captures the launches of fn on the main stream into an instantiated graph (the caller
-  // destroys it with cudaGraphExecDestroy).
+  // destroys it with cudaGraphExecDestroy), with its nodes' priorities as the engine's graphs.
   cudaGraphExec_t capture(const std::function<void()>& fn) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_->get(), cudaStreamCaptureModeGlobal));
     fn();
     MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_->get(), &graph));
-    MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
     MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
     return exec;
   }

@@ -183,6 +183,8 @@ TEST_F(Sm90_MoeLayer, Seam2ShrinkInTheActivationMatchesTheReference) {
     const std::vector<int32_t>& slots = b.slots;
     ops::cuda::SideStreamScheduling side, in_activation;
     side.seam2_shrink_in_activation = 0;
+    side.shared_lora_stream =
+        0;  // one side stream (its own stream: SharedExpertLoraOnItsOwnStream*)
     in_activation.seam2_shrink_in_activation = 1;
     layer.set_side_stream_scheduling(side);
     const Tensor side_shrink = run(layer, x, slots, logits);
@@ -219,6 +221,72 @@ TEST_F(Sm90_MoeLayer, Seam2ShrinkInTheActivationMatchesTheReference) {
   }
 }
 
+// The shared expert's LoRA on its own stream (SideStreamScheduling::shared_lora_stream) and the
+// activation launched programmatically beside it (activation_pdl_with_shared_pairs), each alone,
+// together and with seam 1 released after the quant: the same bits as the side stream's schedule,
+// eagerly and in graph replays, with the seam-2 expand in the finalize (the default here) and on
+// the side stream, four adapters and base tokens; the reference check; the single-adapter forward
+// (its dense shrink stays on the side stream) unchanged; the captured forward joins one stream
+// more.
+TEST_F(Sm90_MoeLayer, SharedExpertLoraOnItsOwnStreamIsBitEqual) {
+  std::mt19937_64 rng(test::test_seed(561));
+  const int H = 256, I = 128, E = 16, k = 4, T = 37;
+  auto lf = make_layer(H, I, E, k, I, /*gate=*/true, RouterKind::kSoftmaxTopK, T, 4, 24, rng,
+                       /*shared_in_experts=*/true);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  const MixedAdapterBatch b = mixed_adapter_batch(layer, lf, 24, T, rng);
+  const Tensor &x = b.x, &logits = b.logits;
+  const std::vector<int32_t>& slots = b.slots;
+  for (const int seam2_in_finalize : {-1, 0}) {
+    SCOPED_TRACE(seam2_in_finalize ? "seam-2 expand in the finalize" : "seam-2 expand on the side");
+    ops::cuda::SideStreamScheduling one_stream;
+    one_stream.shared_lora_stream = 0;
+    one_stream.activation_pdl_with_shared_pairs = 0;
+    one_stream.seam2_expand_in_finalize_max_tokens = seam2_in_finalize;
+    layer.set_side_stream_scheduling(one_stream);
+    const Tensor want = run(layer, x, slots, logits);
+    check_rows(want, x, slots, lf, b.refs, logits, 0.0447);
+    for (const int own_stream : {0, 1})
+      for (const int pdl : {0, 1})
+        for (const int after_quant : {0, 1}) {
+          if (!own_stream && !pdl && !after_quant) continue;
+          SCOPED_TRACE("own stream " + std::to_string(own_stream) + ", programmatic activation " +
+                       std::to_string(pdl) + ", seam 1 after the quant " +
+                       std::to_string(after_quant));
+          ops::cuda::SideStreamScheduling s = one_stream;
+          s.shared_lora_stream = own_stream;
+          s.activation_pdl_with_shared_pairs = pdl;
+          s.seam1_after_quant = after_quant;
+          layer.set_side_stream_scheduling(s);
+          EXPECT_EQ(test::max_abs_diff(run(layer, x, slots, logits), want), 0.0) << "eager";
+          expect_graph_replays_equal(layer, x, slots, logits, want);
+        }
+    // The captured forward: on one side stream the shared expert's seam-2 kernels follow the
+    // routed experts' (joins: the activation's, the seam-2 shrink's after the seam-1 kernels and
+    // the activation, the finalize's); on its own stream they are forked from the activation
+    // beside them, one join more.
+    const UploadedForward f = upload_forward(layer, x, slots, logits);
+    layer.set_side_stream_scheduling(one_stream);
+    EXPECT_EQ(joining_nodes(layer, f.args, main_->get()), 3) << "one side stream";
+    ops::cuda::SideStreamScheduling own = one_stream;
+    own.shared_lora_stream = 1;
+    layer.set_side_stream_scheduling(own);
+    EXPECT_EQ(joining_nodes(layer, f.args, main_->get()), 4) << "the shared expert's own stream";
+  }
+  // A single adapter: the shared expert's dense seam-1 shrink keeps the side stream.
+  std::vector<int32_t> single(T, 1);
+  for (int t = 0; t < T; t += 3) single[t] = -1;
+  ops::cuda::SideStreamScheduling s;
+  s.shared_lora_stream = 0;
+  layer.set_side_stream_scheduling(s);
+  const Tensor one = run(layer, x, single, logits, true, /*single_slot=*/1);
+  s.shared_lora_stream = 1;
+  layer.set_side_stream_scheduling(s);
+  EXPECT_EQ(test::max_abs_diff(run(layer, x, single, logits, true, 1), one), 0.0)
+      << "single adapter";
+  layer.set_side_stream_scheduling({});
+}
+
 // Scheduling values outside their ranges are refused with the field named.
 TEST_F(Sm90_MoeLayer, SideStreamSchedulingOutOfRangeIsRefused) {
   std::mt19937_64 rng(test::test_seed(531));
@@ -236,6 +304,14 @@ TEST_F(Sm90_MoeLayer, SideStreamSchedulingOutOfRangeIsRefused) {
   s.seam2_shrink_in_activation = 2;
   EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
                              "seam2_shrink_in_activation = 2"));
+  s = {};
+  s.shared_lora_stream = 2;
+  EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
+                             "shared_lora_stream = 2"));
+  s = {};
+  s.activation_pdl_with_shared_pairs = -2;
+  EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),
+                             "activation_pdl_with_shared_pairs = -2"));
   s = {};
   s.lora_max_ctas = -3;
   EXPECT_TRUE(test::contains(test::error_message([&] { layer.set_side_stream_scheduling(s); }),

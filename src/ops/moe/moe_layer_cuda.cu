@@ -119,6 +119,12 @@ void* MoeSharedWorkspace::cublas_side() {
   return cublas_side_->get();
 }
 
+cudaStream_t MoeSharedWorkspace::shared_lora_stream() {
+  if (!shared_lora_stream_)
+    shared_lora_stream_.emplace(::moelora::cuda::Stream::greatest_priority());
+  return shared_lora_stream_->get();
+}
+
 MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeights& hw,
                            cudaStream_t main_stream, cudaStream_t side_stream,
                            MoeSharedWorkspace* shared_workspace)
@@ -132,6 +138,12 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
     m.cublas_side = m.own_cublas_side.emplace().get();
   }
   const MoeLayerConfig& c = config_;
+  // The shared expert's LoRA stream (SideStreamScheduling::shared_lora_stream): created here,
+  // before any capture, for the layers that can use it.
+  if (c.shared_in_experts && c.num_slots > 0)
+    m.side2 = shared_workspace
+                  ? shared_workspace->shared_lora_stream()
+                  : m.own_side2.emplace(::moelora::cuda::Stream::greatest_priority()).get();
   MOELORA_CHECK(c.hidden > 0 && c.inter > 0 && c.num_experts > 0 && c.top_k > 0 && c.max_tokens > 0,
                 ErrorCode::kInvalidArgument, "MoeLayerCuda: H = ", c.hidden, ", I = ", c.inter,
                 ", E = ", c.num_experts, ", k = ", c.top_k, ", max_tokens = ", c.max_tokens,
@@ -436,6 +448,14 @@ void MoeLayerCuda::set_side_stream_scheduling(const SideStreamScheduling& s) {
                 ErrorCode::kInvalidArgument,
                 "SideStreamScheduling::seam2_shrink_in_activation = ", s.seam2_shrink_in_activation,
                 " must be -1 (the layer's rule), 0 or 1");
+  MOELORA_CHECK(s.shared_lora_stream >= -1 && s.shared_lora_stream <= 1,
+                ErrorCode::kInvalidArgument,
+                "SideStreamScheduling::shared_lora_stream = ", s.shared_lora_stream,
+                " must be -1 (the layer's rule), 0 or 1");
+  MOELORA_CHECK(s.activation_pdl_with_shared_pairs >= -1 && s.activation_pdl_with_shared_pairs <= 1,
+                ErrorCode::kInvalidArgument,
+                "SideStreamScheduling::activation_pdl_with_shared_pairs = ",
+                s.activation_pdl_with_shared_pairs, " must be -1 (the layer's rule), 0 or 1");
   MOELORA_CHECK(s.lora_max_ctas >= -1, ErrorCode::kInvalidArgument,
                 "SideStreamScheduling::lora_max_ctas = ", s.lora_max_ctas,
                 " must be -1 (one CTA per SM), 0 or a CTA count");

@@ -180,9 +180,10 @@ struct SideStreamScheduling {
   // Decode on FP8 experts: the side stream's seam-1 kernels start after the quant kernel instead
   // of after the align, so that the persistent GEMM1 (a programmatic dependent of the quant
   // kernel) takes its SMs first and the shrink runs beside it (its result is needed only after
-  // GEMM1, by the activation). 1 = on, 0 = off, -1 = on where it measured faster: layers without a
-  // shared expert whose seam-1 shrink fits beside GEMM1's CTAs (hidden <= 4096, the
-  // register-bounded instance). docs/gpu_moe.md §6.0d, §6.0g.
+  // GEMM1, by the activation). 1 = on, 0 = off, -1 = on where it measured faster: layers whose
+  // seam-1 shrink fits beside GEMM1's CTAs (hidden <= 4096, the register-bounded instance) and
+  // that have no shared expert, or have it among the pairs with its LoRA on its own stream
+  // (shared_lora_stream). docs/gpu_moe.md §6.0d, §6.0g, §6.0i.
   int seam1_after_quant = -1;
   // Decode on FP8 / NVFP4 experts: the activation (after the seam-1 delta's event) and the
   // finalize (after the seam-2 delta's) stay programmatic dependents of the GEMM before them, so
@@ -210,6 +211,23 @@ struct SideStreamScheduling {
   // products). 1 = on, 0 = off, -1 = the layer's rule (kSeam2ShrinkInActivationDefault: off;
   // docs/gpu_moe.md §6.0h).
   int seam2_shrink_in_activation = -1;
+  // Decode with LoRA in layers whose shared expert is one of the GEMMs' experts
+  // (MoeLayerConfig::shared_in_experts): the shared expert's LoRA kernels (its seam-1 shrink and
+  // expand, its seam-2 shrink and expand; segment kernels only, not the single-adapter dense
+  // shrink) run on a second side stream, forked and joined by events as the first, so that its
+  // chain of small grids runs beside the routed experts' LoRA instead of after it. The stream has
+  // the device's greatest priority, so its few CTAs are placed before the routed shrink's queued
+  // ones (graph replays keep it where the graph is instantiated with
+  // cudaGraphInstantiateFlagUseNodePriority, as the engine's are). The same bits either way. 1 =
+  // on, 0 = off, -1 = the layer's rule (kSharedLoraStreamDefault: on; docs/gpu_moe.md §6.0i).
+  int shared_lora_stream = -1;
+  // Decode with LoRA on FP8 / NVFP4 experts, the shared expert among the pairs,
+  // pdl_after_side_join: the activation is a programmatic dependent of GEMM1 as in layers without a
+  // shared expert. Its events then cover every side-stream kernel before it (the shared expert's
+  // seam-1 LoRA included), so its early CTAs hold no SM that a side-stream kernel still needs (what
+  // made §6.0e keep it plain beside a separate shared expert). 1 = on, 0 = off, -1 = the layer's
+  // rule (kActivationPdlWithSharedPairsDefault: on; docs/gpu_moe.md §6.0i).
+  int activation_pdl_with_shared_pairs = -1;
 };
 
 // The transient buffers of MoE layers that run one after another on the same two streams (the
@@ -231,10 +249,14 @@ class MoeSharedWorkspace {
   // call (a layer's construction, before any capture).
   void* cublas_main();
   void* cublas_side();
+  // The second side stream (SideStreamScheduling::shared_lora_stream), of the device's greatest
+  // priority, created by the first call.
+  cudaStream_t shared_lora_stream();
 
  private:
   ::moelora::cuda::DeviceBuffer buffer_;
   std::optional<::moelora::cuda::CublasHandle> cublas_main_, cublas_side_;
+  std::optional<::moelora::cuda::Stream> shared_lora_stream_;
 };
 
 class MoeLayerCuda {

@@ -31,14 +31,21 @@ constexpr int kLoraExpandBesideGemmTokens = 32;
 // the finalize for decode forwards of up to this many tokens (docs/gpu_moe.md §6.0g).
 constexpr int kSeam2ExpandInFinalizeDefaultTokens = 64;
 // SideStreamScheduling::seam1_after_quant = -1: the seam-1 side work after the quant kernel for
-// layers without a shared expert whose hidden size keeps the seam-1 shrink in its
-// register-bounded instance (K <= 4096: shrink_vec <= 2), which starts beside GEMM1's CTAs.
+// layers whose hidden size keeps the seam-1 shrink in its register-bounded instance (K <= 4096:
+// shrink_vec <= 2), which starts beside GEMM1's CTAs, and that have no shared expert or have it
+// among the pairs with its LoRA on its own stream (otherwise its chain, after the routed experts'
+// on the side stream, ended after GEMM1: docs/gpu_moe.md §6.0g, §6.0i).
 constexpr int kSeam1AfterQuantMaxHidden = 4096;
 // SideStreamScheduling::seam2_shrink_in_activation = -1: whether the seam-2 shrinks run in the
 // activation kernel wherever the seam-2 expand is formed in the finalize. Off: on the H100 it
 // measured 0.5-1.9 % slower on Qwen3-30B-A3B and within -1.5 / +0.7 % on Qwen3.5-35B-A3B
 // (docs/gpu_moe.md §6.0h).
 constexpr bool kSeam2ShrinkInActivationDefault = false;
+// SideStreamScheduling::shared_lora_stream = -1 and activation_pdl_with_shared_pairs = -1: both
+// on; with seam 1 after the quant (by the rule above) they took 2.0-3.7 % off Qwen3.5-35B-A3B's
+// LoRA decode step on the H100 (docs/gpu_moe.md §6.0i).
+constexpr bool kSharedLoraStreamDefault = true;
+constexpr bool kActivationPdlWithSharedPairsDefault = true;
 
 namespace {
 
@@ -111,6 +118,14 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   const bool fused_shrink = fused_lora || epilogue_lora;
   // Whether the side stream gets work (and so is forked and joined).
   const bool side_work = lora && (!epilogue_lora || shared);
+  // The shared expert's (among the pairs) LoRA kernels on the second side stream
+  // (SideStreamScheduling::shared_lora_stream). Not with a single adapter: its seam-1 shrink is
+  // then a cuBLAS GEMM on the side stream's handle.
+  const bool shared_on_side2 =
+      lora && shared_pairs && f.single_slot < 0 && m.side2 &&
+      (side_scheduling_.shared_lora_stream < 0 ? kSharedLoraStreamDefault
+                                               : side_scheduling_.shared_lora_stream > 0);
+  cudaStream_t shared_lora_stream = shared_on_side2 ? m.side2 : m.side;
 
   // The shared expert's base work on the main stream: gate_up GEMM, activation (with its seam-1
   // delta from the side stream when `with_lora`: waits for ev_shared_lora1), down GEMM into sout.
@@ -248,8 +263,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // seam1_after_quant, decode on FP8 experts) after the quant kernel, so that GEMM1's CTAs reach
   // the SMs before the shrink's.
   const bool seam1_after_quant =
-      stream && (side_scheduling_.seam1_after_quant < 0 ? !shared && H <= kSeam1AfterQuantMaxHidden
-                                                        : side_scheduling_.seam1_after_quant > 0);
+      stream && (side_scheduling_.seam1_after_quant < 0
+                     ? (!shared || shared_on_side2) && H <= kSeam1AfterQuantMaxHidden
+                     : side_scheduling_.seam1_after_quant > 0);
   if (side_work && !seam1_after_quant) m.ev_route.record(m.main);
 
   // side stream, seam 1 (and the shared expert's gate/up LoRA)
@@ -268,15 +284,20 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // segmented kernel, or one dense cuBLAS GEMM over all T rows of x when `dense_a` is given), then
   // expand into `delta` (rows in the segments' order). max_rows bounds the rows of all segments
   // together (the mma kernels' grid capacity): T * k for expert pairs, T for tokens.
+  // `stream` is the side stream, or the second one for the shared expert's targets (not with
+  // dense_a: the GEMM runs on the side stream's cuBLAS handle).
   auto run_lora = [&](const PoolTarget& t, const LoraSegmentsView& seg, int max_rows,
                       const __nv_bfloat16* x, const int32_t* gather, float* partial,
-                      int row_capacity, __nv_bfloat16* delta, const __nv_bfloat16* dense_a) {
+                      int row_capacity, __nv_bfloat16* delta, const __nv_bfloat16* dense_a,
+                      cudaStream_t stream) {
     LoraExpandArgs e;
     e.pool = m.view(t);
     e.seg = seg;
     e.partial = partial;
     e.delta = delta;
     if (dense_a) {
+      MOELORA_CHECK(stream == m.side, ErrorCode::kInternal,
+                    "MoeLayerCuda::forward: the dense LoRA shrink runs on the side stream only");
       gemm_bf16_nt(cublas_side, m.side, x, dense_a, partial, CUDA_R_32F, T, t.max_rank, t.in);
       e.row_capacity = c.max_tokens;
       e.splits = 1;
@@ -290,20 +311,20 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       sh.partial = partial;
       sh.row_capacity = row_capacity;
       if (lora_mma) {
-        launch_lora_shrink_mma(sh, max_rows, m.side);
+        launch_lora_shrink_mma(sh, max_rows, stream);
         e.splits = 1;
       } else {
-        launch_lora_shrink(sh, m.side);
+        launch_lora_shrink(sh, stream);
       }
       e.row_capacity = row_capacity;
     }
     if (!delta) return;  // the expand is formed by its consumer (seam 2 in the finalize)
     if (lora_mma) {
-      launch_lora_expand_mma(e, max_rows, m.side);
+      launch_lora_expand_mma(e, max_rows, stream);
     } else {
-      e.pdl = true;  // directly after its shrink (or GEMM) on the side stream: B loads overlap it
+      e.pdl = true;  // directly after its shrink (or GEMM) on its stream: B loads overlap it
       e.beside_gemm = T >= kLoraExpandBesideGemmTokens;
-      launch_lora_expand(e, m.side);
+      launch_lora_expand(e, stream);
     }
   };
   // A slot's A factor of target t (expert 0), for the dense single-adapter shrink.
@@ -347,16 +368,19 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     // so one dense GEMM over the T tokens replaces the per-pair shrink (k times fewer rows); base
     // tokens' rows are computed but never expanded.
     if (!fused_shrink) {
-      run_lora(m.gate_up, pair_segments, P, f.x, m.x<int32_t>(m.sorted_token),
-               m.x<float>(m.part1), m.P, m.x<__nv_bfloat16>(m.d1),
-               single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr);
+      run_lora(m.gate_up, pair_segments, P, f.x, m.x<int32_t>(m.sorted_token), m.x<float>(m.part1),
+               m.P, m.x<__nv_bfloat16>(m.d1),
+               single >= 0 && m.slot_shared_a[single] ? slot_a(m.gate_up, single) : nullptr,
+               m.side);
       m.ev_lora1.record(m.side);
     }
     if (shared) {  // the shared expert's A is a plain [R, H] matrix: dense for a single adapter
+      if (shared_on_side2)
+        MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_lora_stream, m.ev_route.get(), 0));
       run_lora(m.shared_gate_up, token_segments, T, f.x, m.x<int32_t>(m.token_sorted),
                m.x<float>(m.spart1), c.max_tokens, m.x<__nv_bfloat16>(m.sd1),
-               single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr);
-      m.ev_shared_lora1.record(m.side);
+               single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr, shared_lora_stream);
+      m.ev_shared_lora1.record(shared_lora_stream);
     }
   };
   if (side_work && !seam1_after_quant) enqueue_seam1_side();
@@ -562,8 +586,16 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // and the layer by 1.3 % (docs/gpu_moe.md §6.0e). The fused seam-1 expand reads only
   // main-stream data (the quant kernel's partials, complete before GEMM1 ran), unless the shared
   // expert's rows are among the activation's: their seam-1 delta comes from the side stream.
-  act.pdl = chain_pdl && (!lora || (fused_shrink && !shared_pairs) ||
-                          (side_scheduling_.pdl_after_side_join && !shared));
+  // With the shared expert among the pairs, the activation's events cover every side-stream kernel
+  // before it, so it may be programmatic too
+  // (SideStreamScheduling::activation_pdl_with_shared_pairs).
+  const bool act_pdl_with_shared_pairs =
+      shared_pairs && (side_scheduling_.activation_pdl_with_shared_pairs < 0
+                           ? kActivationPdlWithSharedPairsDefault
+                           : side_scheduling_.activation_pdl_with_shared_pairs > 0);
+  act.pdl = chain_pdl &&
+            (!lora || (fused_shrink && !shared_pairs) ||
+             (side_scheduling_.pdl_after_side_join && (!shared || act_pdl_with_shared_pairs)));
   if (fused_shrink || seam2_shrink_in_act) act.lora = row_shrink(m.down, m.x<float>(m.part2));
   if (seam2_shrink_in_act && shared_pairs) {  // its rows' partials at their tokens' rows
     act.shared_lora.pool = m.view(m.shared_down);
@@ -587,12 +619,17 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       run_fused_expand(m.down, m.x<float>(m.part2), m.x<__nv_bfloat16>(m.d2));
     } else {
       run_lora(m.down, pair_segments, P, m.x<__nv_bfloat16>(m.a16), nullptr, m.x<float>(m.part2),
-               m.P, seam2_in_finalize ? nullptr : m.x<__nv_bfloat16>(m.d2), nullptr);
+               m.P, seam2_in_finalize ? nullptr : m.x<__nv_bfloat16>(m.d2), nullptr, m.side);
     }
-    if (shared_pairs)  // the shared expert's down LoRA over its pairs' activation rows
+    if (shared_pairs) {  // the shared expert's down LoRA over its pairs' activation rows
+      if (shared_on_side2)
+        MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_lora_stream, m.ev_act.get(), 0));
       run_lora(m.shared_down, token_segments, T, m.x<__nv_bfloat16>(m.a16),
                m.x<int32_t>(m.token_shared_row), m.x<float>(m.spart2), c.max_tokens,
-               m.x<__nv_bfloat16>(m.sd2), nullptr);
+               m.x<__nv_bfloat16>(m.sd2), nullptr, shared_lora_stream);
+      if (shared_on_side2)
+        m.ev_shared_lora2.record(shared_lora_stream);  // joined before the finalize
+    }
   }
 
   // 5. GEMM2
@@ -651,12 +688,14 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.side, m.ev_shared_act.get(), 0));
       run_lora(m.shared_down, token_segments, T, m.x<__nv_bfloat16>(m.sa16),
                m.x<int32_t>(m.token_sorted), m.x<float>(m.spart2), c.max_tokens,
-               m.x<__nv_bfloat16>(m.sd2), nullptr);
+               m.x<__nv_bfloat16>(m.sd2), nullptr, m.side);
     }
   }
-  if (side_work && seam2_side_work) {
+  if (seam2_side_work) {  // (implies side_work)
     m.ev_lora2.record(m.side);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora2.get(), 0));
+    if (shared_on_side2 && shared_pairs)
+      MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_shared_lora2.get(), 0));
   }
 
   // 7. finalize

@@ -53,6 +53,11 @@ struct PoolTarget {
 struct MoeLayerCuda::Impl {
   MoeLayerConfig c;
   cudaStream_t main = nullptr, side = nullptr;
+  // The shared expert's LoRA stream (SideStreamScheduling::shared_lora_stream): the
+  // MoeSharedWorkspace's when the layer shares one, else own_side2; null in layers without a
+  // shared expert among the pairs or without adapter slots.
+  cudaStream_t side2 = nullptr;
+  std::optional<::moelora::cuda::Stream> own_side2;
   // Ex: experts in the GEMM stacks (E, + 1 with shared_in_experts); P: pair rows (T kp).
   int Hp = 0, Ip = 0, P = 0, Ex = 0, num_sms = 0;
   int scale_ld = 0;  // leading dimension of the k-major activation scales (P rounded up to 4)
@@ -62,7 +67,8 @@ struct MoeLayerCuda::Impl {
   void* cublas = nullptr;  // cublasHandle_t
   void* cublas_side = nullptr;
   std::vector<uint8_t> slot_shared_a;  // host copy: gate_up A of the slot is shared by all experts
-  ::moelora::cuda::Event ev_route, ev_act, ev_shared_act, ev_lora1, ev_shared_lora1, ev_lora2;
+  ::moelora::cuda::Event ev_route, ev_act, ev_shared_act, ev_lora1, ev_shared_lora1, ev_lora2,
+      ev_shared_lora2;
 
   // weights (one arena) and workspace (another)
   ::moelora::cuda::DeviceArena weights;
@@ -104,7 +110,8 @@ struct MoeLayerCuda::Impl {
         ev_shared_act(false),
         ev_lora1(false),
         ev_shared_lora1(false),
-        ev_lora2(false) {}
+        ev_lora2(false),
+        ev_shared_lora2(false) {}
 
   template <typename T>
   T* w(size_t off) const {
