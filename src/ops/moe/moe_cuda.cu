@@ -458,7 +458,7 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
         !s.partial ||
             (p.shared_in_pairs && !p.shared_delta && s.pool.b && s.pool.rank && s.pool.scaling &&
              s.splits > 0 && s.row_capacity >= p.max_tokens && s.pool.out_features == p.hidden &&
-             s.pool.max_rank <= (p.lora_expand.pool.max_rank <= 16 ? 16 : 32)),
+             s.pool.max_rank <= finalize_fold_ranks(p.lora_expand.pool.max_rank)),
         ErrorCode::kInvalidArgument,
         "moe finalize: the shared expert's folded seam-2 expand needs shared_in_pairs, no "
         "shared_delta, its pool's B, ranks and scalings, splits > 0, row_capacity >= T (",
@@ -467,7 +467,7 @@ void launch_moe_finalize(const MoeFinalizeArgs& p, cudaStream_t stream) {
         p.lora_expand.pool.max_rank, ")");
     if (p.max_tokens == 0) return;
     const dim3 grid(p.max_tokens, (p.hidden + kFoldCols - 1) / kFoldCols);
-    if (p.lora_expand.pool.max_rank <= 16)
+    if (finalize_fold_ranks(p.lora_expand.pool.max_rank) == 16)
       ::moelora::cuda::launch_kernel(moe_finalize_fold_kernel<2>, grid, dim3(kFoldCols), 0, stream,
                                      p.pdl, p);
     else

@@ -98,6 +98,11 @@ struct MoeFinalizeArgs {
 };
 constexpr int kFinalizeFoldMaxTopK = 8;
 constexpr int kFinalizeFoldMaxRank = 32;
+// The ranks the fold's instance holds for a routed down pool of rank <= `routed_max_rank` (<=
+// kFinalizeFoldMaxRank): 16 or 32. The shared expert's folded expand must fit the same instance.
+constexpr int finalize_fold_ranks(int routed_max_rank) {
+  return routed_max_rank <= 16 ? 16 : 32;
+}
 void launch_moe_finalize(const MoeFinalizeArgs& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda

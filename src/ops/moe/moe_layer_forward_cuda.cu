@@ -543,7 +543,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // kernel at all.
   const bool seam2_shrink_in_act =
       seam2_in_finalize && c.num_slots <= kRowShrinkMaxSlots &&
-      (!shared_pairs || m.shared_down.max_rank <= (m.down.max_rank <= 16 ? 16 : 32)) &&
+      (!shared_pairs || m.shared_down.max_rank <= finalize_fold_ranks(m.down.max_rank)) &&
       (side_scheduling_.seam2_shrink_in_activation < 0
            ? kSeam2ShrinkInActivationDefault
            : side_scheduling_.seam2_shrink_in_activation > 0);
