@@ -87,11 +87,9 @@ Stream::Stream() { MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamN
 Stream Stream::greatest_priority() {
   int least = 0, greatest = 0;
   MOELORA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  Stream s;
   cudaStream_t created = nullptr;
   MOELORA_CUDA_CHECK(cudaStreamCreateWithPriority(&created, cudaStreamNonBlocking, greatest));
-  cudaStreamDestroy(std::exchange(s.s_, created));
-  return s;
+  return Stream(created);
 }
 Stream::~Stream() {
   if (s_) cudaStreamDestroy(s_);

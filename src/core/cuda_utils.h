@@ -110,6 +110,7 @@ class Stream {
   void synchronize() const;
 
  private:
+  explicit Stream(cudaStream_t created) : s_(created) {}  // takes ownership
   cudaStream_t s_ = nullptr;
 };
 

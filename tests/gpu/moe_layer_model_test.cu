@@ -154,6 +154,35 @@ int joining_nodes(ops::cuda::MoeLayerCuda& layer, const ops::cuda::MoeForwardArg
   return joins;
 }
 
+// The kernel nodes of the graph captured from one forward that carry the device's greatest
+// priority (copied from their capture stream's).
+int kernels_at_greatest_priority(ops::cuda::MoeLayerCuda& layer, const ops::cuda::MoeForwardArgs& f,
+                                 cudaStream_t stream) {
+  int least = 0, greatest = 0;
+  MOELORA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  if (least == greatest) return -1;  // a device without priorities
+  cudaGraph_t graph;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  layer.forward(f);
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  size_t num_nodes = 0;
+  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &num_nodes));
+  std::vector<cudaGraphNode_t> nodes(num_nodes);
+  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &num_nodes));
+  int count = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    MOELORA_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    if (type != cudaGraphNodeTypeKernel) continue;
+    cudaKernelNodeAttrValue value{};
+    MOELORA_CUDA_CHECK(
+        cudaGraphKernelNodeGetAttribute(node, cudaKernelNodeAttributePriority, &value));
+    count += value.priority == greatest;
+  }
+  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+  return count;
+}
+
 // The routed experts' seam-2 shrink in the activation kernel (SideStreamScheduling::
 // seam2_shrink_in_activation, where the seam-2 expand is in the finalize): LoRA rows match the
 // reference and the side stream's shrink within bf16 rounding (the same products summed in
@@ -226,8 +255,8 @@ TEST_F(Sm90_MoeLayer, Seam2ShrinkInTheActivationMatchesTheReference) {
 // together and with seam 1 released after the quant: the same bits as the side stream's schedule,
 // eagerly and in graph replays, with the seam-2 expand in the finalize (the default here) and on
 // the side stream, four adapters and base tokens; the reference check; the single-adapter forward
-// (its dense shrink stays on the side stream) unchanged; the captured forward joins one stream
-// more.
+// (all of the shared expert's LoRA on the side stream) against the reference; the captured forward
+// joins one stream more and its four kernels on the second stream carry the greatest priority.
 TEST_F(Sm90_MoeLayer, SharedExpertLoraOnItsOwnStreamIsBitEqual) {
   std::mt19937_64 rng(test::test_seed(561));
   const int H = 256, I = 128, E = 16, k = 4, T = 37;
@@ -272,18 +301,24 @@ TEST_F(Sm90_MoeLayer, SharedExpertLoraOnItsOwnStreamIsBitEqual) {
     own.shared_lora_stream = 1;
     layer.set_side_stream_scheduling(own);
     EXPECT_EQ(joining_nodes(layer, f.args, main_->get()), 4) << "the shared expert's own stream";
+    // its four kernels (seam-1 shrink and expand, seam-2 shrink and expand) keep the stream's
+    // greatest priority as graph nodes; nothing else has it
+    EXPECT_EQ(kernels_at_greatest_priority(layer, f.args, main_->get()), 4);
+    layer.set_side_stream_scheduling(one_stream);
+    EXPECT_EQ(kernels_at_greatest_priority(layer, f.args, main_->get()), 0);
   }
-  // A single adapter: the shared expert's dense seam-1 shrink keeps the side stream.
+  // A single adapter (its dense seam-1 shrink is a cuBLAS GEMM on the side stream's handle, so
+  // the shared expert's LoRA stays on the side stream whatever the setting): the reference, and
+  // the segment kernels of the multi-adapter path on the second stream within bf16 rounding.
   std::vector<int32_t> single(T, 1);
   for (int t = 0; t < T; t += 3) single[t] = -1;
-  ops::cuda::SideStreamScheduling s;
-  s.shared_lora_stream = 0;
-  layer.set_side_stream_scheduling(s);
+  ops::cuda::SideStreamScheduling own;
+  own.shared_lora_stream = 1;
+  layer.set_side_stream_scheduling(own);
   const Tensor one = run(layer, x, single, logits, true, /*single_slot=*/1);
-  s.shared_lora_stream = 1;
-  layer.set_side_stream_scheduling(s);
-  EXPECT_EQ(test::max_abs_diff(run(layer, x, single, logits, true, 1), one), 0.0)
-      << "single adapter";
+  check_rows(one, x, single, lf, b.refs, logits, 0.0447);
+  EXPECT_TRUE(test::close_bf16(one, run(layer, x, single, logits, true, -1)))
+      << "single adapter path against the segment kernels on the second stream";
   layer.set_side_stream_scheduling({});
 }
 
@@ -348,12 +383,16 @@ TEST_F(Sm90_MoeLayer, LayersSharingOneWorkspaceShareTheirCublasHandles) {
 // same bits as layers with private workspaces: run alternately, each layer's output from the
 // shared one equals its private twin's, eagerly and in one captured graph of both layers in turn;
 // their zeroed counters (route tickets, GEMM work counters) stay per layer, so a layer that runs
-// after another one of a different plan still finds them at zero.
+// after another one of a different plan still finds them at zero. The small layer has a separate
+// bf16 shared expert, the large one an FP8 shared expert among its routed experts, whose LoRA
+// runs on the workspace's second side stream (SideStreamScheduling::shared_lora_stream) rather
+// than on its private twin's.
 TEST_F(Sm90_MoeLayer, LayersSharingOneWorkspaceEqualLayersWithTheirOwn) {
   std::mt19937_64 rng(test::test_seed(517));
   const int T = 24;
   auto small = make_layer(256, 128, 8, 2, 128, true, RouterKind::kSoftmaxTopK, T, 2, 16, rng);
-  auto large = make_layer(384, 256, 16, 4, 0, false, RouterKind::kSigmoidNoauxTc, T, 2, 16, rng);
+  auto large = make_layer(384, 256, 16, 4, 256, false, RouterKind::kSigmoidNoauxTc, T, 2, 16, rng,
+                          /*shared_in_experts=*/true);
   ops::cuda::MoeSharedWorkspace shared;
   ops::cuda::MoeLayerCuda small_own(small.config, small.host, main_->get(), side_->get());
   ops::cuda::MoeLayerCuda large_own(large.config, large.host, main_->get(), side_->get());

@@ -211,17 +211,18 @@ struct SideStreamScheduling {
   // products). 1 = on, 0 = off, -1 = the layer's rule (kSeam2ShrinkInActivationDefault: off;
   // docs/gpu_moe.md §6.0h).
   int seam2_shrink_in_activation = -1;
-  // Decode with LoRA in layers whose shared expert is one of the GEMMs' experts
-  // (MoeLayerConfig::shared_in_experts): the shared expert's LoRA kernels (its seam-1 shrink and
-  // expand, its seam-2 shrink and expand; segment kernels only, not the single-adapter dense
-  // shrink) run on a second side stream, forked and joined by events as the first, so that its
-  // chain of small grids runs beside the routed experts' LoRA instead of after it. The stream has
-  // the device's greatest priority, so its few CTAs are placed before the routed shrink's queued
-  // ones (graph replays keep it where the graph is instantiated with
-  // cudaGraphInstantiateFlagUseNodePriority, as the engine's are). The same bits either way. 1 =
-  // on, 0 = off, -1 = the layer's rule (kSharedLoraStreamDefault: on; docs/gpu_moe.md §6.0i).
+  // Decode with LoRA on the stream GEMM (FP8 experts) in layers whose shared expert is one of the
+  // GEMMs' experts (MoeLayerConfig::shared_in_experts): the shared expert's LoRA kernels (its
+  // seam-1 shrink and expand, its seam-2 shrink and expand) run on a second side stream, forked
+  // and joined by events as the first, so that its chain of small grids runs beside the routed
+  // experts' LoRA instead of after it. Not in single-adapter forwards (single_slot >= 0: its
+  // seam-1 shrink is a cuBLAS GEMM on the side stream's handle, and all four stay there). The
+  // stream has the device's greatest priority, so its few CTAs are placed before the routed
+  // shrink's queued ones (graph replays keep it where the graph is instantiated with
+  // cudaGraphInstantiateFlagUseNodePriority, as the engine's are). The same bits either way.
+  // 1 = on, 0 = off, -1 = the layer's rule (kSharedLoraStreamDefault: on; docs/gpu_moe.md §6.0i).
   int shared_lora_stream = -1;
-  // Decode with LoRA on FP8 / NVFP4 experts, the shared expert among the pairs,
+  // Decode with LoRA on the stream GEMM (FP8 experts), the shared expert among the pairs,
   // pdl_after_side_join: the activation is a programmatic dependent of GEMM1 as in layers without a
   // shared expert. Its events then cover every side-stream kernel before it (the shared expert's
   // seam-1 LoRA included), so its early CTAs hold no SM that a side-stream kernel still needs (what

@@ -42,12 +42,18 @@ constexpr int kSeam1AfterQuantMaxHidden = 4096;
 // (docs/gpu_moe.md §6.0h).
 constexpr bool kSeam2ShrinkInActivationDefault = false;
 // SideStreamScheduling::shared_lora_stream = -1 and activation_pdl_with_shared_pairs = -1: both
-// on; with seam 1 after the quant (by the rule above) they took 2.0-3.7 % off Qwen3.5-35B-A3B's
-// LoRA decode step on the H100 (docs/gpu_moe.md §6.0i).
+// on; with seam 1 after the quant (by the rule above) they took 1.6-3.7 % off Qwen3.5-35B-A3B's
+// LoRA decode step on the H100, and the stream's priority 2.3-2.7 % more with one adapter
+// (docs/gpu_moe.md §6.0i).
 constexpr bool kSharedLoraStreamDefault = true;
 constexpr bool kActivationPdlWithSharedPairsDefault = true;
 
 namespace {
+
+// A SideStreamScheduling switch: 1 = on, 0 = off, -1 = the layer's default.
+bool resolve_setting(int value, bool layer_default) {
+  return value < 0 ? layer_default : value > 0;
+}
 
 // Whether a forward of `tokens` tokens can take the expert GEMV chain, and why not (nullptr: it can).
 const char* gemv_unsupported_reason(const MoeLayerConfig& c, int tokens, bool lora) {
@@ -119,13 +125,13 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // Whether the side stream gets work (and so is forked and joined).
   const bool side_work = lora && (!epilogue_lora || shared);
   // The shared expert's (among the pairs) LoRA kernels on the second side stream
-  // (SideStreamScheduling::shared_lora_stream). Not with a single adapter: its seam-1 shrink is
-  // then a cuBLAS GEMM on the side stream's handle.
+  // (SideStreamScheduling::shared_lora_stream), in decode forwards on the stream GEMM (what was
+  // measured). Not with a single adapter: its seam-1 shrink is then a cuBLAS GEMM on the side
+  // stream's handle, and all four of its kernels stay there.
   const bool shared_on_side2 =
-      lora && shared_pairs && f.single_slot < 0 && m.side2 &&
-      (side_scheduling_.shared_lora_stream < 0 ? kSharedLoraStreamDefault
-                                               : side_scheduling_.shared_lora_stream > 0);
-  cudaStream_t shared_lora_stream = shared_on_side2 ? m.side2 : m.side;
+      lora && shared_pairs && stream && f.single_slot < 0 && m.side2 &&
+      resolve_setting(side_scheduling_.shared_lora_stream, kSharedLoraStreamDefault);
+  cudaStream_t shared_stream = shared_on_side2 ? m.side2 : m.side;
 
   // The shared expert's base work on the main stream: gate_up GEMM, activation (with its seam-1
   // delta from the side stream when `with_lora`: waits for ev_shared_lora1), down GEMM into sout.
@@ -263,9 +269,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // seam1_after_quant, decode on FP8 experts) after the quant kernel, so that GEMM1's CTAs reach
   // the SMs before the shrink's.
   const bool seam1_after_quant =
-      stream && (side_scheduling_.seam1_after_quant < 0
-                     ? (!shared || shared_on_side2) && H <= kSeam1AfterQuantMaxHidden
-                     : side_scheduling_.seam1_after_quant > 0);
+      stream && resolve_setting(side_scheduling_.seam1_after_quant,
+                                (!shared || shared_on_side2) && H <= kSeam1AfterQuantMaxHidden);
   if (side_work && !seam1_after_quant) m.ev_route.record(m.main);
 
   // side stream, seam 1 (and the shared expert's gate/up LoRA)
@@ -376,11 +381,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     }
     if (shared) {  // the shared expert's A is a plain [R, H] matrix: dense for a single adapter
       if (shared_on_side2)
-        MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_lora_stream, m.ev_route.get(), 0));
+        MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_stream, m.ev_route.get(), 0));
       run_lora(m.shared_gate_up, token_segments, T, f.x, m.x<int32_t>(m.token_sorted),
                m.x<float>(m.spart1), c.max_tokens, m.x<__nv_bfloat16>(m.sd1),
-               single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr, shared_lora_stream);
-      m.ev_shared_lora1.record(shared_lora_stream);
+               single >= 0 ? slot_a(m.shared_gate_up, single) : nullptr, shared_stream);
+      m.ev_shared_lora1.record(shared_stream);
     }
   };
   if (side_work && !seam1_after_quant) enqueue_seam1_side();
@@ -544,9 +549,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   const bool seam2_shrink_in_act =
       seam2_in_finalize && c.num_slots <= kRowShrinkMaxSlots &&
       (!shared_pairs || m.shared_down.max_rank <= finalize_fold_ranks(m.down.max_rank)) &&
-      (side_scheduling_.seam2_shrink_in_activation < 0
-           ? kSeam2ShrinkInActivationDefault
-           : side_scheduling_.seam2_shrink_in_activation > 0);
+      resolve_setting(side_scheduling_.seam2_shrink_in_activation, kSeam2ShrinkInActivationDefault);
   // Seam-2 LoRA kernels on the side stream after the activation: the routed experts' (unless
   // GEMM2's epilogue or, with the option, the activation and the fold form them) and the shared
   // expert's among the pairs (unless the option moved them too); a separate shared expert's follow
@@ -590,9 +593,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // before it, so it may be programmatic too
   // (SideStreamScheduling::activation_pdl_with_shared_pairs).
   const bool act_pdl_with_shared_pairs =
-      shared_pairs && (side_scheduling_.activation_pdl_with_shared_pairs < 0
-                           ? kActivationPdlWithSharedPairsDefault
-                           : side_scheduling_.activation_pdl_with_shared_pairs > 0);
+      shared_pairs && resolve_setting(side_scheduling_.activation_pdl_with_shared_pairs,
+                                      kActivationPdlWithSharedPairsDefault);
   act.pdl = chain_pdl &&
             (!lora || (fused_shrink && !shared_pairs) ||
              (side_scheduling_.pdl_after_side_join && (!shared || act_pdl_with_shared_pairs)));
@@ -623,12 +625,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     }
     if (shared_pairs) {  // the shared expert's down LoRA over its pairs' activation rows
       if (shared_on_side2)
-        MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_lora_stream, m.ev_act.get(), 0));
+        MOELORA_CUDA_CHECK(cudaStreamWaitEvent(shared_stream, m.ev_act.get(), 0));
       run_lora(m.shared_down, token_segments, T, m.x<__nv_bfloat16>(m.a16),
                m.x<int32_t>(m.token_shared_row), m.x<float>(m.spart2), c.max_tokens,
-               m.x<__nv_bfloat16>(m.sd2), nullptr, shared_lora_stream);
-      if (shared_on_side2)
-        m.ev_shared_lora2.record(shared_lora_stream);  // joined before the finalize
+               m.x<__nv_bfloat16>(m.sd2), nullptr, shared_stream);
+      if (shared_on_side2) m.ev_shared_lora2.record(shared_stream);  // joined before the finalize
     }
   }
 
@@ -694,7 +695,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (seam2_side_work) {  // (implies side_work)
     m.ev_lora2.record(m.side);
     MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_lora2.get(), 0));
-    if (shared_on_side2 && shared_pairs)
+    if (shared_on_side2)  // (implies shared_pairs: its seam-2 kernels ran there)
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(m.main, m.ev_shared_lora2.get(), 0));
   }
 
