@@ -8,8 +8,8 @@
 // the decode graph of the bucket be captured (--warm-steps), then records --steps decode steps with
 // CUPTI's kernel activity (bench/kernel_timeline.*): every kernel of the graph replay with its
 // queue and GPU timestamps. It prints, per (B, K), each kernel's calls and microseconds per step,
-// its share of the step, and the time the main queue sat idle before it (launch gaps and waits on
-// the side stream), sorted by time; --out also gets the whole timeline of the first recorded step
+// its share of the step, and the time the main chain sat idle before it (launch gaps and waits on
+// the side streams), sorted by time; --out also gets the whole timeline of the first recorded step
 // and the tables as JSON. The engine's own decode throughput is `moelora bench`'s job; this program
 // says which kernels a faster step has to shorten or remove.
 //
@@ -78,19 +78,19 @@ struct KernelRow {
   std::string name;
   double calls = 0;      // launches per step
   double us = 0;         // summed duration per step
-  double main_idle = 0;  // main queue idle before its launches, per step (main-queue kernels only)
+  double main_idle = 0;  // main chain idle before its launches, per step (main-chain kernels only)
   // What its launches added to the step's span: the part of each one that ends after every kernel
   // that started before it. Kernels launched early with programmatic dependent launch wait inside
   // (their duration includes the wait), so this, not the duration, is their cost.
   double adds = 0;
-  bool main = false;  // ran on the main queue at least once
+  bool main = false;  // a main-chain kernel (see on_main_chain)
 };
 
 struct StepProfile {
   double span_us = 0;       // first kernel start to last kernel end
-  double main_busy_us = 0;  // summed kernel time on the main queue
-  double main_idle_us = 0;  // gaps between consecutive main-queue kernels
-  double side_busy_us = 0;  // summed kernel time on every other queue
+  double main_busy_us = 0;  // summed kernel time of the main chain
+  double main_idle_us = 0;  // gaps between consecutive main-chain kernels
+  double side_busy_us = 0;  // summed kernel time of the LoRA kernels on the side streams
   double kernels = 0;       // launches per step
   std::vector<KernelRow> rows;
 };
@@ -99,18 +99,19 @@ void check(const moelora::Status& s) {
   if (!s) throw moelora::Error(s.code(), s.message());
 }
 
-// The queue with the most kernels is the main stream's (the side stream runs only LoRA work).
+// The main chain: every kernel but the LoRA ones (lora_*), which the model and the MoE layers put
+// on their side streams. Not CUPTI's stream ids: a graph replay runs its branches on queues of the
+// executor's choosing (the timelines' q0, q3, ... change from layer to layer), so the queue with
+// the most kernels is not the capturing main stream once the LoRA branches are several.
+bool on_main_chain(const std::string& kernel) {
+  return kernel.rfind("lora_", 0) != 0;
+}
+
 StepProfile profile_steps(const std::vector<std::vector<moelora::bench::KernelRecord>>& steps) {
   StepProfile p;
   std::map<std::string, KernelRow> by_name;
   for (const auto& step : steps) {
     if (step.empty()) continue;
-    std::map<uint32_t, int> per_queue;
-    for (const auto& r : step) ++per_queue[r.stream];
-    const uint32_t main_queue =
-        std::max_element(per_queue.begin(), per_queue.end(), [](const auto& a, const auto& b) {
-          return a.second < b.second;
-        })->first;
     uint64_t first = step.front().start_ns, last = first, main_end = 0;
     for (const auto& r : step) {  // sorted by start time
       const double dur = static_cast<double>(r.end_ns - r.start_ns) / 1e3;
@@ -121,7 +122,7 @@ StepProfile profile_steps(const std::vector<std::vector<moelora::bench::KernelRe
       row.adds += r.end_ns > last ? static_cast<double>(r.end_ns - last) / 1e3 : 0;
       last = std::max(last, r.end_ns);
       p.kernels += 1;
-      if (r.stream == main_queue) {
+      if (on_main_chain(r.name)) {
         row.main = true;
         const double idle = main_end > 0 && r.start_ns > main_end
                                 ? static_cast<double>(r.start_ns - main_end) / 1e3
@@ -158,21 +159,21 @@ std::string format_profile(const StepProfile& p, int64_t layers) {
   std::string out;
   char line[512];
   std::snprintf(line, sizeof line,
-                "step span %.1f us (%.2f us per layer), %.0f kernels; main queue kernel time %.1f "
+                "step span %.1f us (%.2f us per layer), %.0f kernels; main chain kernel time %.1f "
                 "us (durations summed: "
                 "kernels launched early overlap), idle "
-                "%.1f us; other queues busy %.1f us\n\n",
+                "%.1f us; LoRA kernels busy %.1f us\n\n",
                 p.span_us, p.span_us / static_cast<double>(std::max<int64_t>(layers, 1)), p.kernels,
                 p.main_busy_us, p.main_idle_us, p.side_busy_us);
   out += line;
   out +=
-      "| kernel | queue | calls/step | adds to span, us/step | % of span | adds per call, us | "
+      "| kernel | chain | calls/step | adds to span, us/step | % of span | adds per call, us | "
       "duration per call, us | main idle before, us/step |\n";
   out += "|---|---|---|---|---|---|---|---|\n";
   for (const KernelRow& r : p.rows) {
     const double calls = std::max(r.calls, 1e-9);
     std::snprintf(line, sizeof line, "| %s | %s | %.0f | %.1f | %.1f | %.2f | %.2f | %.1f |\n",
-                  r.name.substr(0, 60).c_str(), r.main ? "main" : "side", r.calls, r.adds,
+                  r.name.substr(0, 60).c_str(), r.main ? "main" : "LoRA", r.calls, r.adds,
                   100.0 * r.adds / std::max(p.span_us, 1e-9), r.adds / calls, r.us / calls,
                   r.main_idle);
     out += line;
@@ -262,8 +263,9 @@ int run(const Options& o) {
       (o.shared_in_experts ? "" : " --shared-expert-separate") +
       (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
-      "over the recorded steps; 'main idle before' is the gap on the main queue before the "
-      "kernel's launches (launch latency, or a wait on the side stream).\n\n";
+      "over the recorded steps; the main chain is every kernel but the LoRA ones (lora_*, on "
+      "the side streams), and 'main idle before' is the gap in it before the kernel's launches "
+      "(launch latency, or a wait on a side stream).\n\n";
 
   for (int batch : batch_sizes) {
     for (int adapters : adapter_counts) {
