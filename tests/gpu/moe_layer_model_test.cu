@@ -133,24 +133,36 @@ TEST_F(Sm90_MoeLayer, Seam2ExpandInTheFinalizeEqualsTheSideStreamExpand) {
   }
 }
 
+// The graph captured from one forward of `layer` on `stream` and its nodes (destroyed with the
+// object).
+struct CapturedForward {
+  cudaGraph_t graph = nullptr;
+  std::vector<cudaGraphNode_t> nodes;
+  CapturedForward(ops::cuda::MoeLayerCuda& layer, const ops::cuda::MoeForwardArgs& f,
+                  cudaStream_t stream) {
+    MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    layer.forward(f);
+    MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    size_t num_nodes = 0;
+    MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &num_nodes));
+    nodes.resize(num_nodes);
+    MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &num_nodes));
+  }
+  ~CapturedForward() { cudaGraphDestroy(graph); }
+  CapturedForward(const CapturedForward&) = delete;
+  CapturedForward& operator=(const CapturedForward&) = delete;
+};
+
 // Kernel nodes of a captured forward that join two streams (more than one dependency).
 int joining_nodes(ops::cuda::MoeLayerCuda& layer, const ops::cuda::MoeForwardArgs& f,
                   cudaStream_t stream) {
-  cudaGraph_t graph;
-  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  layer.forward(f);
-  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  size_t num_nodes = 0;
-  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &num_nodes));
-  std::vector<cudaGraphNode_t> nodes(num_nodes);
-  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &num_nodes));
+  const CapturedForward captured(layer, f, stream);
   int joins = 0;
-  for (cudaGraphNode_t node : nodes) {
+  for (cudaGraphNode_t node : captured.nodes) {
     size_t deps = 0;
     MOELORA_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &deps));
     joins += deps > 1;
   }
-  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
   return joins;
 }
 
@@ -161,16 +173,9 @@ int kernels_at_greatest_priority(ops::cuda::MoeLayerCuda& layer, const ops::cuda
   int least = 0, greatest = 0;
   MOELORA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   if (least == greatest) return -1;  // a device without priorities
-  cudaGraph_t graph;
-  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  layer.forward(f);
-  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  size_t num_nodes = 0;
-  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &num_nodes));
-  std::vector<cudaGraphNode_t> nodes(num_nodes);
-  MOELORA_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &num_nodes));
+  const CapturedForward captured(layer, f, stream);
   int count = 0;
-  for (cudaGraphNode_t node : nodes) {
+  for (cudaGraphNode_t node : captured.nodes) {
     cudaGraphNodeType type;
     MOELORA_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
     if (type != cudaGraphNodeTypeKernel) continue;
@@ -179,7 +184,6 @@ int kernels_at_greatest_priority(ops::cuda::MoeLayerCuda& layer, const ops::cuda
         cudaGraphKernelNodeGetAttribute(node, cudaKernelNodeAttributePriority, &value));
     count += value.priority == greatest;
   }
-  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
   return count;
 }
 
