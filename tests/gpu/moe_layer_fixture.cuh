@@ -231,8 +231,6 @@ class Sm90_MoeLayer : public ::testing::Test {
     side_->synchronize();
     return cuda::to_host(out, DType::kBF16, {T, H}).to_f32();
   }
-  // Captures one LoRA forward of `layer` on (x, slots, logits) into a graph and expects each of
-  // `replays` replays to write `want` bit for bit.
   // Device copies of a LoRA forward's inputs (x [T, H], the slot map, router logits [T, E]), its
   // output buffer [T, H] bf16 and the forward's arguments over them.
   struct UploadedForward {
@@ -255,6 +253,8 @@ class Sm90_MoeLayer : public ::testing::Test {
     u.args.out = u.out.as<__nv_bfloat16>();
     return u;
   }
+  // Captures one LoRA forward of `layer` on (x, slots, logits) into a graph and expects each of
+  // `replays` replays to write `want` bit for bit.
   void expect_graph_replays_equal(ops::cuda::MoeLayerCuda& layer, const Tensor& x,
                                   const std::vector<int32_t>& slots, const Tensor& logits,
                                   const Tensor& want, int replays = 3) {

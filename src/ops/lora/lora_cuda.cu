@@ -236,17 +236,10 @@ __global__ void __launch_bounds__(kThreads)
 // (rounded up to 8) and for n >= N. The pool's rank tail is zero, so ranks that are not multiples
 // of 8 read zeros there.
 template <int kRankChunks>
-__device__ __forceinline__ void load_b_row(const LoraPoolTarget& pool, int slot, int expert,
-                                           int n, int rank, uint4 (&b_reg)[kRankChunks]) {
-  const int N = pool.out_features, R = pool.max_rank;
-  const int rank_chunks = (rank + 7) / 8;
+__device__ __forceinline__ void load_b_row(const LoraPoolTarget& pool, int slot, int expert, int n,
+                                           int rank, uint4 (&b_reg)[kRankChunks]) {
   const int eb = (pool.eb == 1 || (pool.b_shared && pool.b_shared[slot])) ? 0 : expert;
-  const __nv_bfloat16* b_row =
-      pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R;
-#pragma unroll
-  for (int c = 0; c < kRankChunks; ++c)
-    b_reg[c] = (c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
-                                          : make_uint4(0, 0, 0, 0);
+  lora_load_b_chunks<kRankChunks>(pool, slot, eb, n, (rank + 7) / 8, /*active=*/true, b_reg);
 }
 
 // Column tiles of the targets of one expand launch: target t owns blockIdx.y in

@@ -237,6 +237,25 @@ __device__ __forceinline__ void row_expand_add(const LoraRowExpandArgs& a, const
   }
 }
 
+// Column n's B row of (slot, B expert eb; eb already resolved: 0 for a one-expert or shared-B
+// pool): kRankChunks 8-value chunks, the first rank_chunks loaded, zero past them, for n >= N =
+// pool.out_features and when !active (nothing is read then). The pool's rank tail is zero, so
+// ranks that are not multiples of 8 read zeros there. Shared by the expands of lora_cuda.cu and
+// the MoE finalize's fold.
+template <int kRankChunks>
+__device__ __forceinline__ void lora_load_b_chunks(const LoraPoolTarget& pool, int slot, int eb,
+                                                   int n, int rank_chunks, bool active,
+                                                   uint4 (&b)[kRankChunks]) {
+  const int N = pool.out_features, R = pool.max_rank;
+  const __nv_bfloat16* b_row =
+      active ? pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * N + (n < N ? n : 0)) * R
+             : nullptr;
+#pragma unroll
+  for (int c = 0; c < kRankChunks; ++c)
+    b[c] = (active && c < rank_chunks && n < N) ? *reinterpret_cast<const uint4*>(b_row + c * 8)
+                                                : make_uint4(0, 0, 0, 0);
+}
+
 // The expand's arithmetic for one output column, shared by the segment expand
 // (lora_cuda.cu) and the MoE finalize's folded seam-2 expand, which must give its bits:
 //   lora_partial_sum: u's sum over the K splits of a shrink's partials [splits, capacity, R] (row

@@ -297,31 +297,15 @@ __global__ void __launch_bounds__(kFoldCols) moe_finalize_fold_kernel(const MoeF
   const int shared_rank = shared_fold ? se.pool.rank[slot] : 0;
   const int shared_chunks = (shared_rank + 7) / 8;
   const float shared_scaling = shared_fold ? se.pool.scaling[slot] : 0.f;
-  uint4 b_shared[kRankChunks];
-  {
-    const __nv_bfloat16* b_row =
-        shared_fold ? se.pool.b + (static_cast<size_t>(slot) * se.pool.eb * H + (n < H ? n : 0)) *
-                                      se.pool.max_rank
-                    : nullptr;
-#pragma unroll
-    for (int c = 0; c < kRankChunks; ++c)
-      b_shared[c] = (shared_fold && c < shared_chunks && n < H)
-                        ? *reinterpret_cast<const uint4*>(b_row + c * 8)
-                        : make_uint4(0, 0, 0, 0);
-  }
+  uint4 b_shared[kRankChunks];  // its one expert's B
+  lora_load_b_chunks<kRankChunks>(se.pool, slot, 0, n, shared_chunks, shared_fold, b_shared);
   uint4 b_reg[kFinalizeFoldMaxTopK][kRankChunks];
 #pragma unroll
   for (int j = 0; j < kFinalizeFoldMaxTopK; ++j) {
-    const int expert = (lora && pos_of[j] >= 0) ? e.row_slot_expert[pos_of[j]].y : 0;
-    const int eb = b_per_expert ? expert : 0;
-    const __nv_bfloat16* b_row =
-        lora ? pool.b + ((static_cast<size_t>(slot) * pool.eb + eb) * H + (n < H ? n : 0)) * R
-             : nullptr;
-#pragma unroll
-    for (int c = 0; c < kRankChunks; ++c)
-      b_reg[j][c] = (lora && pos_of[j] >= 0 && c < rank_chunks && n < H)
-                        ? *reinterpret_cast<const uint4*>(b_row + c * 8)
-                        : make_uint4(0, 0, 0, 0);
+    const bool pair = lora && pos_of[j] >= 0;
+    const int expert = pair ? e.row_slot_expert[pos_of[j]].y : 0;
+    lora_load_b_chunks<kRankChunks>(pool, slot, b_per_expert ? expert : 0, n, rank_chunks, pair,
+                                    b_reg[j]);
   }
   // The gate reads x (complete before the route kernel finished, as the routing read above).
   const float gate =

@@ -437,25 +437,20 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
 MoeLayerCuda::~MoeLayerCuda() = default;
 
 void MoeLayerCuda::set_side_stream_scheduling(const SideStreamScheduling& s) {
-  MOELORA_CHECK(s.seam1_after_quant >= -1 && s.seam1_after_quant <= 1, ErrorCode::kInvalidArgument,
-                "SideStreamScheduling::seam1_after_quant = ", s.seam1_after_quant,
-                " must be -1 (the layer's rule), 0 or 1");
+  // The switches: 1 = on, 0 = off, -1 = the layer's rule.
+  auto check_switch = [](int value, const char* field) {
+    MOELORA_CHECK(value >= -1 && value <= 1, ErrorCode::kInvalidArgument,
+                  "SideStreamScheduling::", field, " = ", value,
+                  " must be -1 (the layer's rule), 0 or 1");
+  };
+  check_switch(s.seam1_after_quant, "seam1_after_quant");
+  check_switch(s.seam2_shrink_in_activation, "seam2_shrink_in_activation");
+  check_switch(s.shared_lora_stream, "shared_lora_stream");
+  check_switch(s.activation_pdl_with_shared_pairs, "activation_pdl_with_shared_pairs");
   MOELORA_CHECK(s.seam2_expand_in_finalize_max_tokens >= -1, ErrorCode::kInvalidArgument,
                 "SideStreamScheduling::seam2_expand_in_finalize_max_tokens = ",
                 s.seam2_expand_in_finalize_max_tokens,
                 " must be -1 (the default), 0 or a token count");
-  MOELORA_CHECK(s.seam2_shrink_in_activation >= -1 && s.seam2_shrink_in_activation <= 1,
-                ErrorCode::kInvalidArgument,
-                "SideStreamScheduling::seam2_shrink_in_activation = ", s.seam2_shrink_in_activation,
-                " must be -1 (the layer's rule), 0 or 1");
-  MOELORA_CHECK(s.shared_lora_stream >= -1 && s.shared_lora_stream <= 1,
-                ErrorCode::kInvalidArgument,
-                "SideStreamScheduling::shared_lora_stream = ", s.shared_lora_stream,
-                " must be -1 (the layer's rule), 0 or 1");
-  MOELORA_CHECK(s.activation_pdl_with_shared_pairs >= -1 && s.activation_pdl_with_shared_pairs <= 1,
-                ErrorCode::kInvalidArgument,
-                "SideStreamScheduling::activation_pdl_with_shared_pairs = ",
-                s.activation_pdl_with_shared_pairs, " must be -1 (the layer's rule), 0 or 1");
   MOELORA_CHECK(s.lora_max_ctas >= -1, ErrorCode::kInvalidArgument,
                 "SideStreamScheduling::lora_max_ctas = ", s.lora_max_ctas,
                 " must be -1 (one CTA per SM), 0 or a CTA count");

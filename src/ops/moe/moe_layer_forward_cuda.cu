@@ -43,7 +43,7 @@ constexpr int kSeam1AfterQuantMaxHidden = 4096;
 constexpr bool kSeam2ShrinkInActivationDefault = false;
 // SideStreamScheduling::shared_lora_stream = -1 and activation_pdl_with_shared_pairs = -1: both
 // on; with seam 1 after the quant (by the rule above) they took 1.6-3.7 % off Qwen3.5-35B-A3B's
-// LoRA decode step on the H100, and the stream's priority 2.3-2.7 % more with one adapter
+// LoRA decode step on the H100, and the stream's priority 2.2-2.7 % more with one adapter
 // (docs/gpu_moe.md §6.0i).
 constexpr bool kSharedLoraStreamDefault = true;
 constexpr bool kActivationPdlWithSharedPairsDefault = true;
@@ -733,8 +733,8 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   fa.out = f.out;
   // Directly after GEMM2 on this stream (also after the seam-2 expand's event, as the
   // activation), not after the shared expert's cuBLAS kernels.
-  fa.pdl = chain_pdl && !shared_separate &&
-           (!side_work || !seam2_side_work || side_scheduling_.pdl_after_side_join);
+  fa.pdl =
+      chain_pdl && !shared_separate && (!seam2_side_work || side_scheduling_.pdl_after_side_join);
   launch_moe_finalize(fa, m.main);
 }
 
