@@ -420,12 +420,13 @@ TEST(Sm90_LoraRowFused, QuantShrinkActivationExpandAndShrinkMatchReference) {
   EXPECT_THROW(ops::cuda::launch_moe_activation(bad_act, nullptr), Error);
 }
 
-// Multi-LoRA over (slot, expert) segments: per-expert and shared-outer slots, ranks 16, 5 and 0.
-TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
-  MOELORA_REQUIRE_SM90();
-  std::mt19937_64 rng(test::test_seed(401));
-  const int S = 4, E = 6, R = 16, in = 2056, out = 300, rows = 23;
-  const int ranks[S] = {16, 5, 0, 12};
+// Multi-LoRA over (slot, expert) segments of pool rank R over `in` input features: per-expert and
+// shared-outer slots, ranks R, 5, 0 and R - 4.
+void check_segmented_shrink_expand(int in, int R, uint64_t seed_tag) {
+  SCOPED_TRACE(::testing::Message() << "in " << in << ", R " << R);
+  std::mt19937_64 rng(test::test_seed(seed_tag));
+  const int S = 4, E = 6, out = 300, rows = 23;
+  const int ranks[S] = {R, 5, 0, R - 4};
   const bool shared_a[S] = {false, false, false, true};
   Tensor x = test::random_normal({rows, in}, rng).to(DType::kBF16).to_f32();
   // pool host arrays (bf16 values kept as fp32 for the reference)
@@ -548,6 +549,15 @@ TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
   ops::cuda::LoraShrinkArgs bad = sa;
   bad.seg.max_ctas = -2;
   EXPECT_THROW(ops::cuda::launch_lora_shrink(bad, stream.get()), Error);
+}
+
+// The segment shrink's instances: 256 / 512 / 1024-column splits (in = 1000 / 2056 / 7176) and
+// one, two or three 16-rank groups of A rows (R = 16, 24, 40).
+TEST(Sm90_Lora, SegmentedShrinkExpandMatchesPerRowReference) {
+  MOELORA_REQUIRE_SM90();
+  check_segmented_shrink_expand(2056, 16, 401);
+  check_segmented_shrink_expand(1000, 40, 402);
+  check_segmented_shrink_expand(7176, 24, 403);
 }
 
 }  // namespace

@@ -356,10 +356,22 @@ __global__ void __launch_bounds__(kThreads)
 // memory 32 at a time. Measured on the H200: a decode MoE layer (segments of 1-10 pair rows)
 // keeps 3-6 % more of its no-LoRA throughput with these than with the row-chunk kernels above,
 // which stage 8 rows per pass and win on the long token segments of the dense projections.
-constexpr int kSegShrinkWarps = 8;
+// The segment shrink: 4 warps, each holding 4 rank rows of A at once (the CTA's 16 rank rows of a
+// split in flight together: 8 KB per kVec), so that two CTAs fit beside the stream GEMM's two on
+// an SM (<= 102 registers) and keep 16 KB of A loads in flight per SM. With 8 warps of 2 rank rows
+// (one CTA beside the GEMM, two dependent A round trips per unit) the routed seam-1 shrink read its
+// ~13 MB at ~150 GB/s beside GEMM1 and ended after it (docs/gpu_moe.md §6.0i, §6.0j).
+constexpr int kSegShrinkWarps = 4;
+constexpr int kSegShrinkWarpRanks = 4;
+constexpr int kSegShrinkGroupRanks = kSegShrinkWarps * kSegShrinkWarpRanks;  // 16
 constexpr int kSegExpandThreads = 256;
 constexpr int kSegExpandRows = 32;   // u rows staged per pass = rows per chunk of a segment
-constexpr int kSegRowsInFlight = 4;  // shrink rows a warp reduces at once
+// Shrink rows a warp reduces at once: their loads and reductions overlap. Fewer for wider splits,
+// whose x rows take kVec registers each beside the four A rows' (kVec = 2 spilled at 4 rows).
+template <int kVec>
+constexpr int seg_shrink_rows_in_flight() {
+  return kVec == 1 ? 4 : 2;
+}
 
 // The segment-major grids are a list of work units: (segment, K split or column tile, row chunk),
 // segment-major. Grid x is the units' capacity (max_segments x splits or tiles x row_chunks), or at
@@ -375,40 +387,51 @@ __device__ __forceinline__ SegmentUnit segment_unit(int unit, int parts, int row
 }
 
 // One unit of the shrink: split `split` of segment `seg`'s rows in chunks chunk, chunk +
-// row_chunks, ...
+// row_chunks, ... Warp w holds rank rows g0 + h * kSegShrinkWarps + w (h < kSegShrinkWarpRanks) of
+// each 16-rank group g0; lane l the columns k0 + (v * 32 + l) * 8 .. + 8 (v < kVec). Every sum is
+// the lane's dot8 terms in v order, then the xor butterfly: the same bits for any grouping.
 template <int kVec>
 __device__ __forceinline__ void shrink_segment_unit(const LoraShrinkArgs& p, const int4 seg,
                                                     int split, int chunk, int row_chunks) {
   const int slot = seg.x, expert = seg.y;
   const LoraPoolTarget& pool = p.pool;
-  const int rank = pool.rank[slot];
-  if (rank == 0) return;  // the expand writes zeros for this segment without reading partials
   const int K = pool.in_features, R = pool.max_rank;
   constexpr int kSplitCols = 256 * kVec;
+  constexpr int kRows = seg_shrink_rows_in_flight<kVec>();
+  static_assert(kSegShrinkWarpRanks * kRows <= 32, "one lane per (rank, row) result");
   const int k0 = split * kSplitCols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int ea = (pool.ea == 1 || (pool.a_shared && pool.a_shared[slot])) ? 0 : expert;
   const __nv_bfloat16* a_base = pool.a + (static_cast<size_t>(slot) * pool.ea + ea) * R * K;
-
-  for (int r0 = warp; r0 < rank; r0 += kSegShrinkWarps) {
-    // lane's columns: k0 + (v * 32 + lane) * 8 .. +8 for v < kVec
-    uint4 a_reg[kVec];
+  auto load_group = [&](uint4(&a)[kSegShrinkWarpRanks][kVec], int g0, int rank_limit) {
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      const int col = k0 + (v * 32 + lane) * 8;
-      a_reg[v] = col < K
-                     ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r0) * K + col)
-                     : make_uint4(0, 0, 0, 0);
+    for (int h = 0; h < kSegShrinkWarpRanks; ++h) {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        const int r = g0 + h * kSegShrinkWarps + warp, col = k0 + (v * 32 + lane) * 8;
+        a[h][v] = (r < rank_limit && col < K)
+                      ? *reinterpret_cast<const uint4*>(a_base + static_cast<size_t>(r) * K + col)
+                      : make_uint4(0, 0, 0, 0);
+      }
     }
+  };
+  // The A loads wait for the slot's rank: a slot whose adapter does not target this module (an
+  // attention-only adapter, say) reads no A bytes at all.
+  const int rank = min(pool.rank[slot], R);
+  if (rank == 0) return;  // the expand writes zeros for this segment without reading partials
+
+  for (int g0 = 0; g0 < rank; g0 += kSegShrinkGroupRanks) {
+    uint4 a_reg[kSegShrinkWarpRanks][kVec];
+    load_group(a_reg, g0, rank);
     // This unit's rows: chunks of kSegExpandRows starting at `chunk`, every row_chunks-th.
     for (int c0 = seg.z + chunk * kSegExpandRows; c0 < seg.w; c0 += row_chunks * kSegExpandRows) {
       const int c1 = min(seg.w, c0 + kSegExpandRows);
-      // kSegRowsInFlight rows per pass: their loads and warp reductions are independent, so the
-      // warp overlaps their latencies instead of paying one L2 round trip per row.
-      for (int q0 = c0; q0 < c1; q0 += kSegRowsInFlight) {
-        uint4 x_reg[kSegRowsInFlight][kVec];
+      // kRows rows per pass: their loads and warp reductions are independent, so the warp
+      // overlaps their latencies instead of paying one L2 round trip per row.
+      for (int q0 = c0; q0 < c1; q0 += kRows) {
+        uint4 x_reg[kRows][kVec];
 #pragma unroll
-        for (int j = 0; j < kSegRowsInFlight; ++j) {
+        for (int j = 0; j < kRows; ++j) {
           const int q = q0 + j;
           const int row = q < c1 ? (p.gather ? p.gather[q] : q) : -1;
 #pragma unroll
@@ -420,31 +443,43 @@ __device__ __forceinline__ void shrink_segment_unit(const LoraShrinkArgs& p, con
                     : make_uint4(0, 0, 0, 0);
           }
         }
-        float s[kSegRowsInFlight];
+        float s[kSegShrinkWarpRanks][kRows];
 #pragma unroll
-        for (int j = 0; j < kSegRowsInFlight; ++j) {
-          s[j] = 0.f;
+        for (int h = 0; h < kSegShrinkWarpRanks; ++h) {
 #pragma unroll
-          for (int v = 0; v < kVec; ++v) s[j] += dot8(a_reg[v], x_reg[j][v]);
+          for (int j = 0; j < kRows; ++j) {
+            s[h][j] = 0.f;
+#pragma unroll
+            for (int v = 0; v < kVec; ++v) s[h][j] += dot8(a_reg[h][v], x_reg[j][v]);
+          }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
-          for (int j = 0; j < kSegRowsInFlight; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], o);
-        }
-        if (lane == 0) {
+          for (int h = 0; h < kSegShrinkWarpRanks; ++h) {
 #pragma unroll
-          for (int j = 0; j < kSegRowsInFlight; ++j)
-            if (q0 + j < c1)
-              p.partial[(static_cast<size_t>(split) * p.row_capacity + q0 + j) * R + r0] = s[j];
+            for (int j = 0; j < kRows; ++j) s[h][j] += __shfl_xor_sync(0xffffffffu, s[h][j], o);
+          }
         }
+        // Lane h * kRows + j stores (rank g0 + h * kSegShrinkWarps + warp, row q0 + j).
+        float mine = 0.f;
+#pragma unroll
+        for (int h = 0; h < kSegShrinkWarpRanks; ++h) {
+#pragma unroll
+          for (int j = 0; j < kRows; ++j)
+            if (lane == h * kRows + j) mine = s[h][j];
+        }
+        const int h = lane / kRows, j = lane % kRows;
+        const int r = g0 + h * kSegShrinkWarps + warp;
+        if (h < kSegShrinkWarpRanks && r < rank && q0 + j < c1)
+          p.partial[(static_cast<size_t>(split) * p.row_capacity + q0 + j) * R + r] = mine;
       }
     }
   }
 }
 
 template <int kVec>
-__global__ void __launch_bounds__(32 * kSegShrinkWarps, kVec <= 2 ? 3 : 1)
+__global__ void __launch_bounds__(32 * kSegShrinkWarps, kVec <= 2 ? 5 : 1)
     lora_shrink_segment_kernel(const LoraShrinkArgs p, int splits, int row_chunks) {
   // The expand after this kernel may start at once: it loads its B rows before its wait.
   ::moelora::cuda::sm90::launch_dependents();
