@@ -356,6 +356,7 @@ __global__ void __launch_bounds__(kThreads)
 // memory 32 at a time. Measured on the H200: a decode MoE layer (segments of 1-10 pair rows)
 // keeps 3-6 % more of its no-LoRA throughput with these than with the row-chunk kernels above,
 // which stage 8 rows per pass and win on the long token segments of the dense projections.
+//
 // The segment shrink: 4 warps, each holding 4 rank rows of A at once (the CTA's 16 rank rows of a
 // split in flight together: 8 KB per kVec), so that two CTAs fit beside the stream GEMM's two on
 // an SM (<= 102 registers) and keep 16 KB of A loads in flight per SM. With 8 warps of 2 rank rows
