@@ -149,10 +149,10 @@ int inspect_adapter(const fs::path& dir, const std::string& model_option, bool a
     ++count;
     bytes += info.nbytes();
     std::string module = name;
-    if (starts_with(module, "base_model.model.")) module = module.substr(17);
+    if (module.starts_with("base_model.model.")) module = module.substr(17);
     bool is_a = false;
     for (const char* suffix : {".lora_A.weight", ".lora_B.weight", ".lora_A", ".lora_B"}) {
-      if (ends_with(module, suffix)) {
+      if (module.ends_with(suffix)) {
         is_a = std::string(suffix).find("lora_A") != std::string::npos;
         module = module.substr(0, module.size() - std::string(suffix).size());
         break;
@@ -161,10 +161,10 @@ int inspect_adapter(const fs::path& dir, const std::string& model_option, bool a
     // PEFT 3-D wrappers: experts.base_layer (inner, gate_up_proj when both are targeted) and
     // experts
     std::string scaling_path = module;
-    const bool wrapper = ends_with(module, ".experts") || ends_with(module, ".experts.base_layer");
+    const bool wrapper = module.ends_with(".experts") || module.ends_with(".experts.base_layer");
     if (wrapper) {
       peft3d = true;
-      std::string parameter = ends_with(module, ".base_layer") ? "gate_up_proj" : "down_proj";
+      std::string parameter = module.ends_with(".base_layer") ? "gate_up_proj" : "down_proj";
       if (cfg.target_parameters.size() == 1) {
         const std::string& only = cfg.target_parameters.front();
         parameter = only.substr(only.rfind('.') + 1);
@@ -179,7 +179,7 @@ int inspect_adapter(const fs::path& dir, const std::string& model_option, bool a
         !wrapper && info.shape.size() == 3 && path.kind.find("experts.") != std::string::npos;
     if (stacked_expert) {
       stacked = true;
-      const bool outer = ends_with(path.kind, "down_proj") ? !is_a : is_a;
+      const bool outer = path.kind.ends_with("down_proj") ? !is_a : is_a;
       if (outer && info.shape[0] == 1) shared_outer = true;
     }
     TargetGroup& g = groups[path.kind];
@@ -213,10 +213,10 @@ int inspect_adapter(const fs::path& dir, const std::string& model_option, bool a
       const std::string rank = rank_scaling.first >= 0
                                    ? std::to_string(rank_scaling.first)
                                    : "E*R=" + std::to_string(-rank_scaling.first);
-      line +=
-          "\n  r " + rank + ", scaling " + fmt(rank_scaling.second) +
-          (layer_list.empty() || layer_list.front() < 0 ? ""
-                                                        : ", layers " + format_ranges(layer_list));
+      line += "\n  r " + rank + ", scaling " + fmt(rank_scaling.second) +
+              (layer_list.empty() || layer_list.front() < 0
+                   ? ""
+                   : ", layers " + io::format_ranges(layer_list));
       ranks.push_back(
           {{"r", rank_scaling.first}, {"scaling", rank_scaling.second}, {"layers", layer_list}});
     }

@@ -26,34 +26,6 @@ inline std::string fmt(double value) {
   return text;
 }
 
-// "0-2, 5, 7-8"
-inline std::string format_ranges(const std::vector<int64_t>& values) {
-  std::vector<int64_t> v = values;
-  std::sort(v.begin(), v.end());
-  v.erase(std::unique(v.begin(), v.end()), v.end());
-  std::string out;
-  for (size_t i = 0; i < v.size();) {
-    size_t j = i;
-    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
-    if (!out.empty()) out += ", ";
-    out += std::to_string(v[i]);
-    if (j > i) {
-      out += '-';
-      out += std::to_string(v[j]);
-    }
-    i = j + 1;
-  }
-  return out;
-}
-
-inline bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-inline bool starts_with(const std::string& s, const std::string& prefix) {
-  return s.rfind(prefix, 0) == 0;
-}
-
 // An aligned two-column table, and the same facts as JSON.
 class Report {
  public:

@@ -10,6 +10,7 @@
 #include "inspect_internal.h"
 #include "io/checkpoint.h"
 #include "io/hf_config.h"
+#include "io/peft.h"
 #include "io/safetensors.h"
 
 namespace moelora::cli::inspect {
@@ -68,15 +69,15 @@ std::vector<IgnoredGroup> group_ignored(const std::vector<std::string>& names, c
   };
   const std::string layers = prefix + "layers.";
   for (const std::string& name : names) {
-    if (starts_with(name, "mtp.")) {
+    if (name.starts_with("mtp.")) {
       add("mtp.*", "the multi-token prediction layer (speculative decoding), not run here");
-    } else if (ends_with(name, ".rotary_emb.inv_freq")) {
+    } else if (name.ends_with(".rotary_emb.inv_freq")) {
       add("*.rotary_emb.inv_freq", "RoPE frequencies, recomputed from config.json");
-    } else if (ends_with(name, ".k_scale") || ends_with(name, ".v_scale")) {
+    } else if (name.ends_with(".k_scale") || name.ends_with(".v_scale")) {
       add("*.self_attn.{k,v}_scale", "FP8 KV-cache scales; the engine keeps a bf16 KV cache");
-    } else if (c.tie_word_embeddings && ends_with(name, "lm_head.weight")) {
+    } else if (c.tie_word_embeddings && name.ends_with("lm_head.weight")) {
       add(name, "tied to the embeddings");
-    } else if (starts_with(name, layers)) {
+    } else if (name.starts_with(layers)) {
       const std::string index =
           name.substr(layers.size(), name.find('.', layers.size()) - layers.size());
       add(layers + index + ".*", "beyond num_hidden_layers " + std::to_string(c.num_hidden_layers) +
@@ -233,7 +234,7 @@ int inspect_model(const fs::path& dir, bool as_json) {
   report.row("layers",
              std::to_string(c.num_hidden_layers) + " (" + std::to_string(moe_layers.size()) +
                  " MoE" +
-                 (dense_layers.empty() ? "" : ", dense MLP in " + format_ranges(dense_layers)) +
+                 (dense_layers.empty() ? "" : ", dense MLP in " + io::format_ranges(dense_layers)) +
                  attention_mix + ")");
   report.row("hidden size", std::to_string(c.hidden_size));
   report.row("vocabulary", std::to_string(c.vocab_size));
@@ -255,7 +256,7 @@ int inspect_model(const fs::path& dir, bool as_json) {
   }
   const std::vector<std::string> names = store.names();
   const bool fused = std::any_of(names.begin(), names.end(), [](const std::string& n) {
-    return ends_with(n, ".experts.gate_up_proj");
+    return n.ends_with(".experts.gate_up_proj");
   });
   experts += std::string("\non disk: ") +
              (fused ? "fused (experts.gate_up_proj [E, 2I, H])" : "per expert");
@@ -282,11 +283,11 @@ int inspect_model(const fs::path& dir, bool as_json) {
     ++count;
     bytes += info.nbytes();
     const uint64_t numel = static_cast<uint64_t>(shape_numel(info.shape));
-    const bool is_scale = ends_with(name, "_scale_inv") || ends_with(name, ".weight_scale") ||
-                          ends_with(name, ".weight_scale_2") || ends_with(name, ".input_scale") ||
-                          ends_with(name, ".k_scale") || ends_with(name, ".v_scale");
-    if (ends_with(name, "_scale_inv")) ++fp8_linears;
-    if (ends_with(name, ".weight_scale") && store.contains(name.substr(0, name.size() - 6)) &&
+    const bool is_scale = name.ends_with("_scale_inv") || name.ends_with(".weight_scale") ||
+                          name.ends_with(".weight_scale_2") || name.ends_with(".input_scale") ||
+                          name.ends_with(".k_scale") || name.ends_with(".v_scale");
+    if (name.ends_with("_scale_inv")) ++fp8_linears;
+    if (name.ends_with(".weight_scale") && store.contains(name.substr(0, name.size() - 6)) &&
         store.info(name.substr(0, name.size() - 6)).dtype == DType::kU8) {
       ++nvfp4_linears;
     }
@@ -295,7 +296,7 @@ int inspect_model(const fs::path& dir, bool as_json) {
       continue;
     }
     const bool packed_fp4 =
-        info.dtype == DType::kU8 && ends_with(name, ".weight") && store.contains(name + "_scale");
+        info.dtype == DType::kU8 && name.ends_with(".weight") && store.contains(name + "_scale");
     parameters += packed_fp4 ? 2 * numel : numel;
   }
 
@@ -350,7 +351,7 @@ int inspect_model(const fs::path& dir, bool as_json) {
   report.row("dtypes", dtypes);
   j["dtypes"] = jd;
   const fs::path source = store.source();
-  const bool sharded = ends_with(source.string(), ".index.json");
+  const bool sharded = source.string().ends_with(".index.json");
   std::set<std::string> files;
   for (const std::string& name : names) files.insert(store.file_of(name).filename().string());
   report.row("tensors", std::to_string(store.size()) + " in " + source.filename().string() +

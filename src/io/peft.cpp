@@ -45,20 +45,6 @@ std::string format_number(double value) {
   return os.str();
 }
 
-// "0-2, 5, 7-9"
-std::string format_ranges(const std::vector<int64_t>& sorted) {
-  std::string out;
-  for (size_t i = 0; i < sorted.size();) {
-    size_t j = i;
-    while (j + 1 < sorted.size() && sorted[j + 1] == sorted[j] + 1) ++j;
-    if (!out.empty()) out += ", ";
-    out += std::to_string(sorted[i]);
-    if (j > i) out += "-" + std::to_string(sorted[j]);
-    i = j + 1;
-  }
-  return out;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -417,6 +403,21 @@ LoraAdapter load_adapter(const fs::path& dir, const ModelConfig& base, const std
   MOELORA_CHECK(options.max_rank > 0, ErrorCode::kInvalidArgument,
                 "AdapterLoadOptions::max_rank must be positive, got ", options.max_rank);
   return peft_detail::AdapterLoader(dir, base, name, options).load();
+}
+
+std::string format_ranges(std::vector<int64_t> values) {
+  std::sort(values.begin(), values.end());
+  values.erase(std::unique(values.begin(), values.end()), values.end());
+  std::string out;
+  for (size_t i = 0; i < values.size();) {
+    size_t j = i;
+    while (j + 1 < values.size() && values[j + 1] == values[j] + 1) ++j;
+    if (!out.empty()) out += ", ";
+    out += std::to_string(values[i]);
+    if (j > i) out += "-" + std::to_string(values[j]);
+    i = j + 1;
+  }
+  return out;
 }
 
 }  // namespace moelora::io

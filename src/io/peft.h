@@ -66,6 +66,7 @@
 //   kNotFound     a missing adapter_config.json or adapter_model.safetensors.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -174,5 +175,8 @@ struct AdapterLoadOptions {
 // Loads dir/adapter_config.json + dir/adapter_model.safetensors against the base model's config.
 LoraAdapter load_adapter(const std::filesystem::path& dir, const ModelConfig& base,
                          const std::string& name, const AdapterLoadOptions& options = {});
+
+// Integers as sorted, de-duplicated ranges for messages: {8, 0, 1, 2, 5, 7} -> "0-2, 5, 7-8".
+std::string format_ranges(std::vector<int64_t> values);
 
 }  // namespace moelora::io

@@ -225,5 +225,13 @@ TEST(PeftConfig, Rejections) {
       HasSubstr("missing.json"));
 }
 
+// Layer lists in messages (peft.cpp's errors, `moelora inspect`): sorted, de-duplicated ranges.
+TEST(PeftFormat, RangesAreSortedAndDeduplicated) {
+  EXPECT_EQ(format_ranges({}), "");
+  EXPECT_EQ(format_ranges({4}), "4");
+  EXPECT_EQ(format_ranges({8, 0, 1, 2, 5, 7, 1}), "0-2, 5, 7-8");
+  EXPECT_EQ(format_ranges({3, 2, 1, 0}), "0-3");
+}
+
 }  // namespace
 }  // namespace moelora::io
