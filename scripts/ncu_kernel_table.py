@@ -9,6 +9,9 @@ registers, cycles per issued instruction and ncu's top stall reason. ncu seriali
 so the durations carry no overlap.
 
     scripts/ncu_kernel_table.py ncu-steps.txt --layers 4 --titles "no adapter" "one r16 adapter"
+
+--by-grid keeps launches of one kernel with different grids apart (a row per kernel and grid x
+block), as for the LoRA segment kernels, whose grid is the segment capacity of the launch.
 """
 import argparse
 import collections
@@ -19,6 +22,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("report", help="ncu text output (.txt, or .txt.xz)")
 ap.add_argument("--layers", type=int, default=4, help="decoder layers the steps ran (--layers of the bench)")
 ap.add_argument("--titles", nargs="*", default=[], help="a heading per recorded step, in order")
+ap.add_argument("--by-grid", action="store_true", help="a row per kernel name and launch grid x block")
 args = ap.parse_args()
 opener = lzma.open if args.report.endswith(".xz") else open
 with opener(args.report, "rt") as f:
@@ -38,6 +42,9 @@ def parse(part):
         name = re.sub(r'<1, fi::KernelTraits.*', '<decode>', name)
         name = re.sub(r'cublasLt::splitKreduce_kernel<.*', 'splitKreduce_kernel', name)
         name = re.sub(r'PersistentVariableLengthMergeStatesKernel<.*', 'MergeStates', name)
+        launch = re.search(r'\((\d+), \d+, \d+\)x\((\d+), \d+, \d+\)', b)
+        if args.by_grid and launch:
+            name = f"{name} [{launch.group(1)} x {launch.group(2)}]"
         def num(pat):
             m = re.search(pat, b)
             return float(m.group(1).replace(',', '')) if m else None
@@ -72,7 +79,7 @@ def table(rows, layers):
     out = ['| kernel | calls / layer | µs per call | MB read per call | DRAM throughput % | achieved occupancy % | registers | cycles per issued instruction | top stall (cycles of them) |', '|---|---|---|---|---|---|---|---|---|']
     for name, r in sorted(rows.items(), key=lambda kv: -kv[1]['us']):
         n = r['n']; avg = lambda v: sum(v)/len(v) if v else float('nan')
-        out.append(f"| {name[:48]} | {n/layers:.2g} | {r['us']/n:.1f} | {r['mb']/n:.1f} | {avg(r['dram']):.0f} | {avg(r['occ']):.0f} | {r['regs']:.0f} | {avg(r['cpi']):.1f} | {r['stall']} |")
+        out.append(f"| {name[:64] if args.by_grid else name[:48]} | {n/layers:.2g} | {r['us']/n:.1f} | {r['mb']/n:.1f} | {avg(r['dram']):.0f} | {avg(r['occ']):.0f} | {r['regs']:.0f} | {avg(r['cpi']):.1f} | {r['stall']} |")
     return '\n'.join(out)
 for i, part in enumerate(parts):
     title = args.titles[i] if i < len(args.titles) else f"step {i + 1}"
