@@ -68,7 +68,6 @@ struct Options {
   int activation_pdl_shared = -1;       // EngineOptions::moe_activation_pdl_with_shared_pairs
   bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
   bool gdn_delta_in_mix = false;  // EngineOptions::gdn_lora_delta_in_mix
-  std::string dense_gemm = "stream";  // EngineOptions::dense_stream_gemm
   bool no_timeline = false;
   std::string out;
   uint64_t seed = 0;
@@ -243,8 +242,7 @@ int run(const Options& o) {
            ? "_activation_pdl_shared_" + std::to_string(o.activation_pdl_shared)
            : "") +
       (o.shared_in_experts ? "" : "_shared_separate") +
-      (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "") +
-      (o.dense_gemm == "cublas" ? "_dense_cublas" : "");
+      (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -263,7 +261,7 @@ int run(const Options& o) {
       std::to_string(o.shared_lora_stream) + " --activation-pdl-with-shared-pairs " +
       std::to_string(o.activation_pdl_shared) +
       (o.shared_in_experts ? "" : " --shared-expert-separate") +
-      (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") + " --dense-gemm " + o.dense_gemm +
+      (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
       "over the recorded steps; the main chain is every kernel but the LoRA ones (lora_*, on "
       "the side streams), and 'main idle before' is the gap in it before the kernel's launches "
@@ -293,7 +291,6 @@ int run(const Options& o) {
       options.moe_activation_pdl_with_shared_pairs = o.activation_pdl_shared;
       options.moe_shared_expert_in_experts = o.shared_in_experts;
       options.gdn_lora_delta_in_mix = o.gdn_delta_in_mix;
-      options.dense_stream_gemm = o.dense_gemm == "stream";
       const int64_t prefill_steps =
           (batch * o.context + options.max_batch_tokens - 1) / options.max_batch_tokens;
       const int64_t max_new_tokens = prefill_steps + o.warm_steps + o.steps + 4;
@@ -409,7 +406,6 @@ int run(const Options& o) {
                           {"activation_pdl_with_shared_pairs", o.activation_pdl_shared},
                           {"shared_expert_in_experts", o.shared_in_experts},
                           {"gdn_delta_in_mix", o.gdn_delta_in_mix},
-                          {"dense_gemm", o.dense_gemm},
                           {"runs", results}};
     std::ofstream(base.string() + ".json") << doc.dump(2) << "\n";
   }
@@ -495,12 +491,6 @@ int main(int argc, char** argv) {
                "Gated DeltaNet layers: expand the in-projection's LoRA delta on the side stream "
                "beside the base GEMM and add it in the mix kernels as they read their inputs, "
                "instead of in place after the GEMM (EngineOptions::gdn_lora_delta_in_mix)");
-  app.add_option("--dense-gemm", o.dense_gemm,
-                 "Dense projections of decode steps: stream (moelora's weight-streaming kernel, "
-                 "launched programmatically; the default) or cublas (the earlier path, for A/B "
-                 "runs) (EngineOptions::dense_stream_gemm)")
-      ->check(CLI::IsMember({"stream", "cublas"}))
-      ->capture_default_str();
   app.add_flag("--no-timeline", o.no_timeline,
                "Record no CUPTI kernel timeline (for Nsight Compute, which cannot attach beside "
                "it): the recorded steps run between cudaProfilerStart and Stop and only their "

@@ -161,11 +161,6 @@ struct EngineOptions {
   // instead of adding it in place after the GEMM (model::GpuModelOptions::gdn_lora_delta_in_mix;
   // off until measured, docs/gpu_engine.md §3a).
   bool gdn_lora_delta_in_mix = false;
-  // Dense projections of forwards of at most 64 rows (decode) on Hopper: moelora's
-  // weight-streaming kernel, launched programmatically so that its weight reads start while the
-  // kernel before it runs (model::GpuModelOptions::dense_stream_gemm, docs/gpu_engine.md §3a);
-  // false: cuBLAS.
-  bool dense_stream_gemm = true;
 };
 
 struct SamplingParams {

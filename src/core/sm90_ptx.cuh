@@ -1,6 +1,6 @@
 // PTX wrappers for Hopper-only features (sm_90 / sm_90a): mbarriers, the tensor memory accelerator
-// (cp.async.bulk.tensor, cp.async.bulk), warpgroup MMA (wgmma) on FP8 and bf16 operands in shared
-// memory and on f16 with A in registers, and programmatic
+// (cp.async.bulk.tensor, cp.async.bulk), warpgroup MMA (wgmma) on FP8 operands in shared memory and
+// on f16 with A in registers, and programmatic
 // dependent launch (griddepcontrol). Used by the weight-streaming expert GEMM
 // (ops/gemm/moe_gemm_stream_cuda.cu); every kernel that includes this is built for sm_90a.
 #pragma once
@@ -162,60 +162,6 @@ struct WgmmaE4m3<64> {
   }
 };
 #undef MOELORA_WGMMA_E4M3_ASM
-
-// D[64 x N] (+)= A[64 x 16] * B[16 x N]^T, bf16 x bf16 -> f32, both operands K-major in shared
-// memory (128-byte swizzle: a 16-wide k step is 32 bytes, +2 in the descriptor's address field, as
-// for WgmmaE4m3's k32). Accumulator layout as for WgmmaE4m3. Used by the dense decode projection
-// (ops/linear/linear_stream_cuda.cu).
-template <int kN>
-struct WgmmaBf16;
-
-#define MOELORA_WGMMA_BF16_ASM(N, REGS, ...)                                                         \
-  asm volatile(                                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %" #REGS ", 0;\n"                                          \
-      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 " __VA_ARGS__ ", p, 1, 1, 0, 0;\n}\n"
-
-template <>
-struct WgmmaBf16<8> {
-  __device__ __forceinline__ static void mma(float (&d)[4], uint64_t a, uint64_t b, bool accumulate) {
-    MOELORA_WGMMA_BF16_ASM(8, 6, "{%0, %1, %2, %3}, %4, %5")
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
-  }
-};
-template <>
-struct WgmmaBf16<16> {
-  __device__ __forceinline__ static void mma(float (&d)[8], uint64_t a, uint64_t b, bool accumulate) {
-    MOELORA_WGMMA_BF16_ASM(16, 10, "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9")
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
-  }
-};
-template <>
-struct WgmmaBf16<32> {
-  __device__ __forceinline__ static void mma(float (&d)[16], uint64_t a, uint64_t b, bool accumulate) {
-    MOELORA_WGMMA_BF16_ASM(32, 18,
-                           "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17")
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
-  }
-};
-template <>
-struct WgmmaBf16<64> {
-  __device__ __forceinline__ static void mma(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
-    MOELORA_WGMMA_BF16_ASM(64, 34,
-                           "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                           "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                           "%32, %33")
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
-  }
-};
-#undef MOELORA_WGMMA_BF16_ASM
 
 // D[64 x N] (+)= A[64 x 16] * B[16 x N]^T, f16 x f16 -> f32, A from registers (the fragment of
 // mma.m16n8k16 for the warp's 16 rows: a[0] = (row l / 4, k 2 (l % 4) .. + 1), a[1] = row + 8,

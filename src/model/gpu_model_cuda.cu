@@ -2,9 +2,8 @@
 // per-step metadata upload, the RMSNorm and projection (+ LoRA) helpers every block uses, the
 // forward pass over the layers and the public factories; the blocks and the construction live
 // beside it (gpu_model_impl_cuda.cuh lists them). The MoE
-// halves of the layers are ops::cuda::MoeLayerCuda objects; everything else is the dense
-// projections (the weight-streaming kernel of ops/linear/linear_stream_cuda.cuh for decode-sized
-// forwards on Hopper, cuBLAS GEMMs otherwise) and the ops launchers.
+// halves of the layers are ops::cuda::MoeLayerCuda objects; everything else is cuBLAS GEMMs and
+// the ops launchers.
 //
 // Buffers (T = limits.max_tokens, B = limits.max_seqs, bf16 unless noted):
 //   resid [T, H] residual stream, hnorm [T, H] normalized input of a half-layer, branch [T, H]
@@ -159,26 +158,8 @@ bool GpuModelImpl::project_group(const ForwardShape& shape, const Layer& layer, 
     join_.record(side);
   }
   for (const ProjectGemm& g : gemms) {
-    if (linear_stream_ws_.partials &&
-        ops::cuda::linear_stream_supports(shape.tokens, g.w->out, g.w->in) &&
-        ops::cuda::linear_stream_tickets(g.w->out) <= linear_stream_ws_.max_tiles) {
-      // Programmatic: the weights stream while the kernel before (a residual RMSNorm that lets
-      // its dependents start at once) still runs; x is read after it completes.
-      ops::cuda::LinearStreamArgs a;
-      a.x = x;
-      a.ldx = g.w->in;
-      a.w = g.w->w;
-      a.y = g.y;
-      a.ldy = g.w->out;
-      a.rows = shape.tokens;
-      a.n = g.w->out;
-      a.k = g.w->in;
-      a.ws = linear_stream_ws_;
-      ops::cuda::launch_linear_stream(a, num_sms_, /*pdl=*/true, main);
-    } else {
-      gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, x, g.w->in, g.w->w, g.y,
-                    CUDA_R_16BF, g.w->out, shape.tokens, g.w->out, g.w->in);
-    }
+    gd::gemm_bf16(static_cast<cublasHandle_t>(cublas_->get()), main, x, g.w->in, g.w->w, g.y,
+                  CUDA_R_16BF, g.w->out, shape.tokens, g.w->out, g.w->in);
   }
   if (!use_lora) return false;
   MOELORA_CUDA_CHECK(cudaStreamWaitEvent(main, join_.get(), 0));

@@ -94,10 +94,6 @@ struct GpuModelOptions {
   // the mix kernels add it as they read (ops::cuda::GdnInputDelta); false: the expand adds in place
   // after the GEMM, on the main stream.
   bool gdn_lora_delta_in_mix = false;
-  // Dense projections of forwards of at most ops::cuda::kLinearStreamMaxRows rows on sm_90a:
-  // the weight-streaming kernel (ops/linear/linear_stream_cuda.cuh), launched programmatically so
-  // that its weight reads overlap the kernel before it; false (or another device): cuBLAS.
-  bool dense_stream_gemm = true;
   // Tensor / expert parallelism: this model is rank collectives->rank() of collectives->size(), its
   // config and weights that rank's share (dist::shard_checkpoint: the rank's heads, intermediate
   // channels and routed experts [r E / n, (r + 1) E / n) of the config's num_experts), and the

@@ -40,7 +40,6 @@
 #include "ops/embedding/embedding_cuda.cuh"
 #include "ops/gdn/gdn_cuda.cuh"
 #include "ops/linear/linear_cuda.cuh"
-#include "ops/linear/linear_stream_cuda.cuh"
 #include "ops/lora/lora_cuda.cuh"
 #include "ops/mla/mla.h"
 #include "ops/mla/mla_cuda.cuh"
@@ -484,9 +483,6 @@ class GpuModelImpl final : public GpuModel {
   // GQA attention through FlashInfer's kernel (planned in upload_step); null: moelora's kernel.
   std::unique_ptr<ops::cuda::FlashInferAttention> flashinfer_;
   float* lora_partial_ = nullptr;
-  // The dense decode projections' stream kernel: its split-K scratch (partials == nullptr: every
-  // projection runs on cuBLAS; GpuModelOptions::dense_stream_gemm).
-  ops::cuda::LinearStreamWorkspace linear_stream_ws_;
   bf16 *last_branch_ = nullptr, *last_resid_ = nullptr, *last_norm_ = nullptr;
   float* logits_ = nullptr;
   // Split vocabulary: this rank's logits [max_seqs, vocab_rows_] and every rank's, gathered

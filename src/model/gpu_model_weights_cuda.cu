@@ -641,20 +641,6 @@ void GpuModelImpl::finish_construction() {
     gate_up_ = alloc<bf16>(t * 2 * max_inter);
     act_ = alloc<bf16>(t * max_inter);
   }
-  // The dense decode projections' stream kernel (sm_90a): split-K partials for two CTAs per SM
-  // and a ticket per 64-row tile of the widest projection (zeroed here; launches leave them zero).
-  const cuda::DeviceInfo device = cuda::device_info(options_.device);
-  if (options_.dense_stream_gemm && device.sm_major == 9 && device.sm_minor == 0) {
-    int max_out = 0;
-    for (const Layer& layer : layers_)
-      for (const Linear* w :
-           {&layer.qkv, &layer.q_a, &layer.q_b, &layer.q_proj, &layer.kv_a, &layer.kv_b, &layer.o,
-            &layer.gdn_in, &layer.gdn_out, &layer.gate_up, &layer.down})
-        max_out = std::max(max_out, w->out);
-    linear_stream_ws_.partials = alloc<float>(ops::cuda::linear_stream_partial_floats(num_sms_));
-    linear_stream_ws_.max_tiles = ops::cuda::linear_stream_tickets(max_out);
-    linear_stream_ws_.tickets = alloc<int32_t>(linear_stream_ws_.max_tiles);
-  }
   last_branch_ = alloc<bf16>(static_cast<size_t>(B) * H);
   last_resid_ = alloc<bf16>(static_cast<size_t>(B) * H);
   last_norm_ = alloc<bf16>(static_cast<size_t>(B) * H);

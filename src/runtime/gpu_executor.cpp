@@ -359,7 +359,6 @@ GpuExecutorOptions gpu_executor_options(const EngineOptions& options) {
   g.moe_activation_pdl_with_shared_pairs = options.moe_activation_pdl_with_shared_pairs;
   g.moe_shared_expert_in_experts = options.moe_shared_expert_in_experts;
   g.gdn_lora_delta_in_mix = options.gdn_lora_delta_in_mix;
-  g.dense_stream_gemm = options.dense_stream_gemm;
   g.show_progress = options.show_progress;
   return g;
 }
@@ -408,10 +407,8 @@ uint64_t estimate_gpu_model_bytes(const io::ModelConfig& c, bool fp8_experts,
   // ... and the logits [max_seqs, V] fp32 (a split vocabulary: also the rank's columns and the
   // gathered blocks).
   const uint64_t logits_per_seq = V + (vocab_rows < V ? V + vocab_rows : 0);
-  // (+ the dense decode projections' split-K partials, ops::cuda::linear_stream_partial_floats:
-  // 64 KB per SM, bounded here for up to 160 SMs.)
   const uint64_t workspace =
-      8 * T * width * 4 + 160ull * 64 * 1024 +
+      8 * T * width * 4 +
       static_cast<uint64_t>(std::max(limits.max_sequences, 1)) * logits_per_seq * 4;
   // Linear-attention states: one per sequence of a step.
   const uint64_t states =

@@ -72,7 +72,6 @@ struct GpuExecutorOptions {
   // model::GpuModelOptions::moe_shared_expert_in_experts, gdn_lora_delta_in_mix
   bool moe_shared_expert_in_experts = true;
   bool gdn_lora_delta_in_mix = false;
-  bool dense_stream_gemm = true;  // model::GpuModelOptions::dense_stream_gemm
   bool show_progress = false;
   int device = 0;
   // One rank of a tensor / expert parallel group (one process per GPU): the group that sums each

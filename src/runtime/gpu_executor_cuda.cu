@@ -561,7 +561,6 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.moe_activation_pdl_with_shared_pairs = o.moe_activation_pdl_with_shared_pairs;
   mo.moe_shared_expert_in_experts = o.moe_shared_expert_in_experts;
   mo.gdn_lora_delta_in_mix = o.gdn_lora_delta_in_mix;
-  mo.dense_stream_gemm = o.dense_stream_gemm;
   mo.collectives = o.collectives;
   std::unique_ptr<model::GpuModel> model =
       o.random_weights ? model::GpuModel::random(config, o.random_seed, fp8_experts, m, mo)
