@@ -272,7 +272,7 @@ int parse_options(int argc, char** argv, Options& opt) {
           "work items\n"
           "  --stream-schedule S work items of the stream GEMMs: auto (default; claimed from an "
           "atomic\n"
-          "                      counter without LoRA, round-robin with it), claimed or "
+          "                      counter, NVFP4 experts with LoRA round-robin), claimed or "
           "round-robin\n"
           "  --gemm-path P       expert GEMMs: auto (default), stream, register (decode kernels), "
           "prefill,\n"

@@ -157,9 +157,12 @@ enum class DecodeLoraPath { kSideStream, kFused, kEpilogue };
 // How the stream GEMM's CTAs get their work items (expert, 64-row tile). kClaimed: each CTA's
 // first item by its index, the rest first come first served from an atomic counter in the
 // layer's workspace, so CTAs on SMs that stream faster take more items and all finish together;
-// kRoundRobin: a fixed share per CTA (the earlier schedule). kAuto: claimed without LoRA and
-// round-robin with it, as measured (docs/gpu_moe.md §6.0a): with LoRA the side-stream kernels
-// wait for SMs, and the GEMM CTAs that finish early under round-robin give them SMs sooner.
+// kRoundRobin: a fixed share per CTA (the earlier schedule). kAuto: the FP8 stream GEMM claims its
+// items with and without LoRA (since the seam-1 side work starts after the quant kernel and seam 2
+// is formed in the finalize, claimed items are also the faster schedule with adapters: 1-2.5 %
+// per decode step of Qwen3-30B-A3B, docs/gpu_moe.md §6.0k; round-robin had been 0.5-3 % faster
+// with LoRA when the side-stream kernels still waited for the GEMM's SMs, §6.0a); the NVFP4 stream
+// GEMM claims them without LoRA only (not measured with adapters since).
 enum class StreamGemmSchedule { kAuto, kClaimed, kRoundRobin };
 
 // Where the router logits x Wg^T come from. kAuto: forwards of up to kRouterRouteMaxTokens tokens
