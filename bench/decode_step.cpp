@@ -65,6 +65,7 @@ struct Options {
   int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
   int seam2_shrink_in_activation = -1;  // EngineOptions::moe_seam2_shrink_in_activation
   int shared_lora_stream = -1;          // EngineOptions::moe_shared_lora_stream
+  std::string stream_schedule = "auto";  // EngineOptions::moe_stream_schedule
   int activation_pdl_shared = -1;       // EngineOptions::moe_activation_pdl_with_shared_pairs
   bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
   bool gdn_delta_in_mix = false;  // EngineOptions::gdn_lora_delta_in_mix
@@ -238,6 +239,7 @@ int run(const Options& o) {
            : "") +
       (o.shared_lora_stream >= 0 ? "_shared_lora_stream_" + std::to_string(o.shared_lora_stream)
                                  : "") +
+      (o.stream_schedule == "auto" ? "" : "_stream_schedule_" + o.stream_schedule) +
       (o.activation_pdl_shared >= 0
            ? "_activation_pdl_shared_" + std::to_string(o.activation_pdl_shared)
            : "") +
@@ -258,8 +260,8 @@ int run(const Options& o) {
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
       std::to_string(o.seam2_in_finalize) + " --seam2-shrink-in-activation " +
       std::to_string(o.seam2_shrink_in_activation) + " --shared-lora-stream " +
-      std::to_string(o.shared_lora_stream) + " --activation-pdl-with-shared-pairs " +
-      std::to_string(o.activation_pdl_shared) +
+      std::to_string(o.shared_lora_stream) + " --stream-schedule " + o.stream_schedule +
+      " --activation-pdl-with-shared-pairs " + std::to_string(o.activation_pdl_shared) +
       (o.shared_in_experts ? "" : " --shared-expert-separate") +
       (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") +
       ". Kernel times from CUPTI activity records of graph replays (GPU timestamps), averaged "
@@ -288,6 +290,9 @@ int run(const Options& o) {
       options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
       options.moe_seam2_shrink_in_activation = o.seam2_shrink_in_activation;
       options.moe_shared_lora_stream = o.shared_lora_stream;
+      options.moe_stream_schedule = o.stream_schedule == "auto"      ? -1
+                                    : o.stream_schedule == "claimed" ? 1
+                                                                     : 0;
       options.moe_activation_pdl_with_shared_pairs = o.activation_pdl_shared;
       options.moe_shared_expert_in_experts = o.shared_in_experts;
       options.gdn_lora_delta_in_mix = o.gdn_delta_in_mix;
@@ -403,6 +408,7 @@ int run(const Options& o) {
                           {"seam2_in_finalize", o.seam2_in_finalize},
                           {"seam2_shrink_in_activation", o.seam2_shrink_in_activation},
                           {"shared_lora_stream", o.shared_lora_stream},
+                          {"stream_schedule", o.stream_schedule},
                           {"activation_pdl_with_shared_pairs", o.activation_pdl_shared},
                           {"shared_expert_in_experts", o.shared_in_experts},
                           {"gdn_delta_in_mix", o.gdn_delta_in_mix},
@@ -474,6 +480,12 @@ int main(int argc, char** argv) {
                  "the side stream (0); -1 = the layer's rule (SideStreamScheduling::"
                  "shared_lora_stream, docs/gpu_moe.md §6.0i)")
       ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
+  app.add_option("--stream-schedule", o.stream_schedule,
+                 "MoE layers' stream GEMMs: work items claimed from a counter (claimed) or a fixed "
+                 "share per CTA (round-robin); auto = the layer's rule: claimed, except NVFP4 "
+                 "experts with LoRA (StreamGemmSchedule, docs/gpu_moe.md §6.0k)")
+      ->check(CLI::IsMember({"auto", "claimed", "round-robin"}))
       ->capture_default_str();
   app.add_option("--activation-pdl-with-shared-pairs", o.activation_pdl_shared,
                  "MoE layers with the shared expert among the routed GEMMs' experts: the "

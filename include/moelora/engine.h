@@ -150,6 +150,9 @@ struct EngineOptions {
   // activation_pdl_with_shared_pairs).
   int moe_shared_lora_stream = -1;
   int moe_activation_pdl_with_shared_pairs = -1;
+  // MoE layers' stream GEMMs (A/B runs of the benchmarks): work items claimed from a counter (1) or
+  // round-robin (0); -1 = the layer's rule (ops::cuda::StreamGemmSchedule::kAuto).
+  int moe_stream_schedule = -1;
   // MoE layers with FP8 routed experts and an FP8 shared expert of the routed experts' size (the
   // published Qwen3.5 / DeepSeek-V3 FP8 checkpoints; random FP8 weights likewise): true runs the
   // shared expert as one more expert of the routed GEMMs (ops::cuda::MoeLayerConfig::

@@ -85,6 +85,9 @@ struct GpuModelOptions {
   // SideStreamScheduling::shared_lora_stream, activation_pdl_with_shared_pairs).
   int moe_shared_lora_stream = -1;
   int moe_activation_pdl_with_shared_pairs = -1;
+  // The stream GEMMs' work items: claimed (1) or round-robin (0); -1 = the layer's rule
+  // (ops::cuda::StreamGemmSchedule::kAuto).
+  int moe_stream_schedule = -1;
   // MoE layers whose shared expert is FP8 with the routed experts' intermediate size (FP8 routed
   // experts, all experts on this GPU) run it as expert E of the routed GEMMs
   // (ops::cuda::MoeLayerConfig::shared_in_experts); false: a separate bf16 MLP (dequantized).

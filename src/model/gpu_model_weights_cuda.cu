@@ -469,6 +469,10 @@ void GpuModelImpl::upload_layer(const io::LayerWeights& src, int64_t l) {
 
 void GpuModelImpl::configure_moe(ops::cuda::MoeLayerCuda& moe) const {
   if (!options_.router_in_route) moe.set_router_gemm_path(ops::cuda::RouterGemmPath::kCublas);
+  if (options_.moe_stream_schedule >= 0)
+    moe.set_stream_gemm_schedule(options_.moe_stream_schedule == 1
+                                     ? ops::cuda::StreamGemmSchedule::kClaimed
+                                     : ops::cuda::StreamGemmSchedule::kRoundRobin);
   ops::cuda::SideStreamScheduling side;
   side.seam1_after_quant = options_.moe_seam1_after_quant;
   side.pdl_after_side_join = options_.moe_pdl_after_side_join;
