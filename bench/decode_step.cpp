@@ -59,6 +59,7 @@ struct Options {
   int64_t warm_steps = 3;
   int64_t steps = 4;
   std::string attention = "auto";
+  bool attention_pdl = false;  // EngineOptions::attention_pdl
   std::string router_gemm = "route";
   int seam1_after_quant = -1;  // EngineOptions::moe_seam1_after_quant
   bool pdl_after_side_join = true;
@@ -244,7 +245,7 @@ int run(const Options& o) {
            ? "_activation_pdl_shared_" + std::to_string(o.activation_pdl_shared)
            : "") +
       (o.shared_in_experts ? "" : "_shared_separate") +
-      (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "");
+      (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "") + (o.attention_pdl ? "_attention_pdl" : "");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -255,8 +256,8 @@ int run(const Options& o) {
       "Command: bench_decode_step --preset " + o.preset + " --layers " + std::to_string(o.layers) +
       " --batch-sizes " + o.batch_sizes + " --adapters " + o.adapters + " --context " +
       std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " +
-      o.attention + " --router-gemm " + o.router_gemm + " --seam1-after-quant " +
-      std::to_string(o.seam1_after_quant) +
+      o.attention + (o.attention_pdl ? " --attention-pdl" : "") + " --router-gemm " +
+      o.router_gemm + " --seam1-after-quant " + std::to_string(o.seam1_after_quant) +
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
       std::to_string(o.seam2_in_finalize) + " --seam2-shrink-in-activation " +
       std::to_string(o.seam2_shrink_in_activation) + " --shared-lora-stream " +
@@ -284,6 +285,7 @@ int run(const Options& o) {
       options.random_weights = true;
       options.random_seed = o.seed;
       options.attention = o.attention;
+      options.attention_pdl = o.attention_pdl;
       options.router_in_route = o.router_gemm == "route";
       options.moe_seam1_after_quant = o.seam1_after_quant;
       options.moe_pdl_after_side_join = o.pdl_after_side_join;
@@ -443,6 +445,10 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "Decode steps recorded and averaged")->capture_default_str();
   app.add_option("--attention", o.attention, "GQA attention kernels: auto, flashinfer, moelora")
       ->capture_default_str();
+  app.add_flag("--attention-pdl", o.attention_pdl,
+               "GQA layers on FlashInfer's kernels: launch the attention and its split merge as "
+               "programmatic dependents of the qkv prologue, so their launch and set-up overlap "
+               "it (EngineOptions::attention_pdl, docs/gpu_engine.md §4b)");
   app.add_option("--router-gemm", o.router_gemm,
                  "MoE router logits at decode: route (inside the route launch) or cublas (a GEMM "
                  "before it; the earlier path, for A/B runs)")

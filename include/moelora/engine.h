@@ -130,6 +130,9 @@ struct EngineOptions {
   // serves the head dim, else moelora's own), "flashinfer" or "moelora". MLA models always run
   // moelora's absorbed MLA kernels.
   std::string attention = "auto";
+  // GQA attention on FlashInfer's kernels launched as programmatic dependents of the qkv prologue
+  // (model::GpuModelOptions::attention_pdl; A/B runs of the benchmarks).
+  bool attention_pdl = false;
   // MoE layers on the GPU: decode forwards (up to 64 tokens) compute the router logits inside
   // the route launch; false runs a cuBLAS GEMM before it (A/B runs of the benchmarks).
   bool router_in_route = true;

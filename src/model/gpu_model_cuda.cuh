@@ -67,6 +67,9 @@ struct GpuModelOptions {
   bool show_progress = true;  // progress bar on stderr while uploading
   int device = 0;
   AttentionKernel attention = AttentionKernel::kAuto;
+  // GQA layers on FlashInfer's kernels: the attention and its split merge launched as
+  // programmatic dependents (ops::cuda::FlashInferAttentionShape::programmatic_launch; A/B runs).
+  bool attention_pdl = false;
   // MoE layers: decode forwards compute the router logits inside the route launch
   // (ops::cuda::RouterGemmPath::kAuto); false runs a cuBLAS GEMM before it (A/B runs).
   bool router_in_route = true;

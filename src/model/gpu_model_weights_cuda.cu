@@ -630,6 +630,7 @@ void GpuModelImpl::finish_construction() {
       fs.max_seqs = B;
       fs.max_tokens = T;
       fs.max_pages_per_seq = limits_.max_pages_per_seq;
+      fs.programmatic_launch = options_.attention_pdl;
       flashinfer_ = std::make_unique<ops::cuda::FlashInferAttention>(fs);
     } else {
       size_t ws = 0;

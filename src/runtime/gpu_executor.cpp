@@ -350,6 +350,7 @@ GpuExecutorOptions gpu_executor_options(const EngineOptions& options) {
   g.gpu_memory_fraction = options.gpu_memory_fraction;
   g.cuda_graphs = options.cuda_graphs;
   g.attention = options.attention;
+  g.attention_pdl = options.attention_pdl;
   g.router_in_route = options.router_in_route;
   g.moe_seam1_after_quant = options.moe_seam1_after_quant;
   g.moe_pdl_after_side_join = options.moe_pdl_after_side_join;

@@ -552,6 +552,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.show_progress = o.show_progress;
   mo.device = o.device;
   mo.attention = model::parse_attention_kernel(o.attention);
+  mo.attention_pdl = o.attention_pdl;
   mo.router_in_route = o.router_in_route;
   mo.moe_seam1_after_quant = o.moe_seam1_after_quant;
   mo.moe_pdl_after_side_join = o.moe_pdl_after_side_join;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "core/dtype.h"
@@ -202,8 +203,10 @@ void add_trailing_padding_rows(const Case& c, Batch& b, int rows, std::mt19937_6
   b.v_new.resize(static_cast<size_t>(b.rows) * b.v_stride, 0);
 }
 
-ops::cuda::FlashInferAttentionShape flashinfer_shape(const Case& c, const Batch& b) {
+ops::cuda::FlashInferAttentionShape flashinfer_shape(const Case& c, const Batch& b,
+                                                     bool programmatic_launch = false) {
   ops::cuda::FlashInferAttentionShape s;
+  s.programmatic_launch = programmatic_launch;
   s.num_q_heads = c.hq;
   s.num_kv_heads = c.hkv;
   s.head_dim = c.d;
@@ -226,20 +229,23 @@ ops::cuda::FlashInferHostBatch host_batch(const Case& c, const Batch& b) {
 
 // moelora's append, then FlashInfer's attention, against attention_ref. trailing_rows: padding
 // rows after the sequences' rows; a decode plan gives them to the padding sequences at the end of
-// c.seqs ({0, 0}, one each) and writes them, a general plan must leave them untouched.
-void run_flashinfer_case(const Case& c, bool decode, int trailing_rows = 0) {
+// c.seqs ({0, 0}, one each) and writes them, a general plan must leave them untouched. Returns out
+// (bf16 bits). programmatic_launch: FlashInferAttentionShape::programmatic_launch.
+std::vector<uint16_t> run_flashinfer_case(const Case& c, bool decode, int trailing_rows = 0,
+                                          bool programmatic_launch = false) {
   std::mt19937_64 rng(test::test_seed(c.seed));
   Batch b = make_batch(c, rng);
   add_trailing_padding_rows(c, b, trailing_rows, rng);
   DeviceBatch dev;
   make_device(c, b, batch_max_q_len(c), batch_max_kv_len(c), dev);
-  ops::cuda::FlashInferAttention attention(flashinfer_shape(c, b));
+  ops::cuda::FlashInferAttention attention(flashinfer_shape(c, b, programmatic_launch));
   cuda::Stream stream;
   attention.plan(host_batch(c, b), decode, stream.get());
   ops::cuda::launch_paged_kv_append(dev.append, stream.get());
   attention.launch(dev.attend, stream.get());
   stream.synchronize();
   check_results(c, b, dev, /*padding_rows_written=*/decode && trailing_rows > 0);
+  return download_vector<uint16_t>(dev.out, static_cast<size_t>(b.rows) * c.hq * c.dv);
 }
 
 #define MOELORA_REQUIRE_FLASHINFER()                                          \
@@ -287,9 +293,38 @@ TEST(GpuFlashInferAttention, ChunkedPrefillMixedWithDecodesGroup1) {
   run_flashinfer_case(c, /*decode=*/false, /*trailing_rows=*/3);
 }
 
+// Programmatic launches (the engine's attention_pdl) change when the kernels start, not what they
+// compute: a split-KV decode (attention + merge, both programmatic), an unsplit one and a prefill
+// give the plain launch's bits, and each matches attention_ref.
+TEST(GpuFlashInferAttention, ProgrammaticLaunchGivesThePlainLaunchBits) {
+  MOELORA_REQUIRE_FLASHINFER();
+  Case split;  // Qwen3-30B-A3B heads, long contexts: KV split, merge kernel
+  split.hq = 32, split.hkv = 4, split.page_size = 64;
+  split.seqs = {{1, 4096}, {1, 7}, {1, 2000}, {1, 1}, {0, 0}};
+  split.seed = 207;
+  Case unsplit;  // 64 KV heads: no split
+  unsplit.hq = 64, unsplit.hkv = 64, unsplit.page_size = 16;
+  unsplit.seqs = {{1, 300}, {1, 17}, {1, 64}};
+  unsplit.seed = 208;
+  Case prefill;  // Qwen3.5's heads of 256, a general plan
+  prefill.hq = 16, prefill.hkv = 2, prefill.d = prefill.dv = 256, prefill.page_size = 64;
+  prefill.seqs = {{130, 130}, {1, 77}};
+  prefill.seed = 209;
+  // (case, decode plan, trailing padding rows: one per {0, 0} sequence of a decode case)
+  for (const auto& [c, decode, trailing, name] :
+       {std::tuple{split, true, 1, "split decode"}, std::tuple{unsplit, true, 0, "unsplit decode"},
+        std::tuple{prefill, false, 0, "prefill"}}) {
+    const std::vector<uint16_t> plain = run_flashinfer_case(c, decode, trailing, false);
+    const std::vector<uint16_t> pdl = run_flashinfer_case(c, decode, trailing, true);
+    ASSERT_EQ(pdl.size(), plain.size()) << name;
+    for (size_t i = 0; i < pdl.size(); ++i)
+      ASSERT_EQ(pdl[i], plain[i]) << name << ": out element " << i;
+  }
+}
+
 // A graph captured after one decode plan, replayed after plans of other batches of the same
 // bucket size: other lengths, fewer live sequences, other pages.
-void check_graph_replay_across_plans(int hq, int hkv) {
+void check_graph_replay_across_plans(int hq, int hkv, bool programmatic_launch = false) {
   Case first;
   first.hq = hq, first.hkv = hkv, first.page_size = 64;
   first.seqs = {{1, 2000}, {1, 9}, {1, 64}, {1, 65}, {0, 0}, {0, 0}};
@@ -317,7 +352,7 @@ void check_graph_replay_across_plans(int hq, int hkv) {
   a.q_stride = static_cast<int64_t>(first.hq) * first.d;
   a.num_q_heads = first.hq;
   a.out = out.as<__nv_bfloat16>();
-  ops::cuda::FlashInferAttention attention(flashinfer_shape(first, b1));
+  ops::cuda::FlashInferAttention attention(flashinfer_shape(first, b1, programmatic_launch));
   cuda::Stream stream;
   auto load = [&](const Batch& b) {
     k.upload(b.expect_k.data(), b.expect_k.size() * 2);
@@ -350,6 +385,11 @@ void check_graph_replay_across_plans(int hq, int hkv) {
 TEST(GpuFlashInferAttention, GraphReplayAcrossPlans) {
   MOELORA_REQUIRE_FLASHINFER();
   check_graph_replay_across_plans(32, 4);  // 6 query tiles within the split budget: KV split
+}
+
+TEST(GpuFlashInferAttention, GraphReplayAcrossPlansProgrammaticLaunch) {
+  MOELORA_REQUIRE_FLASHINFER();
+  check_graph_replay_across_plans(32, 4, /*programmatic_launch=*/true);  // programmatic edges
 }
 
 TEST(GpuFlashInferAttention, GraphReplayAcrossPlansWithoutSplits) {

@@ -120,13 +120,15 @@ io::ModelConfig kimi_k25_shape() {
   return io::parse_model_config(c, "kimi-k2.5 shape");
 }
 
-void check_random_model(const io::ModelConfig& config, const std::string& label) {
+void check_random_model(const io::ModelConfig& config, const std::string& label,
+                        bool attention_pdl = false) {
   const uint64_t seed = test::test_seed(20240611);
   // 10 sequences: the graph test's 4 and their 4 shadow state slots (linear-attention models)
   GpuModelLimits limits = small_limits(10);
   limits.max_tokens = 96;
   GpuModelOptions options;
   options.show_progress = false;
+  options.attention_pdl = attention_pdl;
   std::unique_ptr<GpuModel> gpu =
       GpuModel::random(config, seed, /*fp8_experts=*/true, limits, options);
   EXPECT_GT(gpu->weight_bytes(), 0u);
@@ -164,6 +166,19 @@ void check_random_model(const io::ModelConfig& config, const std::string& label)
 TEST(Sm90_GpuModel, RandomQwen3_30bA3bShape) {
   MOELORA_REQUIRE_SM90();
   check_random_model(qwen3_30b_a3b_shape(), "qwen3-30b-a3b shape");
+}
+
+// FlashInfer's attention and merge as programmatic dependents of the qkv prologue
+// (GpuModelOptions::attention_pdl): the decode graph, whose edges into them are then programmatic,
+// still equals the eager forward bitwise, on both GQA shapes.
+TEST(Sm90_GpuModel, RandomQwen3_30bA3bShapeAttentionPdl) {
+  MOELORA_REQUIRE_SM90();
+  check_random_model(qwen3_30b_a3b_shape(), "qwen3-30b-a3b shape, attention pdl", true);
+}
+
+TEST(Sm90_GpuModel, RandomQwen35_35bA3bShapeAttentionPdl) {
+  MOELORA_REQUIRE_SM90();
+  check_random_model(qwen35_35b_a3b_shape(), "qwen3.5-35b-a3b shape, attention pdl", true);
 }
 
 TEST(Sm90_GpuModel, RandomQwen35_35bA3bShape) {
@@ -238,6 +253,58 @@ TEST(Sm90_GpuModel, FlashInferAttentionMatchesMoeloraAttention) {
   }
   std::printf("FlashInfer vs moelora attention, whole model: worst logit cosine %.6f\n",
               worst_cosine);
+}
+
+// The same random model with the attention launched programmatically (attention_pdl) and plainly:
+// a prefill (one sequence on an adapter), decode steps and a chunk beside a decode give the same
+// logits bitwise (the qkv prologue's early trigger lets the attention start before it ends, and
+// griddepcontrol.wait must still order every read of q and the cache after it).
+TEST(Sm90_GpuModel, AttentionPdlGivesThePlainLaunchLogits) {
+  MOELORA_REQUIRE_SM90();
+  if (!ops::cuda::FlashInferAttention::compiled())
+    GTEST_SKIP() << "this build has no FlashInfer kernels (scripts/setup)";
+  io::ModelConfig config = qwen3_30b_a3b_shape();
+  const uint64_t seed = test::test_seed(20261206);
+  GpuModelLimits limits = small_limits();
+  limits.max_tokens = 96;
+  GpuModelOptions plain, pdl;
+  plain.show_progress = pdl.show_progress = false;
+  plain.attention = pdl.attention = AttentionKernel::kFlashInfer;
+  pdl.attention_pdl = true;
+  auto a_model = GpuModel::random(config, seed, /*fp8_experts=*/true, limits, plain);
+  auto b_model = GpuModel::random(config, seed, /*fp8_experts=*/true, limits, pdl);
+  a_model->randomize_slot(0, 16, false, seed + 1);
+  b_model->randomize_slot(0, 16, false, seed + 1);
+  Driver da(*a_model), db(*b_model);
+  std::mt19937_64 rng(seed);
+  auto random_tokens = [&](int n) {
+    std::vector<int32_t> t(n);
+    for (int32_t& id : t)
+      id = static_cast<int32_t>(rng() % static_cast<uint64_t>(config.vocab_size));
+    return t;
+  };
+  const int s0 = da.add_sequence(-1), s1 = da.add_sequence(0), s2 = da.add_sequence(0);
+  ASSERT_EQ(s0, db.add_sequence(-1));
+  ASSERT_EQ(s1, db.add_sequence(0));
+  ASSERT_EQ(s2, db.add_sequence(0));
+  std::vector<std::vector<Driver::Item>> steps;
+  steps.push_back({{s0, random_tokens(40)}, {s1, random_tokens(23)}, {s2, random_tokens(5)}});
+  for (int i = 0; i < 5; ++i) steps.push_back({{s0, {}}, {s1, {}}, {s2, {}}});
+  steps.push_back({{s0, random_tokens(11)}, {s1, {}}, {s2, {}}});  // chunk + decodes
+  steps.push_back({{s0, {}}, {s1, {}}, {s2, {}}});
+  std::vector<int32_t> next(3, 0);
+  for (size_t k = 0; k < steps.size(); ++k) {
+    std::vector<Driver::Item>& items = steps[k];
+    for (size_t i = 0; i < items.size(); ++i)
+      if (items[i].tokens.empty()) items[i].tokens = {next[i]};
+    const Driver::Output oa = da.step(items);
+    const Driver::Output ob = db.step(items);
+    for (size_t i = 0; i < items.size(); ++i) {
+      next[i] = oa.sampled[i];
+      EXPECT_EQ(ob.sampled[i], oa.sampled[i]) << "step " << k << " sequence " << i;
+      ASSERT_EQ(ob.logits[i], oa.logits[i]) << "step " << k << " sequence " << i;
+    }
+  }
 }
 
 }  // namespace

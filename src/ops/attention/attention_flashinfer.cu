@@ -60,14 +60,14 @@ struct PinnedHost {
 };
 
 template <int D>
-cudaError_t run_kernel(const Params& params, Bf16* tmp_v, float* tmp_s, int cta_tile_q,
+cudaError_t run_kernel(const Params& params, Bf16* tmp_v, float* tmp_s, int cta_tile_q, bool pdl,
                        cudaStream_t stream) {
   cudaError_t status = cudaErrorInvalidConfiguration;
   DISPATCH_CTA_TILE_Q(cta_tile_q, CTA_TILE_Q, {
     status = fi::BatchPrefillWithPagedKVCacheDispatched<
         /*SAME_KV_STRIDES=*/true, CTA_TILE_Q, D, D, fi::PosEncodingMode::kNone,
         /*fp16_qk_reduction=*/false, fi::MaskMode::kCausal, /*token_head_sf=*/false, Variant>(
-        params, tmp_v, tmp_s, /*enable_pdl=*/false, stream);
+        params, tmp_v, tmp_s, /*enable_pdl=*/pdl, stream);
   });
   return status;
 }
@@ -303,9 +303,13 @@ void FlashInferAttention::launch(const PagedAttentionArgs& args, cudaStream_t st
   const int tile = static_cast<int>(plan.cta_tile_q);
   cudaError_t status = cudaErrorInvalidValue;
   try {
-    if (D == 64) status = run_kernel<64>(p, tmp_v, tmp_s, tile, stream);
-    else if (D == 128) status = run_kernel<128>(p, tmp_v, tmp_s, tile, stream);
-    else status = run_kernel<256>(p, tmp_v, tmp_s, tile, stream);
+    const bool pdl = s.programmatic_launch;
+    if (D == 64)
+      status = run_kernel<64>(p, tmp_v, tmp_s, tile, pdl, stream);
+    else if (D == 128)
+      status = run_kernel<128>(p, tmp_v, tmp_s, tile, pdl, stream);
+    else
+      status = run_kernel<256>(p, tmp_v, tmp_s, tile, pdl, stream);
   } catch (const std::exception& e) {
     MOELORA_THROW(ErrorCode::kInternal, "FlashInferAttention::launch: FlashInfer: ", e.what());
   }

@@ -48,6 +48,12 @@ struct FlashInferAttentionShape {
   int max_seqs = 0;           // sequences of one forward (capacity)
   int max_tokens = 0;         // query rows of one forward (capacity)
   int max_pages_per_seq = 0;  // page-table width
+  // Launch the attention kernel and the merge of KV splits as programmatic dependents of the
+  // kernel before each (FlashInfer's PDL mode): a CTA reads its plan entries and sets up before
+  // griddepcontrol.wait, so the launch and that set-up overlap the predecessor's tail when the
+  // predecessor triggers early (the engine's qkv prologue does, at its start). Same bits either
+  // way.
+  bool programmatic_launch = false;
 };
 
 // Host copy of one forward's batch (the arrays of AttentionBatch, same meaning).

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "core/cuda_utils.h"
+#include "core/sm90_ptx.cuh"
 #include "ops/attention/qkv_prologue_cuda.cuh"
 
 namespace moelora::ops::cuda {
@@ -31,6 +32,10 @@ __global__ void __launch_bounds__(kThreads) qkv_prologue_kernel(const QkvPrologu
   __shared__ float cos_table[kMaxHalf];
   __shared__ float sin_table[kMaxHalf];
   __shared__ __nv_bfloat16 head_buffer[kWarps][kMaxHeadDim];
+  // The attention launched programmatically after this kernel (FlashInferAttentionShape::
+  // programmatic_launch) may be scheduled at once: it reads q and the cache only after its
+  // griddepcontrol.wait, which waits for this whole grid. No effect on a plain launch after it.
+  ::moelora::cuda::sm90::launch_dependents();
   const int row = blockIdx.y;
   if (row >= *p.num_tokens) return;  // uniform over the CTA
   const int D = p.cache.head_dim, Hkv = p.cache.num_kv_heads;
