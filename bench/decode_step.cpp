@@ -59,7 +59,7 @@ struct Options {
   int64_t warm_steps = 3;
   int64_t steps = 4;
   std::string attention = "auto";
-  bool attention_pdl = false;  // EngineOptions::attention_pdl
+  bool attention_pdl = true;  // EngineOptions::attention_pdl
   std::string router_gemm = "route";
   int seam1_after_quant = -1;  // EngineOptions::moe_seam1_after_quant
   bool pdl_after_side_join = true;
@@ -245,7 +245,8 @@ int run(const Options& o) {
            ? "_activation_pdl_shared_" + std::to_string(o.activation_pdl_shared)
            : "") +
       (o.shared_in_experts ? "" : "_shared_separate") +
-      (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "") + (o.attention_pdl ? "_attention_pdl" : "");
+      (o.gdn_delta_in_mix ? "_gdn_delta_in_mix" : "") +
+      (o.attention_pdl ? "" : "_plain_attention_launch");
   std::optional<moelora::bench::KernelTimeline> timeline;
   if (!o.no_timeline) timeline.emplace();
   nlohmann::json results = nlohmann::json::array();
@@ -256,7 +257,7 @@ int run(const Options& o) {
       "Command: bench_decode_step --preset " + o.preset + " --layers " + std::to_string(o.layers) +
       " --batch-sizes " + o.batch_sizes + " --adapters " + o.adapters + " --context " +
       std::to_string(o.context) + " --steps " + std::to_string(o.steps) + " --attention " +
-      o.attention + (o.attention_pdl ? " --attention-pdl" : "") + " --router-gemm " +
+      o.attention + (o.attention_pdl ? "" : " --no-attention-pdl") + " --router-gemm " +
       o.router_gemm + " --seam1-after-quant " + std::to_string(o.seam1_after_quant) +
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
       std::to_string(o.seam2_in_finalize) + " --seam2-shrink-in-activation " +
@@ -445,10 +446,11 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "Decode steps recorded and averaged")->capture_default_str();
   app.add_option("--attention", o.attention, "GQA attention kernels: auto, flashinfer, moelora")
       ->capture_default_str();
-  app.add_flag("--attention-pdl", o.attention_pdl,
+  app.add_flag("--attention-pdl,!--no-attention-pdl", o.attention_pdl,
                "GQA layers on FlashInfer's kernels: launch the attention and its split merge as "
                "programmatic dependents of the qkv prologue, so their launch and set-up overlap "
-               "it (EngineOptions::attention_pdl, docs/gpu_engine.md §4b)");
+               "it (the default); --no-attention-pdl launches them plainly "
+               "(EngineOptions::attention_pdl, docs/gpu_engine.md §4b)");
   app.add_option("--router-gemm", o.router_gemm,
                  "MoE router logits at decode: route (inside the route launch) or cublas (a GEMM "
                  "before it; the earlier path, for A/B runs)")
@@ -489,8 +491,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--stream-schedule", o.stream_schedule,
                  "MoE layers' stream GEMMs: work items claimed from a counter (claimed) or a fixed "
-                 "share per CTA (round-robin); auto = the layer's rule: claimed, except NVFP4 "
-                 "experts with LoRA (StreamGemmSchedule, docs/gpu_moe.md §6.0k)")
+                 "share per CTA (round-robin); auto = the layer's rule: claimed, except with LoRA "
+                 "for NVFP4 experts and layers of more than 128 experts (StreamGemmSchedule, "
+                 "docs/gpu_moe.md §6.0k)")
       ->check(CLI::IsMember({"auto", "claimed", "round-robin"}))
       ->capture_default_str();
   app.add_option("--activation-pdl-with-shared-pairs", o.activation_pdl_shared,

@@ -131,8 +131,8 @@ struct EngineOptions {
   // moelora's absorbed MLA kernels.
   std::string attention = "auto";
   // GQA attention on FlashInfer's kernels launched as programmatic dependents of the qkv prologue
-  // (model::GpuModelOptions::attention_pdl; A/B runs of the benchmarks).
-  bool attention_pdl = false;
+  // (model::GpuModelOptions::attention_pdl; false for A/B runs of the benchmarks).
+  bool attention_pdl = true;
   // MoE layers on the GPU: decode forwards (up to 64 tokens) compute the router logits inside
   // the route launch; false runs a cuBLAS GEMM before it (A/B runs of the benchmarks).
   bool router_in_route = true;

@@ -68,8 +68,10 @@ struct GpuModelOptions {
   int device = 0;
   AttentionKernel attention = AttentionKernel::kAuto;
   // GQA layers on FlashInfer's kernels: the attention and its split merge launched as
-  // programmatic dependents (ops::cuda::FlashInferAttentionShape::programmatic_launch; A/B runs).
-  bool attention_pdl = false;
+  // programmatic dependents of the qkv prologue (ops::cuda::FlashInferAttentionShape::
+  // programmatic_launch; 0.5-1.3 % per decode step of Qwen3-30B-A3B, docs/gpu_engine.md §4b);
+  // false: plain launches (A/B runs).
+  bool attention_pdl = true;
   // MoE layers: decode forwards compute the router logits inside the route launch
   // (ops::cuda::RouterGemmPath::kAuto); false runs a cuBLAS GEMM before it (A/B runs).
   bool router_in_route = true;

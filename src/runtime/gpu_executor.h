@@ -59,7 +59,7 @@ struct GpuExecutorOptions {
   bool cuda_graphs = true;  // false: every step runs eagerly (debugging)
   // GQA attention kernels: "auto", "flashinfer" or "moelora" (model::AttentionKernel).
   std::string attention = "auto";
-  bool attention_pdl = false;   // model::GpuModelOptions::attention_pdl
+  bool attention_pdl = true;    // model::GpuModelOptions::attention_pdl
   bool router_in_route = true;  // model::GpuModelOptions::router_in_route
   // model::GpuModelOptions::moe_seam1_after_quant, moe_pdl_after_side_join,
   // moe_seam2_in_finalize_max_tokens, moe_seam2_shrink_in_activation, moe_shared_lora_stream,

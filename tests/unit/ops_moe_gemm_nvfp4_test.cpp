@@ -164,7 +164,9 @@ TEST(MoeGemmNvfp4Ref, F16RowsArePowerOfTwoScaledAndExactForBf16) {
       const float v = f16_bits_to_f32(rows.rows.data<uint16_t>()[q * 64 + k]);
       amax = std::fmax(amax, std::fabs(v));
       const float want = xf.data<float>()[gather[q] * 64 + k];
-      if (std::fabs(want) > 1e-6f) EXPECT_EQ(v * s, want) << "row " << q << " col " << k;
+      if (std::fabs(want) > 1e-6f) {
+        EXPECT_EQ(v * s, want) << "row " << q << " col " << k;
+      }
     }
     if (gather[q] == 1) {
       EXPECT_EQ(s, 1.0f);

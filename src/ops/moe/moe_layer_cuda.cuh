@@ -158,12 +158,15 @@ enum class DecodeLoraPath { kSideStream, kFused, kEpilogue };
 // first item by its index, the rest first come first served from an atomic counter in the
 // layer's workspace, so CTAs on SMs that stream faster take more items and all finish together;
 // kRoundRobin: a fixed share per CTA (the earlier schedule). kAuto: the FP8 stream GEMM claims its
-// items with and without LoRA (since the seam-1 side work starts after the quant kernel and seam 2
-// is formed in the finalize, claimed items are also the faster schedule with adapters: 1-2.5 %
-// per decode step of Qwen3-30B-A3B, docs/gpu_moe.md §6.0k; round-robin had been 0.5-3 % faster
-// with LoRA when the side-stream kernels still waited for the GEMM's SMs, §6.0a); the NVFP4 stream
-// GEMM claims them without LoRA only (not measured with adapters since).
+// items without LoRA, and with LoRA in layers of at most kClaimedWithLoraMaxExperts experts (since
+// the seam-1 side work starts after the quant kernel and seam 2 is formed in the finalize, claimed
+// items are the faster schedule with adapters for Qwen3-30B-A3B's 128 experts, 0.8-2.5 % per decode
+// step; for Qwen3.5-35B-A3B's 256 they are 0.9-1.4 % slower, and neutral for Kimi-K2.5 EP8's 48:
+// docs/gpu_moe.md §6.0k; round-robin had been 0.5-3 % faster with LoRA when the side-stream kernels
+// still waited for the GEMM's SMs, §6.0a); the NVFP4 stream GEMM claims them without LoRA only
+// (with LoRA claimed items measured -1.5 to +2.4 %, §6.0k).
 enum class StreamGemmSchedule { kAuto, kClaimed, kRoundRobin };
+constexpr int kClaimedWithLoraMaxExperts = 128;
 
 // Where the router logits x Wg^T come from. kAuto: forwards of up to kRouterRouteMaxTokens tokens
 // compute them in the route launch (ops/route/route_cuda.cuh: CTAs of 16 experts x 16 tokens on

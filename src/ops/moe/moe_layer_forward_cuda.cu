@@ -525,7 +525,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     g1.k = m.Hp;
     g1.max_active_experts = max_active;
     g1.max_tokens_per_expert = max_tokens_per_expert;
-    const bool claimed = stream_schedule_ != StreamGemmSchedule::kRoundRobin;
+    const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
+                         (stream_schedule_ == StreamGemmSchedule::kAuto &&
+                          (!lora || E <= kClaimedWithLoraMaxExperts));
     if (stream && claimed) g1.work_counters = m.s<int32_t>(m.gemm_work);
     if (epilogue_lora) g1.lora = lora_epilogue(m.gate_up, m.x<float>(m.part1));
     run_gemm(g1);
