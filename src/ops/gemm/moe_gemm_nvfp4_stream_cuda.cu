@@ -321,24 +321,26 @@ template <int kGroupSteps>
 struct GroupWords {
   uint32_t codes[kGroupSteps], scales[kGroupSteps / 2];
 };
-template <int kGroupSteps>
-__device__ __forceinline__ GroupWords<kGroupSteps> load_group_words(uint32_t block, int thread,
-                                                                    int group) {
-  static_assert(kGroupSteps == 4 || kGroupSteps == 2);
+// A consumer thread's byte offsets inside a 64-row block: its code words of group 0 (decode: a
+// half stage of four steps, 16 bytes; group 1 is kHalfStageCodeBytes further) and its row pair's
+// scales (16 bytes: steps 0-3 of the stage, then 4-7).
+struct ThreadOffsets {
+  uint32_t codes, scales;
+};
+constexpr uint32_t kHalfStageCodeBytes = 128 * 16;
+__device__ __forceinline__ ThreadOffsets thread_offsets(int thread) {
+  const int pair = (thread / 32) * 8 + (thread % 32) / 4;
+  return {static_cast<uint32_t>(thread) * 16,
+          static_cast<uint32_t>(kNvfp4StreamCodeBytes + pair * 16)};
+}
+// Prefill: group g of a stage as two k16 steps (an 8-byte code load and one scale word).
+__device__ __forceinline__ GroupWords<2> load_quarter_words(uint32_t block, int thread, int group) {
   namespace ptx = ::moelora::cuda::ptx;
   const int pair = (thread / 32) * 8 + (thread % 32) / 4;
-  GroupWords<kGroupSteps> w;
-  if constexpr (kGroupSteps == 4) {
-    const uint4 c = ptx::ld_shared_v4_u32(block + (group * 128 + thread) * 16);
-    const uint2 sv = ptx::ld_shared_v2_u32(block + kNvfp4StreamCodeBytes + (2 * pair + group) * 8);
-    w.codes[0] = c.x, w.codes[1] = c.y, w.codes[2] = c.z, w.codes[3] = c.w;
-    w.scales[0] = sv.x, w.scales[1] = sv.y;
-  } else {
-    const uint2 c =
-        ptx::ld_shared_v2_u32(block + (((group / 2) * 128 + thread) * 2 + group % 2) * 8);
-    w.codes[0] = c.x, w.codes[1] = c.y;
-    w.scales[0] = ptx::ld_shared_u32(block + kNvfp4StreamCodeBytes + (4 * pair + group) * 4);
-  }
+  GroupWords<2> w;
+  const uint2 c = ptx::ld_shared_v2_u32(block + (((group / 2) * 128 + thread) * 2 + group % 2) * 8);
+  w.codes[0] = c.x, w.codes[1] = c.y;
+  w.scales[0] = ptx::ld_shared_u32(block + kNvfp4StreamCodeBytes + (4 * pair + group) * 4);
   return w;
 }
 
@@ -362,33 +364,22 @@ __device__ __forceinline__ void expand_group(const GroupWords<kGroupSteps>& w,
   }
 }
 
-// Group g of a stage (kGroupSteps k16 steps) as one committed wgmma group on A registers `a`.
+// Group g of a stage (kGroupSteps k16 steps) as one committed wgmma group on A registers `a`,
+// accumulating onto acc (zeroed before a pass's first group, so every wgmma accumulates and no
+// predicate is computed per stage). desc_stage is the wgmma descriptor of the stage's activation
+// tile: steps 0-3 read its first 64-column atom, 4-7 the second, 32 bytes of K per step inside the
+// atom's 128-byte rows (descriptor units of 16 bytes).
 template <int kWidth, int kAtomBytes, int kGroupSteps>
-__device__ __forceinline__ void issue_group(uint32_t act_smem, int group, bool first,
+__device__ __forceinline__ void issue_group(uint64_t desc_stage, int group,
                                             float (&acc)[kWidth / 2],
                                             uint32_t (&a)[kGroupSteps][4]) {
-  // steps 0-3 of a stage read the first 64-column atom, 4-7 the second; 32 bytes of K per step
-  // inside the atom's 128-byte rows
   const int step0 = group * kGroupSteps;
-  const uint64_t desc_x =
-      sm90::wgmma_desc_k_major_sw128(act_smem + (step0 / 4) * kAtomBytes) + 2 * (step0 % 4);
+  const uint64_t desc_x = desc_stage + (step0 / 4) * (kAtomBytes >> 4) + 2 * (step0 % 4);
   sm90::wgmma_fence();  // orders the A registers just written before the wgmma reads them
 #pragma unroll
   for (int j = 0; j < kGroupSteps; ++j)
-    sm90::WgmmaF16Rs<kWidth>::mma(acc, a[j], desc_x + 2 * j, !first || j > 0);
+    sm90::WgmmaF16Rs<kWidth>::mma(acc, a[j], desc_x + 2 * j, true);
   sm90::wgmma_commit();
-}
-
-// Decode: half h of a stage as one wgmma group, its codes expanded while the group before it
-// still runs; after the commit at most one group stays in flight, so the previous one is done and
-// its A registers (the other set) may be rewritten.
-template <int kWidth, int kAtomBytes>
-__device__ __forceinline__ void consume_half(uint32_t block, uint32_t act_smem, int half,
-                                             bool first, float (&acc)[kWidth / 2],
-                                             uint32_t (&a)[kSteps / 2][4]) {
-  expand_group<kSteps / 2>(load_group_words<kSteps / 2>(block, threadIdx.x % 128, half), a);
-  issue_group<kWidth, kAtomBytes, kSteps / 2>(act_smem, half, first, acc, a);
-  sm90::wgmma_wait<1>();
 }
 
 template <int kWidth, class T>
@@ -407,13 +398,35 @@ __device__ __forceinline__ void consume_pass(const Ring<T>& ring, int& stage, ui
   // Decode: half-stage groups. Prefill: quarter-stage groups (beside 64 accumulators).
   int previous = -1;
   if constexpr (!T::kPassItems) {
+    // Decode: half-stage groups, group h + 1 expanded while group h runs; after each commit at most
+    // one group stays in flight, so the other A register set may be rewritten. The per-stage
+    // bookkeeping is kept small (the kernel is issue-bound): one descriptor base and one block
+    // address per stage, both halves' scales in one 16-byte load.
+    namespace ptx = ::moelora::cuda::ptx;
     uint32_t a_first[kSteps / 2][4], a_second[kSteps / 2][4];
+    const ThreadOffsets offsets = thread_offsets(threadIdx.x % 128);
+    const uint64_t desc_ring = sm90::wgmma_desc_k_major_sw128(ring.act(0));
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       sm90::mbar_wait(ring.full(stage), phase);
       const uint32_t block = ring.weight(stage) + wg * kWeightBlockBytes;
-      consume_half<kWidth, T::kAtomBytes>(block, ring.act(stage), 0, kb == 0, acc, a_first);
+      const uint64_t desc_stage = desc_ring + stage * (T::kActTileBytes >> 4);
+      const uint4 scales = ptx::ld_shared_v4_u32(block + offsets.scales);
+      GroupWords<kSteps / 2> words;
+      {
+        const uint4 c = ptx::ld_shared_v4_u32(block + offsets.codes);
+        words = {{c.x, c.y, c.z, c.w}, {scales.x, scales.y}};
+      }
+      expand_group<kSteps / 2>(words, a_first);
+      issue_group<kWidth, T::kAtomBytes, kSteps / 2>(desc_stage, 0, acc, a_first);
+      sm90::wgmma_wait<1>();
       if (previous >= 0) sm90::mbar_arrive(ring.empty(previous));
-      consume_half<kWidth, T::kAtomBytes>(block, ring.act(stage), 1, false, acc, a_second);
+      {
+        const uint4 c = ptx::ld_shared_v4_u32(block + kHalfStageCodeBytes + offsets.codes);
+        words = {{c.x, c.y, c.z, c.w}, {scales.z, scales.w}};
+      }
+      expand_group<kSteps / 2>(words, a_second);
+      issue_group<kWidth, T::kAtomBytes, kSteps / 2>(desc_stage, 1, acc, a_second);
+      sm90::wgmma_wait<1>();
       previous = stage;
       if (++stage == T::kStages) stage = 0, phase ^= 1;
     }
@@ -428,13 +441,13 @@ __device__ __forceinline__ void consume_pass(const Ring<T>& ring, int& stage, ui
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       sm90::mbar_wait(ring.full(stage), phase);
       const uint32_t block = ring.weight(stage) + wg * kWeightBlockBytes;
-      GroupWords<kGroupSteps> words = load_group_words<kGroupSteps>(block, thread, 0);
+      const uint64_t desc_stage = sm90::wgmma_desc_k_major_sw128(ring.act(stage));
+      GroupWords<kGroupSteps> words = load_quarter_words(block, thread, 0);
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
         expand_group<kGroupSteps>(words, a[g % 2]);
-        if (g + 1 < kGroups) words = load_group_words<kGroupSteps>(block, thread, g + 1);
-        issue_group<kWidth, T::kAtomBytes, kGroupSteps>(ring.act(stage), g, kb == 0 && g == 0, acc,
-                                                        a[g % 2]);
+        if (g + 1 < kGroups) words = load_quarter_words(block, thread, g + 1);
+        issue_group<kWidth, T::kAtomBytes, kGroupSteps>(desc_stage, g, acc, a[g % 2]);
         sm90::wgmma_wait<1>();  // group g - 1 is done: its A set may be rewritten
         if (g == 0 && previous >= 0) sm90::mbar_arrive(ring.empty(previous));
       }
