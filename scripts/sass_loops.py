@@ -32,10 +32,8 @@ def find_cuobjdump():
     found = shutil.which("cuobjdump")
     if found:
         return found
-    for root in ("/usr/local/cuda/bin",):
-        path = os.path.join(root, "cuobjdump")
-        if os.path.exists(path):
-            return path
+    if os.path.exists("/usr/local/cuda/bin/cuobjdump"):
+        return "/usr/local/cuda/bin/cuobjdump"
     try:
         import nvidia  # the PyPI wheel nvidia-cuda-cuobjdump
         for base in nvidia.__path__:
@@ -85,7 +83,8 @@ def kernels(sass):
 
 
 def mma_loops(body, max_body):
-    """Loops (first, last index) whose body holds wgmma instructions, innermost first."""
+    """(first, last) instruction index of every loop of at most max_body instructions whose body
+    holds wgmma instructions, in the order of their closing branches."""
     index = {address: i for i, (address, _) in enumerate(body)}
     for i, (_, instruction) in enumerate(body):
         m = BRANCH.search(instruction)

@@ -119,10 +119,7 @@ std::vector<Outcome> run_cases(const EngineOptions& options,
 }
 
 std::vector<int32_t> random_tokens(std::mt19937_64& rng, int64_t n) {
-  std::uniform_int_distribution<int32_t> dist(0, 511);  // the fixtures' vocabulary is 512
-  std::vector<int32_t> out(static_cast<size_t>(n));
-  for (auto& t : out) t = dist(rng);
-  return out;
+  return test::random_tokens(rng, n, 512);  // the fixtures' vocabulary is 512
 }
 
 // Near-tie tolerance as a fraction of a step's logit range (see the top of the file).

@@ -120,13 +120,6 @@ io::ModelConfig kimi_k25_shape() {
   return io::parse_model_config(c, "kimi-k2.5 shape");
 }
 
-// n token ids drawn uniformly from the vocabulary.
-std::vector<int32_t> random_prompt(std::mt19937_64& rng, int n, int64_t vocab_size) {
-  std::vector<int32_t> t(n);
-  for (int32_t& id : t) id = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab_size));
-  return t;
-}
-
 void check_random_model(const io::ModelConfig& config, const std::string& label,
                         bool attention_pdl = true) {
   const uint64_t seed = test::test_seed(20240611);
@@ -144,7 +137,7 @@ void check_random_model(const io::ModelConfig& config, const std::string& label,
   gpu->randomize_slot(1, 8, true, seed + 2);
   std::mt19937_64 rng(seed);
   std::vector<std::vector<int32_t>> prompts(3);
-  for (int i = 0; i < 3; ++i) prompts[i] = random_prompt(rng, 17 + 9 * i, config.vocab_size);
+  for (int i = 0; i < 3; ++i) prompts[i] = test::random_tokens(rng, 17 + 9 * i, config.vocab_size);
   // The same prompt with and without an adapter must give different logits (LoRA is live), and
   // the replayed decode graph must equal the eager forward bitwise.
   Driver driver(*gpu);
@@ -225,7 +218,7 @@ TEST(Sm90_GpuModel, FlashInferAttentionMatchesMoeloraAttention) {
 
   Driver df(*fi), dm(*own);
   std::mt19937_64 rng(seed);
-  auto random_tokens = [&](int n) { return random_prompt(rng, n, config.vocab_size); };
+  auto random_tokens = [&](int n) { return test::random_tokens(rng, n, config.vocab_size); };
   const int a = df.add_sequence(-1), b = df.add_sequence(0);
   ASSERT_EQ(a, dm.add_sequence(-1));
   ASSERT_EQ(b, dm.add_sequence(0));
@@ -277,7 +270,7 @@ TEST(Sm90_GpuModel, AttentionPdlGivesThePlainLaunchLogits) {
   b_model->randomize_slot(0, 16, false, seed + 1);
   Driver da(*a_model), db(*b_model);
   std::mt19937_64 rng(seed);
-  auto random_tokens = [&](int n) { return random_prompt(rng, n, config.vocab_size); };
+  auto random_tokens = [&](int n) { return test::random_tokens(rng, n, config.vocab_size); };
   const int s0 = da.add_sequence(-1), s1 = da.add_sequence(0), s2 = da.add_sequence(0);
   ASSERT_EQ(s0, db.add_sequence(-1));
   ASSERT_EQ(s1, db.add_sequence(0));

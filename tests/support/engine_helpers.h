@@ -34,12 +34,7 @@ namespace moelora::runtime::engine_test {
 
 namespace fs = std::filesystem;
 
-inline std::vector<int32_t> random_tokens(std::mt19937_64& rng, int64_t n, int64_t vocab) {
-  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
-  std::vector<int32_t> out(static_cast<size_t>(n));
-  for (auto& t : out) t = dist(rng);
-  return out;
-}
+using ::moelora::test::random_tokens;
 
 inline model::Model load_quiet(const fs::path& dir) {
   model::ModelOptions options;

@@ -30,6 +30,13 @@ uint64_t test_seed(uint64_t fallback) {
   return seed;
 }
 
+std::vector<int32_t> random_tokens(std::mt19937_64& rng, int64_t n, int64_t vocab) {
+  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  for (auto& t : out) t = dist(rng);
+  return out;
+}
+
 Tensor random_normal(const Shape& shape, std::mt19937_64& rng, float stddev) {
   Tensor t = Tensor::empty(DType::kF32, shape);
   std::normal_distribution<float> dist(0.0f, stddev);

@@ -29,6 +29,9 @@ std::filesystem::path fixture(const std::string& model);
 // stdout so a failure can be replayed.
 uint64_t test_seed(uint64_t fallback);
 
+// n token ids drawn uniformly from [0, vocab).
+std::vector<int32_t> random_tokens(std::mt19937_64& rng, int64_t n, int64_t vocab);
+
 // Random fp32 tensor, normal(0, stddev).
 Tensor random_normal(const Shape& shape, std::mt19937_64& rng, float stddev = 1.0f);
 Tensor random_uniform(const Shape& shape, std::mt19937_64& rng, float lo, float hi);

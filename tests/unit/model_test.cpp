@@ -37,12 +37,7 @@ Model load_quiet(const fs::path& dir) {
   return Model::load(dir, options);
 }
 
-std::vector<int32_t> random_tokens(std::mt19937_64& rng, int64_t n, int64_t vocab) {
-  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
-  std::vector<int32_t> out(n);
-  for (auto& t : out) t = dist(rng);
-  return out;
-}
+using test::random_tokens;
 
 // Row `r` of a [T, V] tensor as a [1, V] copy.
 Tensor row(const Tensor& t, int64_t r) {

@@ -333,15 +333,22 @@ __device__ __forceinline__ ThreadOffsets thread_offsets(int thread) {
   return {static_cast<uint32_t>(thread) * 16,
           static_cast<uint32_t>(kNvfp4StreamCodeBytes + pair * 16)};
 }
-// Prefill: group g of a stage as two k16 steps (an 8-byte code load and one scale word).
-__device__ __forceinline__ GroupWords<2> load_quarter_words(uint32_t block, int thread, int group) {
+// Decode: half h of a stage (four k16 steps, a 16-byte code load; `scales` is the thread's 16 scale
+// bytes of the stage, steps 0-3 then 4-7).
+__device__ __forceinline__ GroupWords<4> load_half_words(uint32_t block, ThreadOffsets at, int half,
+                                                         uint4 scales) {
+  const uint4 c =
+      ::moelora::cuda::ptx::ld_shared_v4_u32(block + half * kHalfStageCodeBytes + at.codes);
+  return {{c.x, c.y, c.z, c.w}, {half == 0 ? scales.x : scales.z, half == 0 ? scales.y : scales.w}};
+}
+// Prefill: quarter q of a stage (two k16 steps: 8 bytes of the half's 16-byte code words, one
+// scale word).
+__device__ __forceinline__ GroupWords<2> load_quarter_words(uint32_t block, ThreadOffsets at,
+                                                            int quarter) {
   namespace ptx = ::moelora::cuda::ptx;
-  const int pair = (thread / 32) * 8 + (thread % 32) / 4;
-  GroupWords<2> w;
-  const uint2 c = ptx::ld_shared_v2_u32(block + (((group / 2) * 128 + thread) * 2 + group % 2) * 8);
-  w.codes[0] = c.x, w.codes[1] = c.y;
-  w.scales[0] = ptx::ld_shared_u32(block + kNvfp4StreamCodeBytes + (4 * pair + group) * 4);
-  return w;
+  const uint2 c = ptx::ld_shared_v2_u32(block + (quarter / 2) * kHalfStageCodeBytes + at.codes +
+                                        (quarter % 2) * 8);
+  return {{c.x, c.y}, {ptx::ld_shared_u32(block + at.scales + quarter * 4)}};
 }
 
 // A group's words -> its A registers: codes expanded and multiplied by their group scales.
@@ -411,20 +418,11 @@ __device__ __forceinline__ void consume_pass(const Ring<T>& ring, int& stage, ui
       const uint32_t block = ring.weight(stage) + wg * kWeightBlockBytes;
       const uint64_t desc_stage = desc_ring + stage * (T::kActTileBytes >> 4);
       const uint4 scales = ptx::ld_shared_v4_u32(block + offsets.scales);
-      GroupWords<kSteps / 2> words;
-      {
-        const uint4 c = ptx::ld_shared_v4_u32(block + offsets.codes);
-        words = {{c.x, c.y, c.z, c.w}, {scales.x, scales.y}};
-      }
-      expand_group<kSteps / 2>(words, a_first);
+      expand_group<kSteps / 2>(load_half_words(block, offsets, 0, scales), a_first);
       issue_group<kWidth, T::kAtomBytes, kSteps / 2>(desc_stage, 0, acc, a_first);
       sm90::wgmma_wait<1>();
       if (previous >= 0) sm90::mbar_arrive(ring.empty(previous));
-      {
-        const uint4 c = ptx::ld_shared_v4_u32(block + kHalfStageCodeBytes + offsets.codes);
-        words = {{c.x, c.y, c.z, c.w}, {scales.z, scales.w}};
-      }
-      expand_group<kSteps / 2>(words, a_second);
+      expand_group<kSteps / 2>(load_half_words(block, offsets, 1, scales), a_second);
       issue_group<kWidth, T::kAtomBytes, kSteps / 2>(desc_stage, 1, acc, a_second);
       sm90::wgmma_wait<1>();
       previous = stage;
@@ -436,17 +434,17 @@ __device__ __forceinline__ void consume_pass(const Ring<T>& ring, int& stage, ui
     // nor the expansion waits for the tensor cores (ncu: the shared loads right before the
     // expansion were 44 % of the stalls).
     constexpr int kGroups = 4, kGroupSteps = kSteps / kGroups;
-    const int thread = threadIdx.x % 128;
+    const ThreadOffsets offsets = thread_offsets(threadIdx.x % 128);
     uint32_t a[2][kGroupSteps][4];
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       sm90::mbar_wait(ring.full(stage), phase);
       const uint32_t block = ring.weight(stage) + wg * kWeightBlockBytes;
       const uint64_t desc_stage = sm90::wgmma_desc_k_major_sw128(ring.act(stage));
-      GroupWords<kGroupSteps> words = load_quarter_words(block, thread, 0);
+      GroupWords<kGroupSteps> words = load_quarter_words(block, offsets, 0);
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) {
         expand_group<kGroupSteps>(words, a[g % 2]);
-        if (g + 1 < kGroups) words = load_quarter_words(block, thread, g + 1);
+        if (g + 1 < kGroups) words = load_quarter_words(block, offsets, g + 1);
         issue_group<kWidth, T::kAtomBytes, kGroupSteps>(desc_stage, g, acc, a[g % 2]);
         sm90::wgmma_wait<1>();  // group g - 1 is done: its A set may be rewritten
         if (g == 0 && previous >= 0) sm90::mbar_arrive(ring.empty(previous));
