@@ -2,19 +2,37 @@
 // (README.md beside it; not built with moelora): e2m1 codes -> e4m3 bytes in registers (value *
 // 2^-6), one m64n8k32 e4m3 wgmma per k16 group (the other group's half of A zero) into its own
 // accumulator, the group's e4m3 scales applied with FFMA one half stage later.
-#include <cstdint>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
-__device__ __forceinline__ void wgmma_fp8_rs_n8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0, 1, 1;\n"
-               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+#include <cstdint>
+__device__ __forceinline__ void wgmma_fp8_rs_n8(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                uint32_t a2, uint32_t a3, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, "
+      "0, 1, 1;\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
 }
-__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ uint4 lds128(uint32_t a) { uint4 v; asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a)); return v; }
-__device__ __forceinline__ void fo(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void fo(float& r) {
+  asm volatile("" : "+f"(r)::"memory");
+}
 // 8 codes -> two registers of four e4m3 bytes (scripts/nvfp4_e4m3_layout.py): row r's codes in
 // place (sign bit 7, magnitude bits 4-2 of each byte); row r + 8's sign in bit 1, mantissa bit in
 // bit 0 and exponent bits in bits 6-5 of the byte before (cyclically).
@@ -23,10 +41,12 @@ __device__ __forceinline__ void expand8(uint32_t q, uint32_t& r0, uint32_t& r1) 
   r1 = (__funnelshift_l(q, q, 6) & 0x98989898u) | ((q << 2) & 0x04040404u);
 }
 __device__ __forceinline__ float2 scales2(uint32_t pair) {
-  const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3));
+  const __half2 h =
+      __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3));
   return __half22float2(h);
 }
-extern "C" __global__ void __launch_bounds__(160, 3) proto(uint64_t desc0, uint32_t smem0, int k_blocks, float* out) {
+extern "C" __global__ void __launch_bounds__(160, 3)
+    proto(uint64_t desc0, uint32_t smem0, int k_blocks, float* out) {
   float acc[4] = {0, 0, 0, 0};
   float tmp[2][4][4] = {};
   uint32_t prev_sc[4] = {0, 0, 0, 0};
@@ -47,18 +67,21 @@ extern "C" __global__ void __launch_bounds__(160, 3) proto(uint64_t desc0, uint3
       for (int g = 0; g < 4; ++g) {
         uint32_t r0, r1;
         expand8(code[half * 4 + g], r0, r1);
-        if (g % 2 == 0) a[g][0] = r0, a[g][1] = r1, a[g][2] = 0u, a[g][3] = 0u;
-        else a[g][0] = 0u, a[g][1] = 0u, a[g][2] = r0, a[g][3] = r1;
+        if (g % 2 == 0)
+          a[g][0] = r0, a[g][1] = r1, a[g][2] = 0u, a[g][3] = 0u;
+        else
+          a[g][0] = 0u, a[g][1] = 0u, a[g][2] = r0, a[g][3] = r1;
       }
       fence();
 #pragma unroll
       for (int g = 0; g < 4; ++g)
-        wgmma_fp8_rs_n8(tmp[half][g], a[g][0], a[g][1], a[g][2], a[g][3], desc + (half * 2 + g / 2) * 2);
+        wgmma_fp8_rs_n8(tmp[half][g], a[g][0], a[g][1], a[g][2], a[g][3],
+                        desc + (half * 2 + g / 2) * 2);
       commit();
       wait<1>();  // the other half's group is done
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
-        float (&t)[4] = tmp[half ^ 1][g];
+        float(&t)[4] = tmp[half ^ 1][g];
 #pragma unroll
         for (int i = 0; i < 4; ++i) fo(t[i]);
         const float2 sg = scales2(prev_sc[(half ^ 1) * 2 + g / 2] >> (16 * (g % 2)));
@@ -73,6 +96,8 @@ extern "C" __global__ void __launch_bounds__(160, 3) proto(uint64_t desc0, uint3
       }
     }
   }
-  out[threadIdx.x * 4 + 0] = acc[0]; out[threadIdx.x * 4 + 1] = acc[1];
-  out[threadIdx.x * 4 + 2] = acc[2]; out[threadIdx.x * 4 + 3] = acc[3];
+  out[threadIdx.x * 4 + 0] = acc[0];
+  out[threadIdx.x * 4 + 1] = acc[1];
+  out[threadIdx.x * 4 + 2] = acc[2];
+  out[threadIdx.x * 4 + 3] = acc[3];
 }
