@@ -5,6 +5,12 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cstdint>
+
+#include "core/mma_ptx.cuh"
+#include "core/sm90_ptx.cuh"
+
+namespace sm90 = ::moelora::cuda::sm90;
+using ::moelora::cuda::ptx::ld_shared_v4_u32;
 __device__ __forceinline__ void wgmma_fp8_rs_n8(float (&d)[4], uint32_t a0, uint32_t a1,
                                                 uint32_t a2, uint32_t a3, uint64_t b) {
   asm volatile(
@@ -12,26 +18,6 @@ __device__ __forceinline__ void wgmma_fp8_rs_n8(float (&d)[4], uint32_t a0, uint
       "0, 1, 1;\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
-}
-__device__ __forceinline__ void fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(a));
-  return v;
-}
-__device__ __forceinline__ void fo(float& r) {
-  asm volatile("" : "+f"(r)::"memory");
 }
 // 8 codes -> two registers of four e4m3 bytes (scripts/nvfp4_e4m3_layout.py): row r's codes in
 // place (sign bit 7, magnitude bits 4-2 of each byte); row r + 8's sign in bit 1, mantissa bit in
@@ -55,8 +41,9 @@ extern "C" __global__ void __launch_bounds__(160, 3)
   for (int kb = 0; kb < k_blocks; ++kb) {
     const int stage = kb % 5;
     const uint32_t block = stage * 4608;
-    const uint4 c0 = lds128(block + codes_at), c1 = lds128(block + codes_at + 2048);
-    const uint4 s = lds128(block + scales_at);
+    const uint4 c0 = ld_shared_v4_u32(block + codes_at),
+                c1 = ld_shared_v4_u32(block + codes_at + 2048);
+    const uint4 s = ld_shared_v4_u32(block + scales_at);
     const uint64_t desc = desc0 + stage * 64;
     const uint32_t code[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
     const uint32_t sc[4] = {s.x, s.y, s.z, s.w};
@@ -72,18 +59,18 @@ extern "C" __global__ void __launch_bounds__(160, 3)
         else
           a[g][0] = 0u, a[g][1] = 0u, a[g][2] = r0, a[g][3] = r1;
       }
-      fence();
+      sm90::wgmma_fence();
 #pragma unroll
       for (int g = 0; g < 4; ++g)
         wgmma_fp8_rs_n8(tmp[half][g], a[g][0], a[g][1], a[g][2], a[g][3],
                         desc + (half * 2 + g / 2) * 2);
-      commit();
-      wait<1>();  // the other half's group is done
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // the other half's group is done
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         float(&t)[4] = tmp[half ^ 1][g];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) fo(t[i]);
+        for (int i = 0; i < 4; ++i) sm90::fence_operand(t[i]);
         const float2 sg = scales2(prev_sc[(half ^ 1) * 2 + g / 2] >> (16 * (g % 2)));
         acc[0] = fmaf(sg.x, t[0], acc[0]);
         acc[1] = fmaf(sg.x, t[1], acc[1]);
