@@ -62,6 +62,40 @@ struct Nvfp4Experts {
 };
 Nvfp4Experts unpack_nvfp4_from_stream(const Tensor& image, int64_t n, int64_t k);
 
+// ---- W4A8 decode image (launch_moe_gemm_nvfp4_w4a8, the FP8 tensor cores) ----
+//
+// The blocks of the stream image above ([E][N/64][K/128], 4,096 code bytes, then the same 512
+// scale bytes), with the code words laid out for the A fragments of e4m3 wgmma m64nNk32, one k16
+// group of the block per wgmma (the other 16 columns of A zero): word (g / 4) * 512 + t * 4 + g % 4
+// holds what consumer thread t (warp w = t / 32: rows 16 w .. 16 w + 15; lane l: r = l / 4, c =
+// l % 4) needs for group g (block columns 16 g .. 16 g + 15): the codes of row 16 w + r at columns
+// 16 g + 4 c + j, j = 0..3, in byte j where an e4m3 byte has them (sign at bit 7, the two exponent
+// bits and the mantissa bit at 4-2), and those of row + 8 in the bits left over (sign at bit 1 and
+// mantissa bit at bit 0 of byte j, exponent bits at bits 6-5 of byte j - 1, cyclically). Then
+//   R0 = word & 0x9C9C9C9C,  R1 = (rotl(word, 6) & 0x98989898) | ((word << 2) & 0x04040404)
+// are the e4m3 bytes of the two rows' codes (five integer ops for eight codes), each reading as
+// e2m1 * 2^-6, the subnormal 0.5 included (scripts/nvfp4_e4m3_layout.py checks the layout).
+// Same requirements and errors as pack_nvfp4_for_stream.
+Tensor pack_nvfp4_for_w4a8(const Tensor& packed, const Tensor& scale);
+// The inverse (tests).
+Nvfp4Experts unpack_nvfp4_from_w4a8(const Tensor& image, int64_t n, int64_t k);
+
+// The e4m3 activation rows the W4A8 kernel multiplies: x[row(q)] / s[q] rounded to e4m3 (nearest
+// even), s[q] the power of two that brings the row's largest magnitude into (224, 448] (1 for a
+// zero row), so no value saturates and the division is exact before the rounding. rows F8_E4M3
+// [P, K], scale F32 [P]; x and gather as for rows_to_f16_pow2_ref.
+struct E4m3Rows {
+  Tensor rows;   // F8_E4M3 [P, K]
+  Tensor scale;  // F32 [P]
+};
+E4m3Rows rows_to_e4m3_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p);
+// The power-of-two row scale for a row whose largest magnitude is `amax` (see above).
+float e4m3_row_scale_for(float amax);
+// F32 [P, K]: each e4m3 value times its row's scale (exact). The W4A8 GEMM's reference is
+// moe_gemm_nvfp4_ref with these rows as act (and no gather): the kernel multiplies the same
+// e4m3 values by the same e2m1 codes and group scales.
+Tensor e4m3_rows_dequantized(const E4m3Rows& rows);
+
 // The activation rows the NVFP4 stream kernel multiplies: x[row(q)] / s[q] as f16 (exact), with
 // s[q] = 2^e the power of two that brings the row's largest magnitude into [2^13, 2^14) (1 for a
 // zero row): f16 holds every bf16 value of the row above max|x| * 2^-30 exactly, and no value

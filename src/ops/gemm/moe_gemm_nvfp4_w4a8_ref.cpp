@@ -1,0 +1,150 @@
+// The W4A8 decode image of NVFP4 experts and the e4m3 activation rows, CPU side
+// (ops/gemm/moe_gemm_nvfp4.h; the kernel is moe_gemm_nvfp4_w4a8_cuda.cu).
+#include <cmath>
+
+#include "core/threads.h"
+#include "ops/gemm/moe_gemm_nvfp4.h"
+
+namespace moelora::ops {
+
+namespace {
+
+constexpr int64_t kGroup = 16;
+
+// Where the code of (row, k) of a (tile, block) lives in the W4A8 image's code bytes: its 32-bit
+// word and the bits of its sign, two exponent bits and mantissa bit inside the word.
+struct W4a8Slot {
+  int64_t word;
+  int sign, exponent_high, exponent_low, mantissa;
+};
+W4a8Slot w4a8_slot(int64_t row, int64_t k) {
+  const int64_t warp = row / 16, r = row % 8, upper = (row % 16) / 8;  // upper: row + 8 of the pair
+  const int64_t group = k / kGroup, c = (k % kGroup) / 4, j = (k % kGroup) % 4;
+  const int64_t thread = warp * 32 + r * 4 + c;
+  const int64_t word = (group / 4) * 512 + thread * 4 + group % 4;
+  const int byte = static_cast<int>(8 * j);
+  if (upper == 0) return {word, byte + 7, byte + 4, byte + 3, byte + 2};
+  const int before = static_cast<int>(8 * ((j + 3) % 4));  // byte j - 1, cyclically
+  return {word, byte + 1, before + 6, before + 5, byte};
+}
+// e2m1 code: bit 3 sign, bits 2-1 exponent, bit 0 mantissa.
+uint32_t place_w4a8(uint32_t code, const W4a8Slot& s) {
+  return ((code >> 3 & 1u) << s.sign) | ((code >> 2 & 1u) << s.exponent_high) |
+         ((code >> 1 & 1u) << s.exponent_low) | ((code & 1u) << s.mantissa);
+}
+uint32_t take_w4a8(uint32_t word, const W4a8Slot& s) {
+  return ((word >> s.sign & 1u) << 3) | ((word >> s.exponent_high & 1u) << 2) |
+         ((word >> s.exponent_low & 1u) << 1) | (word >> s.mantissa & 1u);
+}
+
+// Byte of the scale of (row, group) inside a block's 512 scale bytes (as the stream image).
+int64_t w4a8_scale_slot(int64_t row, int64_t group) {
+  const int64_t pair = (row / 16) * 8 + row % 8, upper = (row % 16) / 8;
+  return pair * 16 + 2 * group + upper;
+}
+
+}  // namespace
+
+Tensor pack_nvfp4_for_w4a8(const Tensor& packed, const Tensor& scale) {
+  // The stream image checks every argument and lays out the scales as this image does; only the
+  // code words move.
+  Tensor image = pack_nvfp4_for_stream(packed, scale);
+  const int64_t E = packed.dim(0), N = packed.dim(1), K = packed.dim(2) * 2;
+  const int64_t tiles = N / kNvfp4StreamRows, blocks = K / kNvfp4StreamK;
+  const uint8_t* codes = packed.data<uint8_t>();
+  uint8_t* out = image.data<uint8_t>();
+  parallel_for(E * tiles, [&](int64_t lo, int64_t hi) {
+    for (int64_t et = lo; et < hi; ++et) {
+      const int64_t e = et / tiles, tile = et % tiles;
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint32_t* words = reinterpret_cast<uint32_t*>(out + (et * blocks + b) * kNvfp4StreamBlockBytes);
+        std::fill(words, words + kNvfp4StreamCodeBytes / 4, 0u);
+        for (int64_t row = 0; row < kNvfp4StreamRows; ++row) {
+          const uint8_t* src = codes + (e * N + tile * kNvfp4StreamRows + row) * (K / 2) + b * (kNvfp4StreamK / 2);
+          for (int64_t k = 0; k < kNvfp4StreamK; ++k) {
+            const W4a8Slot slot = w4a8_slot(row, k);
+            words[slot.word] |= place_w4a8((src[k / 2] >> (4 * (k % 2))) & 0xfu, slot);
+          }
+        }
+      }
+    }
+  });
+  return image;
+}
+
+Nvfp4Experts unpack_nvfp4_from_w4a8(const Tensor& image, int64_t n, int64_t k) {
+  MOELORA_CHECK(n % kNvfp4StreamRows == 0 && k % kNvfp4StreamK == 0, ErrorCode::kUnsupported,
+                "unpack_nvfp4_from_w4a8: N = ", n, " and K = ", k, " must be multiples of ", kNvfp4StreamRows,
+                " and ", kNvfp4StreamK);
+  check_dtype(image, DType::kU8, "unpack_nvfp4_from_w4a8: image");
+  MOELORA_CHECK(image.ndim() == 4, ErrorCode::kInvalidArgument, "unpack_nvfp4_from_w4a8: image must be 4-D");
+  const int64_t E = image.dim(0), tiles = n / kNvfp4StreamRows, blocks = k / kNvfp4StreamK;
+  check_shape(image, {E, tiles, blocks, kNvfp4StreamBlockBytes}, "unpack_nvfp4_from_w4a8: image");
+  Nvfp4Experts w{Tensor::zeros(DType::kU8, {E, n, k / 2}), Tensor::zeros(DType::kF8E4M3, {E, n, k / kGroup})};
+  const uint8_t* in = image.data<uint8_t>();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = in + ((e * tiles + t) * blocks + b) * kNvfp4StreamBlockBytes;
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(block);
+        for (int64_t row = 0; row < kNvfp4StreamRows; ++row) {
+          const int64_t nn = t * kNvfp4StreamRows + row;
+          uint8_t* dst = w.packed.data<uint8_t>() + (e * n + nn) * (k / 2) + b * (kNvfp4StreamK / 2);
+          for (int64_t kk = 0; kk < kNvfp4StreamK; ++kk) {
+            const W4a8Slot slot = w4a8_slot(row, kk);
+            dst[kk / 2] |= static_cast<uint8_t>(take_w4a8(words[slot.word], slot) << (4 * (kk % 2)));
+          }
+          uint8_t* srow = w.scale.data<uint8_t>() + (e * n + nn) * (k / kGroup) + b * (kNvfp4StreamK / kGroup);
+          for (int64_t group = 0; group < kNvfp4StreamK / kGroup; ++group)
+            srow[group] = block[kNvfp4StreamCodeBytes + w4a8_scale_slot(row, group)];
+        }
+      }
+  return w;
+}
+
+float e4m3_row_scale_for(float amax) {
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return 1.0f;
+  int exponent = 0;
+  const float m = std::frexp(amax, &exponent);  // amax = m * 2^exponent, m in [0.5, 1)
+  // amax / 2^(exponent - 9) = m * 512 in [256, 512): keep it when at most 448 (e4m3's largest
+  // value), else halve it into (224, 256)
+  return std::ldexp(1.0f, m <= 0.875f ? exponent - 9 : exponent - 8);
+}
+
+E4m3Rows rows_to_e4m3_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p) {
+  MOELORA_CHECK(x.defined() && x.ndim() == 2, ErrorCode::kInvalidArgument, "rows_to_e4m3_pow2_ref: x must be 2-D");
+  const Tensor xf = x.dtype() == DType::kF32 ? x : x.to_f32();
+  const int64_t rows = xf.dim(0), K = xf.dim(1);
+  MOELORA_CHECK(gather.empty() ? p <= rows : static_cast<int64_t>(gather.size()) == p, ErrorCode::kInvalidArgument,
+                "rows_to_e4m3_pow2_ref: ", p, " output rows from ", rows, " rows and ", gather.size(),
+                " gather entries");
+  E4m3Rows out{Tensor::empty(DType::kF8E4M3, {p, K}), Tensor::empty(DType::kF32, {p})};
+  for (int64_t q = 0; q < p; ++q) {
+    const int64_t row = gather.empty() ? q : gather[q];
+    MOELORA_CHECK(row >= 0 && row < rows, ErrorCode::kOutOfRange, "rows_to_e4m3_pow2_ref: gather[", q, "] = ", row,
+                  " outside [0, ", rows, ")");
+    const float* src = xf.data<float>() + row * K;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(src[k]));
+    const float s = e4m3_row_scale_for(amax);
+    out.scale.data<float>()[q] = s;
+    uint8_t* dst = out.rows.data<uint8_t>() + q * K;
+    for (int64_t k = 0; k < K; ++k) dst[k] = f32_to_e4m3(src[k] / s);
+  }
+  return out;
+}
+
+Tensor e4m3_rows_dequantized(const E4m3Rows& r) {
+  check_dtype(r.rows, DType::kF8E4M3, "e4m3_rows_dequantized: rows");
+  MOELORA_CHECK(r.rows.ndim() == 2, ErrorCode::kInvalidArgument, "e4m3_rows_dequantized: rows must be [P, K]");
+  const int64_t P = r.rows.dim(0), K = r.rows.dim(1);
+  check_dtype(r.scale, DType::kF32, "e4m3_rows_dequantized: scale");
+  check_shape(r.scale, {P}, "e4m3_rows_dequantized: scale");
+  Tensor out = Tensor::empty(DType::kF32, {P, K});
+  for (int64_t q = 0; q < P; ++q)
+    for (int64_t k = 0; k < K; ++k)
+      out.data<float>()[q * K + k] = e4m3_to_f32(r.rows.data<uint8_t>()[q * K + k]) * r.scale.data<float>()[q];
+  return out;
+}
+
+}  // namespace moelora::ops
