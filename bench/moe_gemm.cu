@@ -1,11 +1,13 @@
 // bench_moe_gemm: the decode expert GEMMs alone, FP8 (launch_moe_gemm_fp8_stream) against NVFP4
-// (launch_moe_gemm_nvfp4_stream), on the MoE presets' shapes: GEMM1 (gate_up, N = 2 I, K = H) and
+// (launch_moe_gemm_nvfp4_stream, W4A16, and launch_moe_gemm_nvfp4_w4a8, W4A8 with e4m3 rows),
+// on the MoE presets' shapes: GEMM1 (gate_up, N = 2 I, K = H) and
 // GEMM2 (down, N = H, K = I) for B decode tokens routed top-k uniformly over the experts (k
 // distinct experts per token, a fixed seed per B). Each timed launch follows an L2 flush (a
 // memset of 2x the L2), so the touched experts come from HBM as in a model's forward. Reported:
 // the median µs, the bytes each kernel must move (touched experts' weights and scales, activation
 // rows, outputs) and the percent of the measured copy bandwidth they amount to, and NVFP4's
-// speed-up over FP8. Writes moe_gemm_<preset>.{md,json} under --out.
+// speed-up over FP8 (both NVFP4 kernels stream the same weight bytes; W4A8 reads 1-byte rows).
+// Writes moe_gemm_<preset>.{md,json} under --out.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -79,7 +81,7 @@ Routing route(int E, int k, int tokens, uint64_t seed) {
 struct Row {
   std::string gemm;
   int tokens, touched, max_per_expert;
-  double fp8_us, fp8_bytes, nvfp4_us, nvfp4_bytes;
+  double fp8_us, fp8_bytes, nvfp4_us, nvfp4_bytes, w4a8_us, w4a8_bytes;
 };
 
 struct Options {
@@ -97,11 +99,15 @@ int parse(int argc, char** argv, Options& o) {
       return argv[++i];
     };
     if (a == "--help" || a == "-h") {
-      std::cout << "bench_moe_gemm: the decode expert GEMMs alone, FP8 stream kernel against NVFP4 stream kernel.\n\n"
-                   "  --preset LIST   qwen3.5-35b-a3b, kimi-k2.5-ep8, qwen3-30b-a3b (default: the first two)\n"
+      std::cout << "bench_moe_gemm: the decode expert GEMMs alone, FP8 stream kernel against the "
+                   "NVFP4 stream kernel\n"
+                   "(W4A16) and the NVFP4 W4A8 decode kernel.\n\n"
+                   "  --preset LIST   qwen3.5-35b-a3b, kimi-k2.5-ep8, qwen3-30b-a3b (default: the "
+                   "first two)\n"
                    "  --decode LIST   decode token counts (default 1,2,4,8,16,32,64,128)\n"
                    "  --reps N        timed launches per row, each after an L2 flush (default 30)\n"
-                   "  --out DIR       where moe_gemm_<preset>.{md,json} go (default bench/results/h200)\n";
+                   "  --out DIR       where moe_gemm_<preset>.{md,json} go (default "
+                   "bench/results/h200)\n";
       return 0;
     } else if (a == "--preset") {
       o.presets.clear();
@@ -224,40 +230,76 @@ int run(const Options& o) {
         a4.act_rows = P_max;
         a4.work_counters = counters.as<int>() + 2;
 
+        ops::cuda::MoeGemmNvfp4W4a8Args a48;  // the same image bytes (timing only), e4m3 rows
+        a48.act = x8.as<uint8_t>();
+        a48.act_scale = sx16.as<float>();
+        a48.weight = w4.as<uint8_t>();
+        a48.row_scale = rs.as<float>();
+        a48.expert_offsets = offsets_d.as<int32_t>();
+        a48.active_experts = active_d.as<int32_t>();
+        a48.num_active = num_d.as<int32_t>();
+        a48.out = out.as<__nv_bfloat16>();
+        a48.num_experts = sh.E;
+        a48.n = N;
+        a48.k = K;
+        a48.max_active_experts = max_active;
+        a48.act_rows = P_max;
+        a48.work_counters = counters.as<int>() + 2;
+
         const double fp8_us = time_us(
             [&] { ops::cuda::launch_moe_gemm_fp8_stream(a8, dev.num_sms, false, stream.get()); }, o.reps, flush,
             stream.get());
         const double nvfp4_us = time_us(
             [&] { ops::cuda::launch_moe_gemm_nvfp4_stream(a4, dev.num_sms, false, stream.get()); }, o.reps, flush,
             stream.get());
+        const double w4a8_us = time_us(
+            [&] { ops::cuda::launch_moe_gemm_nvfp4_w4a8(a48, dev.num_sms, false, stream.get()); },
+            o.reps, flush, stream.get());
         const double touched = static_cast<double>(r.active.size());
         const double out_bytes = static_cast<double>(r.P) * N * 2;
         const double fp8_bytes = touched * (static_cast<double>(expert_codes) + (N / 128.0) * (K / 128.0) * 4) +
                                  static_cast<double>(r.P) * K * (1 + 4.0 / 128) + out_bytes;
         const double nvfp4_bytes = touched * (static_cast<double>(expert_codes) * 0.5625 + N * 4.0) +
                                    static_cast<double>(r.P) * (K * 2 + 4) + out_bytes;
-        rows.push_back({gemm, T, static_cast<int>(touched), max_per, fp8_us, fp8_bytes, nvfp4_us, nvfp4_bytes});
+        const double w4a8_bytes = touched * (static_cast<double>(expert_codes) * 0.5625 + N * 4.0) +
+                                  static_cast<double>(r.P) * (K + 4) + out_bytes;
+        rows.push_back({gemm, T, static_cast<int>(touched), max_per, fp8_us, fp8_bytes, nvfp4_us,
+                        nvfp4_bytes, w4a8_us, w4a8_bytes});
         const Row& row = rows.back();
-        std::printf("%-16s %-16s B=%4d experts %3d  fp8 %8.1f us (%3.0f %%)  nvfp4 %8.1f us (%3.0f %%)  x%.2f\n",
-                    name.c_str(), gemm.c_str(), T, row.touched, fp8_us, 100.0 * fp8_bytes / bw / (fp8_us * 1e-6),
-                    nvfp4_us, 100.0 * nvfp4_bytes / bw / (nvfp4_us * 1e-6), fp8_us / nvfp4_us);
+        std::printf(
+            "%-16s %-16s B=%4d experts %3d  fp8 %8.1f us (%3.0f %%)  nvfp4 %8.1f us (%3.0f %%)  "
+            "x%.2f  w4a8 %8.1f us "
+            "(%3.0f %%)  x%.2f\n",
+            name.c_str(), gemm.c_str(), T, row.touched, fp8_us,
+            100.0 * fp8_bytes / bw / (fp8_us * 1e-6), nvfp4_us,
+            100.0 * nvfp4_bytes / bw / (nvfp4_us * 1e-6), fp8_us / nvfp4_us, w4a8_us,
+            100.0 * w4a8_bytes / bw / (w4a8_us * 1e-6), fp8_us / w4a8_us);
         std::fflush(stdout);
       }
     }
     // Markdown + JSON
     const std::string base = o.out + "/moe_gemm_" + name;
     std::ofstream md(base + ".md");
-    md << "# bench_moe_gemm " << name << " (" << dev.name << ", copy bandwidth " << bw / 1e12 << " TB/s)\n\n"
-       << "Decode expert GEMMs alone, each launch after an L2 flush; median of " << o.reps << " launches. "
-       << "% = the kernel's bytes (touched experts' weights and scales, activation rows, outputs) over the copy "
+    md << "# bench_moe_gemm " << name << " (" << dev.name << ", copy bandwidth " << bw / 1e12
+       << " TB/s)\n\n"
+       << "Decode expert GEMMs alone, each launch after an L2 flush; median of " << o.reps
+       << " launches. "
+       << "% = the kernel's bytes (touched experts' weights and scales, activation rows, outputs) "
+          "over the copy "
           "bandwidth, against its time.\n\n"
-       << "| GEMM | B | experts touched | max tokens / expert | FP8 µs | FP8 % | NVFP4 µs | NVFP4 % | NVFP4 speed-up |\n"
-       << "|---|---|---|---|---|---|---|---|---|\n";
+       << "| GEMM | B | experts touched | max tokens / expert | FP8 µs | FP8 % | NVFP4 µs | NVFP4 "
+          "% | NVFP4 speed-up "
+          "| W4A8 µs | W4A8 % | W4A8 speed-up |\n"
+       << "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     char buf[512];
     for (const Row& r : rows) {
-      std::snprintf(buf, sizeof buf, "| %s | %d | %d | %d | %.1f | %.0f | %.1f | %.0f | %.2fx |\n", r.gemm.c_str(),
-                    r.tokens, r.touched, r.max_per_expert, r.fp8_us, 100.0 * r.fp8_bytes / bw / (r.fp8_us * 1e-6),
-                    r.nvfp4_us, 100.0 * r.nvfp4_bytes / bw / (r.nvfp4_us * 1e-6), r.fp8_us / r.nvfp4_us);
+      std::snprintf(
+          buf, sizeof buf,
+          "| %s | %d | %d | %d | %.1f | %.0f | %.1f | %.0f | %.2fx | %.1f | %.0f | %.2fx |\n",
+          r.gemm.c_str(), r.tokens, r.touched, r.max_per_expert, r.fp8_us,
+          100.0 * r.fp8_bytes / bw / (r.fp8_us * 1e-6), r.nvfp4_us,
+          100.0 * r.nvfp4_bytes / bw / (r.nvfp4_us * 1e-6), r.fp8_us / r.nvfp4_us, r.w4a8_us,
+          100.0 * r.w4a8_bytes / bw / (r.w4a8_us * 1e-6), r.fp8_us / r.w4a8_us);
       md << buf;
     }
     std::ofstream js(base + ".json");
@@ -265,10 +307,12 @@ int run(const Options& o) {
        << "\", \"copy_bandwidth_bytes_per_s\": " << bw << ", \"reps\": " << o.reps << ", \"rows\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      js << (i ? ", " : "") << "{\"gemm\": \"" << json_escape(r.gemm) << "\", \"tokens\": " << r.tokens
-         << ", \"experts_touched\": " << r.touched << ", \"max_tokens_per_expert\": " << r.max_per_expert
-         << ", \"fp8_us\": " << r.fp8_us << ", \"fp8_bytes\": " << r.fp8_bytes << ", \"nvfp4_us\": " << r.nvfp4_us
-         << ", \"nvfp4_bytes\": " << r.nvfp4_bytes << "}";
+      js << (i ? ", " : "") << "{\"gemm\": \"" << json_escape(r.gemm)
+         << "\", \"tokens\": " << r.tokens << ", \"experts_touched\": " << r.touched
+         << ", \"max_tokens_per_expert\": " << r.max_per_expert << ", \"fp8_us\": " << r.fp8_us
+         << ", \"fp8_bytes\": " << r.fp8_bytes << ", \"nvfp4_us\": " << r.nvfp4_us
+         << ", \"nvfp4_bytes\": " << r.nvfp4_bytes << ", \"w4a8_us\": " << r.w4a8_us
+         << ", \"w4a8_bytes\": " << r.w4a8_bytes << "}";
     }
     js << "]}\n";
     std::printf("wrote %s.{md,json}\n", base.c_str());

@@ -163,6 +163,25 @@ struct WgmmaE4m3<64> {
 };
 #undef MOELORA_WGMMA_E4M3_ASM
 
+// D[64 x N] = A[64 x 32] * B[32 x N]^T, e4m3 x e4m3 -> f32, A from registers (four .b32 of four
+// e4m3 bytes, the fragment of mma.m16n8k32 for the warp's 16 rows: a[0] = (row l / 4, k 4 (l % 4)
+// .. + 3), a[1] = row + 8, a[2] = k + 16, a[3] = row + 8 and k + 16), B K-major in shared memory.
+// D is overwritten (scale-d false): the W4A8 NVFP4 GEMM scales each k16 group's product by its
+// group scales before adding it up. Accumulator layout as for WgmmaE4m3; the A registers are read
+// asynchronously (ptxas keeps them live until the wait).
+template <int kN>
+struct WgmmaE4m3RsFresh;
+template <>
+struct WgmmaE4m3RsFresh<8> {
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "%8, 0, 1, 1;\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  }
+};
+
 // D[64 x N] (+)= A[64 x 16] * B[16 x N]^T, f16 x f16 -> f32, A from registers (the fragment of
 // mma.m16n8k16 for the warp's 16 rows: a[0] = (row l / 4, k 2 (l % 4) .. + 1), a[1] = row + 8,
 // a[2] = k + 8, a[3] = row + 8 and k + 8), B K-major in shared memory. Accumulator layout as for

@@ -5,7 +5,11 @@
 // pass width, several passes), prefill passes of 1..300 tokens (every width up to 128, tails),
 // rows past the sorted positions holding NaN, programmatic launch, the three instances (64- and
 // 128-row decode items, 256-row prefill pass items) and claimed work items bit-equal to
-// round-robin, graph replays bit-equal to eager launches, refusals.
+// round-robin, graph replays bit-equal to eager launches, refusals. The W4A8 decode GEMM
+// (launch_moe_gemm_nvfp4_w4a8) and its e4m3 rows (launch_rows_to_e4m3_pow2) the same way: the rows
+// bit-exact, the GEMM against moe_gemm_nvfp4_ref on the dequantized e4m3 rows, every token count
+// up to 8 and experts of several 8-token passes, claimed items bit-equal to round-robin, graph
+// replays, refusals.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -308,6 +312,221 @@ TEST(Sm90_MoeGemmNvfp4Stream, RefusesBadArguments) {
   a = d.args;
   a.row_scale = nullptr;
   expect_refusal(a, "row_scale");
+  a = d.args;
+  a.num_experts = 600;
+  a.max_active_experts = 600;
+  expect_refusal(a, "E = 600");
+  a = d.args;
+  a.max_active_experts = 3;
+  expect_refusal(a, "max_active_experts = 3");
+}
+
+// ---- W4A8 ----
+
+// The problem's e4m3 rows by the conversion kernel (bit for bit against rows_to_e4m3_pow2_ref),
+// rows past P holding e4m3 NaN, the W4A8 image, and the GEMM against moe_gemm_nvfp4_ref on the
+// dequantized rows (the same e4m3 values times the same codes and scales; only the order of the
+// fp32 sums differs), eagerly and programmatically, round-robin and claimed (the same bits).
+struct DeviceW4a8Case {
+  DeviceCase base;  // the routing, row scales and output buffers (its f16 rows go unused)
+  cuda::DeviceBuffer act, act_scale, weight;
+  ops::cuda::MoeGemmNvfp4W4a8Args args;
+};
+
+DeviceW4a8Case upload_w4a8_case(const Case& c, const Problem& pb, int slack, cudaStream_t stream) {
+  DeviceW4a8Case d{upload_case(c, pb, slack, stream), {}, {}, {}, {}};
+  const int rows = d.base.P + slack;
+  d.act = test::upload_vector(
+      std::vector<uint8_t>(static_cast<size_t>(std::max(rows, 1)) * pb.K, 0x7f));
+  d.act_scale = test::upload_vector(
+      std::vector<float>(std::max(rows, 1), std::numeric_limits<float>::quiet_NaN()));
+  ops::cuda::RowsToE4m3Args conv;
+  conv.x = d.base.x.as<__nv_bfloat16>();
+  conv.max_rows = d.base.P;
+  conv.cols = pb.K;
+  conv.out = d.act.as<uint8_t>();
+  conv.scale = d.act_scale.as<float>();
+  ops::cuda::launch_rows_to_e4m3_pow2(conv, stream);
+  d.weight = cuda::to_device(ops::pack_nvfp4_for_w4a8(c.ref.packed, c.ref.scale));
+  const ops::cuda::MoeGemmNvfp4Args& f = d.base.args;
+  ops::cuda::MoeGemmNvfp4W4a8Args& a = d.args;
+  a.act = d.act.as<uint8_t>();
+  a.act_scale = d.act_scale.as<float>();
+  a.weight = d.weight.as<uint8_t>();
+  a.row_scale = f.row_scale;
+  a.expert_offsets = f.expert_offsets;
+  a.active_experts = f.active_experts;
+  a.num_active = f.num_active;
+  a.out = f.out;
+  a.num_experts = f.num_experts;
+  a.n = f.n;
+  a.k = f.k;
+  a.max_active_experts = f.max_active_experts;
+  a.act_rows = f.act_rows;
+  return d;
+}
+
+void check_w4a8_problem(const Problem& pb, uint64_t seed_fallback) {
+  std::mt19937_64 rng(test::test_seed(seed_fallback));
+  const Case c = make_case(pb, rng);
+  const int P = c.ref.expert_offsets.back();
+  const ops::E4m3Rows want_rows = ops::rows_to_e4m3_pow2_ref(c.ref.act, {}, P);
+  ops::MoeGemmNvfp4Ref ref = c.ref;
+  ref.act = ops::e4m3_rows_dequantized(want_rows);
+  const Tensor expected = ops::moe_gemm_nvfp4_ref(ref);
+  const int sms = cuda::device_info(0).num_sms;
+  cuda::DeviceBuffer counters(2 * sizeof(int32_t));
+  MOELORA_CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+  for (int slack : {0, 24}) {
+    for (bool pdl : {false, true}) {
+      cuda::Stream stream;
+      DeviceW4a8Case d = upload_w4a8_case(c, pb, slack, stream.get());
+      stream.synchronize();
+      EXPECT_EQ(test::download_vector<uint8_t>(d.act, static_cast<size_t>(P) * pb.K),
+                std::vector<uint8_t>(want_rows.rows.data<uint8_t>(),
+                                     want_rows.rows.data<uint8_t>() + P * pb.K));
+      EXPECT_EQ(
+          test::download_vector<float>(d.act_scale, P),
+          std::vector<float>(want_rows.scale.data<float>(), want_rows.scale.data<float>() + P));
+      std::vector<uint16_t> round_robin;
+      for (int launch = 0; launch < 3; ++launch) {
+        const bool claimed = launch > 0;
+        ops::cuda::MoeGemmNvfp4W4a8Args args = d.args;
+        if (claimed) args.work_counters = counters.as<int32_t>();
+        MOELORA_CUDA_CHECK(
+            cudaMemsetAsync(d.base.out.get(), 0xff, d.base.out.bytes(), stream.get()));
+        ops::cuda::launch_moe_gemm_nvfp4_w4a8(args, sms, pdl, stream.get());
+        stream.synchronize();
+        const std::string what = "W4A8 E=" + std::to_string(pb.E) + " N=" + std::to_string(pb.N) +
+                                 " K=" + std::to_string(pb.K) + " slack=" + std::to_string(slack) +
+                                 " pdl=" + std::to_string(pdl) + " launch " +
+                                 std::to_string(launch);
+        const Tensor got = cuda::to_host(d.base.out, DType::kBF16, {P, pb.N}).to_f32();
+        EXPECT_TRUE(test::close_bf16(got, expected, 0.99999)) << what;
+        const auto bits =
+            test::download_vector<uint16_t>(d.base.out, static_cast<size_t>(P) * pb.N);
+        if (launch == 0)
+          round_robin = bits;
+        else
+          EXPECT_EQ(bits, round_robin) << what << ": claimed items must give the round-robin bits";
+        if (claimed)
+          EXPECT_EQ(test::download_vector<int32_t>(counters, 2), (std::vector<int32_t>{0, 0}))
+              << what << ": the work counters must be left zeroed";
+      }
+    }
+  }
+}
+
+TEST(Sm90_MoeGemmNvfp4W4a8, EveryTokenCountAndSeveralPasses) {
+  MOELORA_REQUIRE_SM90();
+  // 1..8 tokens: one pass; 9, 17, 40: two, three and five passes of 8
+  check_w4a8_problem({7, 128, 256, {1, 0, 8, 9, 17, 3, 40}}, 91);
+}
+
+TEST(Sm90_MoeGemmNvfp4W4a8, DecodeShapesManyExperts) {
+  MOELORA_REQUIRE_SM90();
+  // Qwen3.5-35B-A3B's GEMM1 (N = 2 x 512, K = 2048) over 64 experts, 0..4 tokens each
+  std::vector<int> tokens(64);
+  for (int e = 0; e < 64; ++e) tokens[e] = e % 5;
+  check_w4a8_problem({64, 1024, 2048, tokens}, 92);
+}
+
+TEST(Sm90_MoeGemmNvfp4W4a8, NarrowKWideN) {
+  MOELORA_REQUIRE_SM90();
+  check_w4a8_problem({3, 2048, 128, {2, 8, 5}}, 93);  // GEMM2's shape: K = one stage
+}
+
+TEST(Sm90_MoeGemmNvfp4W4a8, GraphReplayBitEqualToEager) {
+  MOELORA_REQUIRE_SM90();
+  const Problem pb{5, 256, 512, {3, 0, 12, 1, 7}};
+  std::mt19937_64 rng(test::test_seed(94));
+  const Case c = make_case(pb, rng);
+  const int sms = cuda::device_info(0).num_sms;
+  cuda::Stream stream;
+  DeviceW4a8Case d = upload_w4a8_case(c, pb, 8, stream.get());
+  const size_t values = static_cast<size_t>(d.base.P) * pb.N;
+  ops::cuda::launch_moe_gemm_nvfp4_w4a8(d.args, sms, true, stream.get());
+  stream.synchronize();
+  const auto eager = test::download_vector<uint16_t>(d.base.out, values);
+  MOELORA_CUDA_CHECK(cudaMemset(d.base.out.get(), 0, d.base.out.bytes()));
+  cudaGraph_t graph = nullptr;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  ops::cuda::launch_moe_gemm_nvfp4_w4a8(d.args, sms, true, stream.get());
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    stream.synchronize();
+    EXPECT_EQ(test::download_vector<uint16_t>(d.base.out, values), eager) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST(Sm90_RowsToE4m3Pow2, GatheredRowsAndDeviceRowCount) {
+  MOELORA_REQUIRE_SM90();
+  std::mt19937_64 rng(test::test_seed(95));
+  Tensor x = test::random_normal({6, 520}, rng, 50.0f);
+  for (int k = 0; k < 520; ++k) x.data<float>()[2 * 520 + k] = 0.0f;
+  x.data<float>()[4 * 520 + 3] = 3.0e5f;
+  x.data<float>()[1 * 520 + 7] = 448.0f;
+  x = x.to(DType::kBF16);
+  const std::vector<int32_t> gather = {5, 2, 4, 4, 0, 1, 3};
+  const int valid = 5;  // rows 5 and 6 must stay untouched
+  auto xd = cuda::to_device(x);
+  auto gd = test::upload_vector(gather);
+  auto nd = test::upload_vector(std::vector<int32_t>{valid});
+  cuda::DeviceBuffer out(7 * 520), scale(7 * 4);
+  MOELORA_CUDA_CHECK(cudaMemset(out.get(), 0x11, out.bytes()));
+  MOELORA_CUDA_CHECK(cudaMemset(scale.get(), 0x22, scale.bytes()));
+  ops::cuda::RowsToE4m3Args a;
+  a.x = xd.as<__nv_bfloat16>();
+  a.gather = gd.as<int32_t>();
+  a.num_rows = nd.as<int32_t>();
+  a.max_rows = 7;
+  a.cols = 520;
+  a.out = out.as<uint8_t>();
+  a.scale = scale.as<float>();
+  ops::cuda::launch_rows_to_e4m3_pow2(a, nullptr);
+  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+  const ops::E4m3Rows want =
+      ops::rows_to_e4m3_pow2_ref(x, {gather.begin(), gather.begin() + valid}, valid);
+  const auto got = test::download_vector<uint8_t>(out, 7 * 520);
+  const auto got_scale = test::download_vector<float>(scale, 7);
+  EXPECT_EQ(
+      std::vector<uint8_t>(got.begin(), got.begin() + valid * 520),
+      std::vector<uint8_t>(want.rows.data<uint8_t>(), want.rows.data<uint8_t>() + valid * 520));
+  EXPECT_EQ(std::vector<float>(got_scale.begin(), got_scale.begin() + valid),
+            std::vector<float>(want.scale.data<float>(), want.scale.data<float>() + valid));
+  for (size_t i = valid * 520; i < got.size(); ++i)
+    ASSERT_EQ(got[i], 0x11) << "row past the count written";
+  a.cols = 12;
+  EXPECT_THROW(ops::cuda::launch_rows_to_e4m3_pow2(a, nullptr), Error);
+}
+
+TEST(Sm90_MoeGemmNvfp4W4a8, RefusesBadArguments) {
+  MOELORA_REQUIRE_SM90();
+  const Problem pb{2, 128, 128, {1, 1}};
+  std::mt19937_64 rng(test::test_seed(96));
+  const Case c = make_case(pb, rng);
+  DeviceW4a8Case d = upload_w4a8_case(c, pb, 0, nullptr);
+  const int sms = cuda::device_info(0).num_sms;
+  auto expect_refusal = [&](ops::cuda::MoeGemmNvfp4W4a8Args a, const std::string& needle) {
+    const std::string message =
+        test::error_of([&] { ops::cuda::launch_moe_gemm_nvfp4_w4a8(a, sms, false, nullptr); });
+    EXPECT_TRUE(test::contains(message, needle))
+        << "expected an error naming " << needle << ", got: " << message;
+  };
+  ops::cuda::MoeGemmNvfp4W4a8Args a = d.args;
+  a.n = 96;
+  expect_refusal(a, "N = 96");
+  a = d.args;
+  a.k = 192;
+  expect_refusal(a, "K = 192");
+  a = d.args;
+  a.act = nullptr;
+  expect_refusal(a, "act");
   a = d.args;
   a.num_experts = 600;
   a.max_active_experts = 600;

@@ -207,39 +207,45 @@ TEST(MoeGemmNvfp4W4a8Layout, EveryCodeExpandsToItsE4m3FragmentByte) {
         const int64_t row = n % 64, col = k % 128, group = col / 16;
         const int64_t thread = 32 * (row / 16) + 4 * (row % 8) + (col % 16) / 4;
         uint32_t q = 0;
-        std::memcpy(&q, image.data<uint8_t>() + block * ops::kNvfp4StreamBlockBytes +
-                            4 * ((group / 4) * 512 + thread * 4 + group % 4),
+        std::memcpy(&q,
+                    image.data<uint8_t>() + block * ops::kNvfp4StreamBlockBytes +
+                        4 * ((group / 4) * 512 + thread * 4 + group % 4),
                     4);
         const auto [r0, r1] = expand_w4a8_word(q);
         const uint8_t byte = static_cast<uint8_t>(((row % 16) < 8 ? r0 : r1) >> (8 * (col % 4)));
-        const uint32_t code = (w.packed.data<uint8_t>()[(e * N + n) * (K / 2) + k / 2] >> (4 * (k % 2))) & 0xfu;
-        const bool ok = e4m3_to_f32(byte) == e2m1_to_f32(static_cast<uint8_t>(code)) * std::ldexp(1.0f, -6) &&
-                        byte == (((code >> 3) << 7) | ((code & 7u) << 2));
+        const uint32_t code =
+            (w.packed.data<uint8_t>()[(e * N + n) * (K / 2) + k / 2] >> (4 * (k % 2))) & 0xfu;
+        const bool ok =
+            e4m3_to_f32(byte) == e2m1_to_f32(static_cast<uint8_t>(code)) * std::ldexp(1.0f, -6) &&
+            byte == (((code >> 3) << 7) | ((code & 7u) << 2));
         wrong += !ok;
         ++checked;
       }
   EXPECT_EQ(wrong, 0) << "of " << checked << " codes";
   // the scales sit where the stream image has them
   for (int64_t b = 0; b < image.dim(0) * image.dim(1) * image.dim(2); ++b)
-    ASSERT_EQ(std::memcmp(image.data<uint8_t>() + b * ops::kNvfp4StreamBlockBytes + ops::kNvfp4StreamCodeBytes,
-                          stream.data<uint8_t>() + b * ops::kNvfp4StreamBlockBytes + ops::kNvfp4StreamCodeBytes,
-                          ops::kNvfp4StreamScaleBytes),
-              0)
+    ASSERT_EQ(
+        std::memcmp(
+            image.data<uint8_t>() + b * ops::kNvfp4StreamBlockBytes + ops::kNvfp4StreamCodeBytes,
+            stream.data<uint8_t>() + b * ops::kNvfp4StreamBlockBytes + ops::kNvfp4StreamCodeBytes,
+            ops::kNvfp4StreamScaleBytes),
+        0)
         << "block " << b;
   const ops::Nvfp4Experts back = ops::unpack_nvfp4_from_w4a8(image, N, K);
   EXPECT_EQ(std::memcmp(back.packed.raw_data(), w.packed.raw_data(), w.packed.nbytes()), 0);
   EXPECT_EQ(std::memcmp(back.scale.raw_data(), w.scale.raw_data(), w.scale.nbytes()), 0);
-  EXPECT_THROW(ops::pack_nvfp4_for_w4a8(w.packed.slice0(0, 1), w.scale), Error) << "scale of another shape";
+  EXPECT_THROW(ops::pack_nvfp4_for_w4a8(w.packed.slice0(0, 1), w.scale), Error)
+      << "scale of another shape";
   EXPECT_THROW(ops::unpack_nvfp4_from_w4a8(image, N, K + 128), Error);
 }
 
 TEST(MoeGemmNvfp4W4a8Ref, E4m3RowsArePowerOfTwoScaledAndRoundedToNearest) {
   std::mt19937_64 rng(test::test_seed(76));
   Tensor x = test::random_normal({5, 128}, rng, 3.0f);
-  for (int64_t k = 0; k < 128; ++k) x.data<float>()[1 * 128 + k] = 0.0f;  // a zero row
-  x.data<float>()[2 * 128 + 7] = 1e30f;                                    // huge beside O(1)
+  for (int64_t k = 0; k < 128; ++k) x.data<float>()[1 * 128 + k] = 0.0f;     // a zero row
+  x.data<float>()[2 * 128 + 7] = 1e30f;                                      // huge beside O(1)
   for (int64_t k = 0; k < 128; ++k) x.data<float>()[3 * 128 + k] *= 1e-20f;  // tiny row
-  x.data<float>()[4 * 128 + 5] = 448.0f;                                    // amax exactly 448
+  x.data<float>()[4 * 128 + 5] = 448.0f;                                     // amax exactly 448
   x = x.to(DType::kBF16);
   const std::vector<int32_t> gather = {2, 1, 0, 3, 4, 0};
   const ops::E4m3Rows rows = ops::rows_to_e4m3_pow2_ref(x, gather, 6);
@@ -249,7 +255,8 @@ TEST(MoeGemmNvfp4W4a8Ref, E4m3RowsArePowerOfTwoScaledAndRoundedToNearest) {
   for (int64_t q = 0; q < 6; ++q) {
     const float s = rows.scale.data<float>()[q];
     int exponent = 0;
-    EXPECT_EQ(std::frexp(s, &exponent), 0.5f) << "row " << q << ": scale " << s << " is not a power of two";
+    EXPECT_EQ(std::frexp(s, &exponent), 0.5f)
+        << "row " << q << ": scale " << s << " is not a power of two";
     float amax = 0.0f;
     for (int64_t k = 0; k < 128; ++k) {
       const float want = xf.data<float>()[gather[q] * 128 + k];
@@ -260,7 +267,8 @@ TEST(MoeGemmNvfp4W4a8Ref, E4m3RowsArePowerOfTwoScaledAndRoundedToNearest) {
       // nearest e4m3: within half a unit of the last place (2^-4 of the value) or, below e4m3's
       // normal range, half its subnormal step 2^-10
       const float scaled = want / s;
-      EXPECT_LE(std::fabs(e4m3_to_f32(byte) - scaled), std::fmax(std::fabs(scaled) / 16, std::ldexp(1.0f, -10)))
+      EXPECT_LE(std::fabs(e4m3_to_f32(byte) - scaled),
+                std::fmax(std::fabs(scaled) / 16, std::ldexp(1.0f, -10)))
           << "row " << q << " col " << k;
     }
     if (gather[q] == 1) {
@@ -290,7 +298,8 @@ TEST(MoeGemmNvfp4W4a8Ref, E4m3ActivationsStayCloseToTheW4a16Product) {
   ref.row_scale = Tensor::from_f32(std::vector<float>(E * N, 0.01f), {E, N});
   for (int64_t e = 0; e < E; ++e) {
     const ops::Nvfp4Weight q = ops::quantize_nvfp4_ref(test::random_normal({N, K}, rng, 0.05f));
-    std::memcpy(ref.packed.data<uint8_t>() + e * N * (K / 2), q.packed.raw_data(), q.packed.nbytes());
+    std::memcpy(ref.packed.data<uint8_t>() + e * N * (K / 2), q.packed.raw_data(),
+                q.packed.nbytes());
     std::memcpy(ref.scale.data<uint8_t>() + e * N * (K / 16), q.scale.raw_data(), q.scale.nbytes());
   }
   ref.act = test::random_normal({6, K}, rng, 2.0f).to(DType::kBF16);
@@ -300,7 +309,8 @@ TEST(MoeGemmNvfp4W4a8Ref, E4m3ActivationsStayCloseToTheW4a16Product) {
   w4a8.act = ops::e4m3_rows_dequantized(ops::rows_to_e4m3_pow2_ref(ref.act, {}, 6));
   const Tensor got = ops::moe_gemm_nvfp4_ref(w4a8);
   EXPECT_GT(test::cosine_similarity(got, w4a16), 0.999);
-  EXPECT_LT(test::max_abs_diff(got, w4a16), 0.1 * test::max_abs_diff(w4a16, Tensor::zeros(DType::kF32, {6, N})));
+  EXPECT_LT(test::max_abs_diff(got, w4a16),
+            0.1 * test::max_abs_diff(w4a16, Tensor::zeros(DType::kF32, {6, N})));
 }
 
 }  // namespace

@@ -158,6 +158,33 @@ constexpr int kNvfp4PrefillMinTokens = 64;
 // synchronizes.
 void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& args, int num_sms, bool pdl, cudaStream_t stream);
 
+// W4A8 for decode (moe_gemm_nvfp4_w4a8_cuda.cu): the activation rows as e4m3 with power-of-two
+// row scales (rows_to_e4m3_pow2), the codes of pack_nvfp4_for_w4a8's image expanded to e4m3 for
+// the FP8 tensor cores, group scales applied in fp32. Passes of up to 8 tokens over 64-row items,
+// three CTAs per SM; an expert with more tokens takes several passes (it reads its weights again
+// for each: the kernel is meant for decode). Same fields as MoeGemmNvfp4Args otherwise.
+struct MoeGemmNvfp4W4a8Args {
+  const uint8_t* act = nullptr;      // e4m3 [act_rows, K], one row per sorted position
+  const float* act_scale = nullptr;  // [act_rows] power-of-two row scales
+  const uint8_t* weight =
+      nullptr;  // image [E, N/64, K/128, 4608] (pack_nvfp4_for_w4a8), 16-byte aligned
+  const float* row_scale = nullptr;         // [E, N]
+  const int32_t* expert_offsets = nullptr;  // [E + 1]
+  const int32_t* active_experts = nullptr;  // [E], first *num_active valid
+  const int32_t* num_active = nullptr;      // [1]
+  __nv_bfloat16* out = nullptr;             // [P, N], rows in sorted order
+  int num_experts = 0;                      // E (at most 512)
+  int n = 0;                                // N, a multiple of 64
+  int k = 0;                                // K, a multiple of 128
+  int max_active_experts = 0;               // grid sizing (host value, fixed per graph)
+  int act_rows = 0;                         // rows of act (the TMA view's extent)
+  int* work_counters = nullptr;             // optional, as MoeGemmFp8Args::work_counters
+};
+// Throws moelora::Error naming the bad field; never allocates or synchronizes. With `pdl` the
+// weights of the first ring fill are fetched before griddepcontrol.wait.
+void launch_moe_gemm_nvfp4_w4a8(const MoeGemmNvfp4W4a8Args& args, int num_sms, bool pdl,
+                                cudaStream_t stream);
+
 // ---- bf16 experts (moe_gemm_bf16_cuda.cu) ----
 //
 //   out[q, n] = sum_k act[row(q), k] * W[e(q), n, k]   (bf16 in, fp32 accumulation, bf16 out)

@@ -57,10 +57,12 @@ Tensor pack_nvfp4_for_w4a8(const Tensor& packed, const Tensor& scale) {
     for (int64_t et = lo; et < hi; ++et) {
       const int64_t e = et / tiles, tile = et % tiles;
       for (int64_t b = 0; b < blocks; ++b) {
-        uint32_t* words = reinterpret_cast<uint32_t*>(out + (et * blocks + b) * kNvfp4StreamBlockBytes);
+        uint32_t* words =
+            reinterpret_cast<uint32_t*>(out + (et * blocks + b) * kNvfp4StreamBlockBytes);
         std::fill(words, words + kNvfp4StreamCodeBytes / 4, 0u);
         for (int64_t row = 0; row < kNvfp4StreamRows; ++row) {
-          const uint8_t* src = codes + (e * N + tile * kNvfp4StreamRows + row) * (K / 2) + b * (kNvfp4StreamK / 2);
+          const uint8_t* src =
+              codes + (e * N + tile * kNvfp4StreamRows + row) * (K / 2) + b * (kNvfp4StreamK / 2);
           for (int64_t k = 0; k < kNvfp4StreamK; ++k) {
             const W4a8Slot slot = w4a8_slot(row, k);
             words[slot.word] |= place_w4a8((src[k / 2] >> (4 * (k % 2))) & 0xfu, slot);
@@ -74,13 +76,15 @@ Tensor pack_nvfp4_for_w4a8(const Tensor& packed, const Tensor& scale) {
 
 Nvfp4Experts unpack_nvfp4_from_w4a8(const Tensor& image, int64_t n, int64_t k) {
   MOELORA_CHECK(n % kNvfp4StreamRows == 0 && k % kNvfp4StreamK == 0, ErrorCode::kUnsupported,
-                "unpack_nvfp4_from_w4a8: N = ", n, " and K = ", k, " must be multiples of ", kNvfp4StreamRows,
-                " and ", kNvfp4StreamK);
+                "unpack_nvfp4_from_w4a8: N = ", n, " and K = ", k, " must be multiples of ",
+                kNvfp4StreamRows, " and ", kNvfp4StreamK);
   check_dtype(image, DType::kU8, "unpack_nvfp4_from_w4a8: image");
-  MOELORA_CHECK(image.ndim() == 4, ErrorCode::kInvalidArgument, "unpack_nvfp4_from_w4a8: image must be 4-D");
+  MOELORA_CHECK(image.ndim() == 4, ErrorCode::kInvalidArgument,
+                "unpack_nvfp4_from_w4a8: image must be 4-D");
   const int64_t E = image.dim(0), tiles = n / kNvfp4StreamRows, blocks = k / kNvfp4StreamK;
   check_shape(image, {E, tiles, blocks, kNvfp4StreamBlockBytes}, "unpack_nvfp4_from_w4a8: image");
-  Nvfp4Experts w{Tensor::zeros(DType::kU8, {E, n, k / 2}), Tensor::zeros(DType::kF8E4M3, {E, n, k / kGroup})};
+  Nvfp4Experts w{Tensor::zeros(DType::kU8, {E, n, k / 2}),
+                 Tensor::zeros(DType::kF8E4M3, {E, n, k / kGroup})};
   const uint8_t* in = image.data<uint8_t>();
   for (int64_t e = 0; e < E; ++e)
     for (int64_t t = 0; t < tiles; ++t)
@@ -89,12 +93,15 @@ Nvfp4Experts unpack_nvfp4_from_w4a8(const Tensor& image, int64_t n, int64_t k) {
         const uint32_t* words = reinterpret_cast<const uint32_t*>(block);
         for (int64_t row = 0; row < kNvfp4StreamRows; ++row) {
           const int64_t nn = t * kNvfp4StreamRows + row;
-          uint8_t* dst = w.packed.data<uint8_t>() + (e * n + nn) * (k / 2) + b * (kNvfp4StreamK / 2);
+          uint8_t* dst =
+              w.packed.data<uint8_t>() + (e * n + nn) * (k / 2) + b * (kNvfp4StreamK / 2);
           for (int64_t kk = 0; kk < kNvfp4StreamK; ++kk) {
             const W4a8Slot slot = w4a8_slot(row, kk);
-            dst[kk / 2] |= static_cast<uint8_t>(take_w4a8(words[slot.word], slot) << (4 * (kk % 2)));
+            dst[kk / 2] |=
+                static_cast<uint8_t>(take_w4a8(words[slot.word], slot) << (4 * (kk % 2)));
           }
-          uint8_t* srow = w.scale.data<uint8_t>() + (e * n + nn) * (k / kGroup) + b * (kNvfp4StreamK / kGroup);
+          uint8_t* srow =
+              w.scale.data<uint8_t>() + (e * n + nn) * (k / kGroup) + b * (kNvfp4StreamK / kGroup);
           for (int64_t group = 0; group < kNvfp4StreamK / kGroup; ++group)
             srow[group] = block[kNvfp4StreamCodeBytes + w4a8_scale_slot(row, group)];
         }
@@ -112,17 +119,18 @@ float e4m3_row_scale_for(float amax) {
 }
 
 E4m3Rows rows_to_e4m3_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p) {
-  MOELORA_CHECK(x.defined() && x.ndim() == 2, ErrorCode::kInvalidArgument, "rows_to_e4m3_pow2_ref: x must be 2-D");
+  MOELORA_CHECK(x.defined() && x.ndim() == 2, ErrorCode::kInvalidArgument,
+                "rows_to_e4m3_pow2_ref: x must be 2-D");
   const Tensor xf = x.dtype() == DType::kF32 ? x : x.to_f32();
   const int64_t rows = xf.dim(0), K = xf.dim(1);
-  MOELORA_CHECK(gather.empty() ? p <= rows : static_cast<int64_t>(gather.size()) == p, ErrorCode::kInvalidArgument,
-                "rows_to_e4m3_pow2_ref: ", p, " output rows from ", rows, " rows and ", gather.size(),
-                " gather entries");
+  MOELORA_CHECK(gather.empty() ? p <= rows : static_cast<int64_t>(gather.size()) == p,
+                ErrorCode::kInvalidArgument, "rows_to_e4m3_pow2_ref: ", p, " output rows from ",
+                rows, " rows and ", gather.size(), " gather entries");
   E4m3Rows out{Tensor::empty(DType::kF8E4M3, {p, K}), Tensor::empty(DType::kF32, {p})};
   for (int64_t q = 0; q < p; ++q) {
     const int64_t row = gather.empty() ? q : gather[q];
-    MOELORA_CHECK(row >= 0 && row < rows, ErrorCode::kOutOfRange, "rows_to_e4m3_pow2_ref: gather[", q, "] = ", row,
-                  " outside [0, ", rows, ")");
+    MOELORA_CHECK(row >= 0 && row < rows, ErrorCode::kOutOfRange, "rows_to_e4m3_pow2_ref: gather[",
+                  q, "] = ", row, " outside [0, ", rows, ")");
     const float* src = xf.data<float>() + row * K;
     float amax = 0.0f;
     for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(src[k]));
@@ -136,14 +144,16 @@ E4m3Rows rows_to_e4m3_pow2_ref(const Tensor& x, const std::vector<int32_t>& gath
 
 Tensor e4m3_rows_dequantized(const E4m3Rows& r) {
   check_dtype(r.rows, DType::kF8E4M3, "e4m3_rows_dequantized: rows");
-  MOELORA_CHECK(r.rows.ndim() == 2, ErrorCode::kInvalidArgument, "e4m3_rows_dequantized: rows must be [P, K]");
+  MOELORA_CHECK(r.rows.ndim() == 2, ErrorCode::kInvalidArgument,
+                "e4m3_rows_dequantized: rows must be [P, K]");
   const int64_t P = r.rows.dim(0), K = r.rows.dim(1);
   check_dtype(r.scale, DType::kF32, "e4m3_rows_dequantized: scale");
   check_shape(r.scale, {P}, "e4m3_rows_dequantized: scale");
   Tensor out = Tensor::empty(DType::kF32, {P, K});
   for (int64_t q = 0; q < P; ++q)
     for (int64_t k = 0; k < K; ++k)
-      out.data<float>()[q * K + k] = e4m3_to_f32(r.rows.data<uint8_t>()[q * K + k]) * r.scale.data<float>()[q];
+      out.data<float>()[q * K + k] =
+          e4m3_to_f32(r.rows.data<uint8_t>()[q * K + k]) * r.scale.data<float>()[q];
   return out;
 }
 

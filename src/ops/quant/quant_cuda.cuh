@@ -57,5 +57,19 @@ struct RowsToF16Args {
   bool pdl = false;
 };
 void launch_rows_to_f16_pow2(const RowsToF16Args& args, cudaStream_t stream);
+// e4m3 activation rows for the W4A8 NVFP4 GEMM (rows_to_e4m3_pow2_ref, bit-identical): out[q] =
+// x[gather[q]] / s[q] rounded to e4m3, s[q] the power of two that brings the row's largest
+// magnitude into (224, 448]. Fields and launch as RowsToF16Args, out one byte per value.
+struct RowsToE4m3Args {
+  const __nv_bfloat16* x = nullptr;   // [rows_in, cols]
+  const int32_t* gather = nullptr;    // [max_rows]; nullptr = identity
+  const int32_t* num_rows = nullptr;  // [1]; nullptr = max_rows
+  int max_rows = 0;
+  int cols = 0;            // a multiple of 8
+  uint8_t* out = nullptr;  // [max_rows, cols] e4m3
+  float* scale = nullptr;  // [max_rows]
+  bool pdl = false;
+};
+void launch_rows_to_e4m3_pow2(const RowsToE4m3Args& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda
