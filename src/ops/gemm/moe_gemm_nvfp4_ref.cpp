@@ -185,25 +185,77 @@ float f16_row_scale_for(float amax) {
   return std::ldexp(1.0f, exponent - 14);
 }
 
-F16Rows rows_to_f16_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p) {
-  MOELORA_CHECK(x.defined() && x.ndim() == 2, ErrorCode::kInvalidArgument, "rows_to_f16_pow2_ref: x must be 2-D");
+namespace {
+
+// The activation rows of both NVFP4 kernels: per output row q, the input row (gather), its largest
+// magnitude, the format's power-of-two scale for it (scale_for) and each value divided by the
+// scale (exact) and converted (store(q, k, value)).
+template <class ScaleFor, class Store>
+Tensor rows_pow2(const Tensor& x, const std::vector<int32_t>& gather, int64_t p, const char* what,
+                 ScaleFor&& scale_for, Store&& store) {
+  MOELORA_CHECK(x.defined() && x.ndim() == 2, ErrorCode::kInvalidArgument, what, ": x must be 2-D");
   const Tensor xf = x.dtype() == DType::kF32 ? x : x.to_f32();
   const int64_t rows = xf.dim(0), K = xf.dim(1);
-  MOELORA_CHECK(gather.empty() ? p <= rows : static_cast<int64_t>(gather.size()) == p, ErrorCode::kInvalidArgument,
-                "rows_to_f16_pow2_ref: ", p, " output rows from ", rows, " rows and ", gather.size(), " gather entries");
-  F16Rows out{Tensor::empty(DType::kF16, {p, K}), Tensor::empty(DType::kF32, {p})};
+  MOELORA_CHECK(gather.empty() ? p <= rows : static_cast<int64_t>(gather.size()) == p,
+                ErrorCode::kInvalidArgument, what, ": ", p, " output rows from ", rows,
+                " rows and ", gather.size(), " gather entries");
+  Tensor scales = Tensor::empty(DType::kF32, {p});
   for (int64_t q = 0; q < p; ++q) {
     const int64_t row = gather.empty() ? q : gather[q];
-    MOELORA_CHECK(row >= 0 && row < rows, ErrorCode::kOutOfRange, "rows_to_f16_pow2_ref: gather[", q, "] = ", row,
+    MOELORA_CHECK(row >= 0 && row < rows, ErrorCode::kOutOfRange, what, ": gather[", q, "] = ", row,
                   " outside [0, ", rows, ")");
     const float* src = xf.data<float>() + row * K;
     float amax = 0.0f;
     for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(src[k]));
-    const float s = f16_row_scale_for(amax);
-    out.scale.data<float>()[q] = s;
-    uint16_t* dst = out.rows.data<uint16_t>() + q * K;
-    for (int64_t k = 0; k < K; ++k) dst[k] = f32_to_f16_bits(src[k] / s);
+    const float s = scale_for(amax);
+    scales.data<float>()[q] = s;
+    for (int64_t k = 0; k < K; ++k) store(q, k, src[k] / s);
   }
+  return scales;
+}
+
+}  // namespace
+
+F16Rows rows_to_f16_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p) {
+  const int64_t K = x.defined() && x.ndim() == 2 ? x.dim(1) : 0;
+  F16Rows out{Tensor::empty(DType::kF16, {p, K}), {}};
+  uint16_t* dst = out.rows.data<uint16_t>();
+  out.scale =
+      rows_pow2(x, gather, p, "rows_to_f16_pow2_ref", f16_row_scale_for,
+                [&](int64_t q, int64_t k, float v) { dst[q * K + k] = f32_to_f16_bits(v); });
+  return out;
+}
+
+float e4m3_row_scale_for(float amax) {
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return 1.0f;
+  int exponent = 0;
+  const float m = std::frexp(amax, &exponent);  // amax = m * 2^exponent, m in [0.5, 1)
+  // amax / 2^(exponent - 9) = m * 512 in [256, 512): keep it when at most 448 (e4m3's largest
+  // value), else halve it into (224, 256)
+  return std::ldexp(1.0f, m <= 0.875f ? exponent - 9 : exponent - 8);
+}
+
+E4m3Rows rows_to_e4m3_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p) {
+  const int64_t K = x.defined() && x.ndim() == 2 ? x.dim(1) : 0;
+  E4m3Rows out{Tensor::empty(DType::kF8E4M3, {p, K}), {}};
+  uint8_t* dst = out.rows.data<uint8_t>();
+  out.scale = rows_pow2(x, gather, p, "rows_to_e4m3_pow2_ref", e4m3_row_scale_for,
+                        [&](int64_t q, int64_t k, float v) { dst[q * K + k] = f32_to_e4m3(v); });
+  return out;
+}
+
+Tensor e4m3_rows_dequantized(const E4m3Rows& r) {
+  check_dtype(r.rows, DType::kF8E4M3, "e4m3_rows_dequantized: rows");
+  MOELORA_CHECK(r.rows.ndim() == 2, ErrorCode::kInvalidArgument,
+                "e4m3_rows_dequantized: rows must be [P, K]");
+  const int64_t P = r.rows.dim(0), K = r.rows.dim(1);
+  check_dtype(r.scale, DType::kF32, "e4m3_rows_dequantized: scale");
+  check_shape(r.scale, {P}, "e4m3_rows_dequantized: scale");
+  Tensor out = Tensor::empty(DType::kF32, {P, K});
+  for (int64_t q = 0; q < P; ++q)
+    for (int64_t k = 0; k < K; ++k)
+      out.data<float>()[q * K + k] =
+          e4m3_to_f32(r.rows.data<uint8_t>()[q * K + k]) * r.scale.data<float>()[q];
   return out;
 }
 

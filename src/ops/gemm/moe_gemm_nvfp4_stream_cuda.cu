@@ -42,8 +42,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <mutex>
-#include <vector>
 
 #include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
@@ -52,6 +50,7 @@
 #include "core/tma_map.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
 #include "ops/gemm/moe_gemm_nvfp4.h"
+#include "ops/gemm/nvfp4_launch_checks.cuh"
 #include "ops/gemm/stream_gemm_common.cuh"
 
 namespace moelora::ops::cuda {
@@ -544,38 +543,14 @@ int stream_grid(const MoeGemmNvfp4Args& a, int num_sms) {
       1, std::min<int64_t>(items, static_cast<int64_t>(T::kCtasPerSm) * num_sms)));
 }
 
-void prepare_device() {
-  int device = 0;
-  MOELORA_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::vector<bool> prepared;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device < static_cast<int>(prepared.size()) && prepared[device]) return;
-  int major = 0, minor = 0;
-  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "NVFP4 stream GEMM: device ",
-                device, " is sm_", major, minor,
-                "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<DecodeNarrow>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          DecodeNarrow::kSmemBytes));
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<DecodeWide>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          DecodeWide::kSmemBytes));
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_stream_kernel<Prefill>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          Prefill::kSmemBytes));
-  if (device >= static_cast<int>(prepared.size())) prepared.resize(device + 1, false);
-  prepared[device] = true;
-}
-
 template <class T>
 void launch_instance(const CUtensorMap& tma_x, const CUtensorMap& tma_x_wide,
                      const MoeGemmNvfp4Args& a, int num_sms, bool pdl, cudaStream_t stream) {
   const StreamParams p{
       a.weight, a.row_scale,     a.act_scale, a.expert_offsets, a.active_experts, a.num_active,
       a.out,    a.work_counters, a.n,         a.k / kBlockK,    a.n / T::kBlockM, a.num_experts};
+  nvfp4_launch::prepare_kernel(reinterpret_cast<const void*>(moe_gemm_nvfp4_stream_kernel<T>),
+                               T::kSmemBytes, "NVFP4 stream GEMM");
   ::moelora::cuda::launch_kernel(moe_gemm_nvfp4_stream_kernel<T>, dim3(stream_grid<T>(a, num_sms)),
                                  dim3(T::kThreads), T::kSmemBytes, stream, pdl, tma_x, tma_x_wide,
                                  p);
@@ -585,33 +560,7 @@ void launch_instance(const CUtensorMap& tma_x, const CUtensorMap& tma_x_wide,
 
 void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool pdl,
                                   cudaStream_t stream) {
-  MOELORA_CHECK(a.act && a.act_scale && a.weight && a.row_scale && a.expert_offsets &&
-                    a.active_experts && a.num_active && a.out,
-                ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: act, act_scale, weight, row_scale, expert_offsets, "
-                "active_experts, num_active "
-                "and out are required");
-  MOELORA_CHECK(a.num_experts > 0 && a.num_experts <= kMaxExperts, ErrorCode::kUnsupported,
-                "NVFP4 stream GEMM: E = ", a.num_experts,
-                " experts; the kernel's schedule holds 1 to ", kMaxExperts);
-  MOELORA_CHECK(a.n > 0 && a.n % DecodeWide::kBlockM == 0 && a.k > 0 && a.k % kBlockK == 0,
-                ErrorCode::kUnsupported, "NVFP4 stream GEMM: N = ", a.n,
-                " must be a positive multiple of ", DecodeWide::kBlockM, " and K = ", a.k, " of ",
-                kBlockK);
-  MOELORA_CHECK(a.max_active_experts >= 1 && a.max_active_experts <= a.num_experts,
-                ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: max_active_experts = ", a.max_active_experts,
-                " outside [1, E = ", a.num_experts, "]");
-  MOELORA_CHECK(a.act_rows > 0, ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: act_rows = ", a.act_rows, " must be positive");
-  MOELORA_CHECK(reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(a.act) % 16 == 0,
-                ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: weight and act must be 16-byte aligned");
-  MOELORA_CHECK(static_cast<int64_t>(a.num_experts) * a.n < (1LL << 31),
-                ErrorCode::kInvalidArgument,
-                "NVFP4 stream GEMM: E * N = ", static_cast<int64_t>(a.num_experts) * a.n,
-                " rows exceed 2^31");
+  nvfp4_launch::check_args(a, DecodeWide::kBlockM, kBlockK, "NVFP4 stream GEMM");
   // The f16 rows as TMA boxes of `rows` x 64 columns (128-byte swizzle).
   auto activation_map = [&](uint32_t rows, const char* what) {
     return make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, a.k, a.act_rows,
@@ -619,7 +568,6 @@ void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool p
                               CU_TENSOR_MAP_SWIZZLE_128B, what);
   };
   const CUtensorMap tma_x = activation_map(kTokenBox, "the f16 activation rows");
-  prepare_device();
   // Prefill-sized passes (more than kPrefillMinTokens tokens for the busiest expert): 256-row x
   // 128-token tiles, tensor-core bound, whose full 64-row blocks of a pass come as 64-row boxes (a
   // 128-token stage is 4 copies instead of 32). Decode: two warpgroups per CTA once a pass may be

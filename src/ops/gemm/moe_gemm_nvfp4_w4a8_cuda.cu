@@ -32,8 +32,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <mutex>
-#include <vector>
 
 #include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
@@ -42,6 +40,7 @@
 #include "core/tma_map.h"
 #include "ops/gemm/moe_gemm_cuda.cuh"
 #include "ops/gemm/moe_gemm_nvfp4.h"
+#include "ops/gemm/nvfp4_launch_checks.cuh"
 #include "ops/gemm/stream_gemm_common.cuh"
 
 namespace moelora::ops::cuda {
@@ -330,60 +329,17 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #endif
 }
 
-void prepare_device() {
-  int device = 0;
-  MOELORA_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::vector<bool> prepared;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device < static_cast<int>(prepared.size()) && prepared[device]) return;
-  int major = 0, minor = 0;
-  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  MOELORA_CHECK(major == 9 && minor == 0, ErrorCode::kUnsupported, "NVFP4 W4A8 GEMM: device ",
-                device, " is sm_", major, minor,
-                "; the kernel needs sm_90a (Hopper: wgmma and TMA)");
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_nvfp4_w4a8_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  if (device >= static_cast<int>(prepared.size())) prepared.resize(device + 1, false);
-  prepared[device] = true;
-}
-
 }  // namespace
 
 void launch_moe_gemm_nvfp4_w4a8(const MoeGemmNvfp4W4a8Args& a, int num_sms, bool pdl,
                                 cudaStream_t stream) {
-  MOELORA_CHECK(a.act && a.act_scale && a.weight && a.row_scale && a.expert_offsets &&
-                    a.active_experts && a.num_active && a.out,
-                ErrorCode::kInvalidArgument,
-                "NVFP4 W4A8 GEMM: act, act_scale, weight, row_scale, expert_offsets, "
-                "active_experts, num_active "
-                "and out are required");
-  MOELORA_CHECK(a.num_experts > 0 && a.num_experts <= kMaxExperts, ErrorCode::kUnsupported,
-                "NVFP4 W4A8 GEMM: E = ", a.num_experts,
-                " experts; the kernel's schedule holds 1 to ", kMaxExperts);
-  MOELORA_CHECK(a.n > 0 && a.n % kNvfp4StreamRows == 0 && a.k > 0 && a.k % kBlockK == 0,
-                ErrorCode::kUnsupported, "NVFP4 W4A8 GEMM: N = ", a.n,
-                " must be a positive multiple of ", kNvfp4StreamRows, " and K = ", a.k, " of ",
-                kBlockK);
-  MOELORA_CHECK(a.max_active_experts >= 1 && a.max_active_experts <= a.num_experts,
-                ErrorCode::kInvalidArgument,
-                "NVFP4 W4A8 GEMM: max_active_experts = ", a.max_active_experts,
-                " outside [1, E = ", a.num_experts, "]");
-  MOELORA_CHECK(a.act_rows > 0, ErrorCode::kInvalidArgument,
-                "NVFP4 W4A8 GEMM: act_rows = ", a.act_rows, " must be positive");
-  MOELORA_CHECK(reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(a.act) % 16 == 0,
-                ErrorCode::kInvalidArgument,
-                "NVFP4 W4A8 GEMM: weight and act must be 16-byte aligned");
-  MOELORA_CHECK(
-      static_cast<int64_t>(a.num_experts) * a.n < (1LL << 31), ErrorCode::kInvalidArgument,
-      "NVFP4 W4A8 GEMM: E * N = ", static_cast<int64_t>(a.num_experts) * a.n, " rows exceed 2^31");
+  nvfp4_launch::check_args(a, kNvfp4StreamRows, kBlockK, "NVFP4 W4A8 GEMM");
   // The e4m3 rows as TMA boxes of 8 rows x 128 columns (one 128-byte swizzle row each).
   const CUtensorMap tma_x =
       make_tensor_map_2d(a.act, CU_TENSOR_MAP_DATA_TYPE_UINT8, a.k, a.act_rows, a.k, kBlockK,
                          kTokenBox, CU_TENSOR_MAP_SWIZZLE_128B, "the e4m3 activation rows");
-  prepare_device();
+  nvfp4_launch::prepare_kernel(reinterpret_cast<const void*>(moe_gemm_nvfp4_w4a8_kernel),
+                               kSmemBytes, "NVFP4 W4A8 GEMM");
   const Params p{a.weight,
                  a.row_scale,
                  a.act_scale,

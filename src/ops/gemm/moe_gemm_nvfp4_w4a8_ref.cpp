@@ -1,7 +1,6 @@
-// The W4A8 decode image of NVFP4 experts and the e4m3 activation rows, CPU side
-// (ops/gemm/moe_gemm_nvfp4.h; the kernel is moe_gemm_nvfp4_w4a8_cuda.cu).
-#include <cmath>
-
+// The W4A8 decode image of NVFP4 experts, CPU side (ops/gemm/moe_gemm_nvfp4.h; the kernel is
+// moe_gemm_nvfp4_w4a8_cuda.cu; its e4m3 activation rows are beside the f16 ones in
+// moe_gemm_nvfp4_ref.cpp).
 #include "core/threads.h"
 #include "ops/gemm/moe_gemm_nvfp4.h"
 
@@ -107,54 +106,6 @@ Nvfp4Experts unpack_nvfp4_from_w4a8(const Tensor& image, int64_t n, int64_t k) {
         }
       }
   return w;
-}
-
-float e4m3_row_scale_for(float amax) {
-  if (!(amax > 0.0f) || !std::isfinite(amax)) return 1.0f;
-  int exponent = 0;
-  const float m = std::frexp(amax, &exponent);  // amax = m * 2^exponent, m in [0.5, 1)
-  // amax / 2^(exponent - 9) = m * 512 in [256, 512): keep it when at most 448 (e4m3's largest
-  // value), else halve it into (224, 256)
-  return std::ldexp(1.0f, m <= 0.875f ? exponent - 9 : exponent - 8);
-}
-
-E4m3Rows rows_to_e4m3_pow2_ref(const Tensor& x, const std::vector<int32_t>& gather, int64_t p) {
-  MOELORA_CHECK(x.defined() && x.ndim() == 2, ErrorCode::kInvalidArgument,
-                "rows_to_e4m3_pow2_ref: x must be 2-D");
-  const Tensor xf = x.dtype() == DType::kF32 ? x : x.to_f32();
-  const int64_t rows = xf.dim(0), K = xf.dim(1);
-  MOELORA_CHECK(gather.empty() ? p <= rows : static_cast<int64_t>(gather.size()) == p,
-                ErrorCode::kInvalidArgument, "rows_to_e4m3_pow2_ref: ", p, " output rows from ",
-                rows, " rows and ", gather.size(), " gather entries");
-  E4m3Rows out{Tensor::empty(DType::kF8E4M3, {p, K}), Tensor::empty(DType::kF32, {p})};
-  for (int64_t q = 0; q < p; ++q) {
-    const int64_t row = gather.empty() ? q : gather[q];
-    MOELORA_CHECK(row >= 0 && row < rows, ErrorCode::kOutOfRange, "rows_to_e4m3_pow2_ref: gather[",
-                  q, "] = ", row, " outside [0, ", rows, ")");
-    const float* src = xf.data<float>() + row * K;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(src[k]));
-    const float s = e4m3_row_scale_for(amax);
-    out.scale.data<float>()[q] = s;
-    uint8_t* dst = out.rows.data<uint8_t>() + q * K;
-    for (int64_t k = 0; k < K; ++k) dst[k] = f32_to_e4m3(src[k] / s);
-  }
-  return out;
-}
-
-Tensor e4m3_rows_dequantized(const E4m3Rows& r) {
-  check_dtype(r.rows, DType::kF8E4M3, "e4m3_rows_dequantized: rows");
-  MOELORA_CHECK(r.rows.ndim() == 2, ErrorCode::kInvalidArgument,
-                "e4m3_rows_dequantized: rows must be [P, K]");
-  const int64_t P = r.rows.dim(0), K = r.rows.dim(1);
-  check_dtype(r.scale, DType::kF32, "e4m3_rows_dequantized: scale");
-  check_shape(r.scale, {P}, "e4m3_rows_dequantized: scale");
-  Tensor out = Tensor::empty(DType::kF32, {P, K});
-  for (int64_t q = 0; q < P; ++q)
-    for (int64_t k = 0; k < K; ++k)
-      out.data<float>()[q * K + k] =
-          e4m3_to_f32(r.rows.data<uint8_t>()[q * K + k]) * r.scale.data<float>()[q];
-  return out;
 }
 
 }  // namespace moelora::ops
