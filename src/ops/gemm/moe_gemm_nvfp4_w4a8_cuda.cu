@@ -50,7 +50,6 @@ namespace {
 namespace sm90 = ::moelora::cuda::sm90;
 namespace ptx = ::moelora::cuda::ptx;
 using ::moelora::cuda::make_tensor_map_2d;
-using stream_gemm::kMaxExperts;
 using stream_gemm::kScheduleBytes;
 using stream_gemm::Schedule;
 
