@@ -1,6 +1,8 @@
 // The W4A8 decode image of NVFP4 experts, CPU side (ops/gemm/moe_gemm_nvfp4.h; the kernel is
 // moe_gemm_nvfp4_w4a8_cuda.cu; its e4m3 activation rows are beside the f16 ones in
 // moe_gemm_nvfp4_ref.cpp).
+#include <algorithm>
+
 #include "core/threads.h"
 #include "ops/gemm/moe_gemm_nvfp4.h"
 
@@ -36,12 +38,6 @@ uint32_t take_w4a8(uint32_t word, const W4a8Slot& s) {
          ((word >> s.exponent_low & 1u) << 1) | (word >> s.mantissa & 1u);
 }
 
-// Byte of the scale of (row, group) inside a block's 512 scale bytes (as the stream image).
-int64_t w4a8_scale_slot(int64_t row, int64_t group) {
-  const int64_t pair = (row / 16) * 8 + row % 8, upper = (row % 16) / 8;
-  return pair * 16 + 2 * group + upper;
-}
-
 }  // namespace
 
 Tensor pack_nvfp4_for_w4a8(const Tensor& packed, const Tensor& scale) {
@@ -74,35 +70,25 @@ Tensor pack_nvfp4_for_w4a8(const Tensor& packed, const Tensor& scale) {
 }
 
 Nvfp4Experts unpack_nvfp4_from_w4a8(const Tensor& image, int64_t n, int64_t k) {
-  MOELORA_CHECK(n % kNvfp4StreamRows == 0 && k % kNvfp4StreamK == 0, ErrorCode::kUnsupported,
-                "unpack_nvfp4_from_w4a8: N = ", n, " and K = ", k, " must be multiples of ",
-                kNvfp4StreamRows, " and ", kNvfp4StreamK);
-  check_dtype(image, DType::kU8, "unpack_nvfp4_from_w4a8: image");
-  MOELORA_CHECK(image.ndim() == 4, ErrorCode::kInvalidArgument,
-                "unpack_nvfp4_from_w4a8: image must be 4-D");
+  // The stream image's inverse checks the image and reads the scales (laid out alike); only the
+  // codes are read again from this image's words.
+  Nvfp4Experts w = unpack_nvfp4_from_stream(image, n, k);
+  std::fill(w.packed.data<uint8_t>(), w.packed.data<uint8_t>() + w.packed.numel(), uint8_t{0});
   const int64_t E = image.dim(0), tiles = n / kNvfp4StreamRows, blocks = k / kNvfp4StreamK;
-  check_shape(image, {E, tiles, blocks, kNvfp4StreamBlockBytes}, "unpack_nvfp4_from_w4a8: image");
-  Nvfp4Experts w{Tensor::zeros(DType::kU8, {E, n, k / 2}),
-                 Tensor::zeros(DType::kF8E4M3, {E, n, k / kGroup})};
   const uint8_t* in = image.data<uint8_t>();
   for (int64_t e = 0; e < E; ++e)
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = in + ((e * tiles + t) * blocks + b) * kNvfp4StreamBlockBytes;
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(block);
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(
+            in + ((e * tiles + t) * blocks + b) * kNvfp4StreamBlockBytes);
         for (int64_t row = 0; row < kNvfp4StreamRows; ++row) {
-          const int64_t nn = t * kNvfp4StreamRows + row;
-          uint8_t* dst =
-              w.packed.data<uint8_t>() + (e * n + nn) * (k / 2) + b * (kNvfp4StreamK / 2);
+          uint8_t* dst = w.packed.data<uint8_t>() + (e * n + t * kNvfp4StreamRows + row) * (k / 2) +
+                         b * (kNvfp4StreamK / 2);
           for (int64_t kk = 0; kk < kNvfp4StreamK; ++kk) {
             const W4a8Slot slot = w4a8_slot(row, kk);
             dst[kk / 2] |=
                 static_cast<uint8_t>(take_w4a8(words[slot.word], slot) << (4 * (kk % 2)));
           }
-          uint8_t* srow =
-              w.scale.data<uint8_t>() + (e * n + nn) * (k / kGroup) + b * (kNvfp4StreamK / kGroup);
-          for (int64_t group = 0; group < kNvfp4StreamK / kGroup; ++group)
-            srow[group] = block[kNvfp4StreamCodeBytes + w4a8_scale_slot(row, group)];
         }
       }
   return w;
