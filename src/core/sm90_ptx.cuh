@@ -109,6 +109,9 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operand(float& r) {
   asm volatile("" : "+f"(r)::"memory");
 }
+__device__ __forceinline__ void fence_operand(uint32_t& r) {
+  asm volatile("" : "+r"(r)::"memory");
+}
 
 // D[64 x N] (+)= A[64 x 32] * B[32 x N]^T, e4m3 x e4m3 -> f32, both operands K-major in shared
 // memory. Accumulator layout (thread t of the warpgroup, w = t / 32, l = t % 32): d[4c + 2i + j]

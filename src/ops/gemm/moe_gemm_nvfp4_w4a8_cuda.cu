@@ -18,10 +18,12 @@
 // round-robin or claimed from a counter) and per 128-column K block fills one ring stage with the
 // block's 4,608-byte image (bulk copy, L2 evict-first) and the pass's e4m3 rows (8-row TMA boxes
 // of 128 columns: one 128-byte swizzle row per token); the weights of the first ring fill go out
-// before griddepcontrol.wait, the activations after it. One consumer warpgroup per CTA loads and
-// expands a stage's codes while the previous stage's eight wgmmas run, then waits for them, scales
-// and adds their products, and issues the stage's (scripts/sass_loops.py: 175 instructions per
-// stage, against 196 for the W4A16 decode loop).
+// before griddepcontrol.wait, the activations after it. One consumer warpgroup per CTA loads a
+// stage's code words while the previous stage's eight wgmmas run, then waits for them, and only
+// then expands the codes into the A registers those wgmmas read (a wgmma reads its register
+// operands asynchronously, until wgmma.wait_group; rewriting them earlier corrupted products under
+// load), scales and adds the previous products and issues the stage's. The other CTAs' warpgroups
+// on the SM keep the tensor cores busy meanwhile.
 //
 // Rows of a pass past the expert's tokens are computed but not stored (each output column depends
 // on its own activation row only). Deterministic: one CTA owns each output element and adds its
@@ -235,8 +237,21 @@ __device__ __forceinline__ void fold_stage(float (&acc)[kAcc], float (&part)[8][
   for (int i = 0; i < kAcc; ++i) sm90::fence_operand(acc[i]);
 }
 
-// One pass: per stage, the next stage's codes are loaded and expanded while the previous stage's
-// wgmmas run; then wait, free the previous stage, fold its products, issue this one's.
+// The registers of `w` as if rewritten here: expand_stage, which reads them, cannot be scheduled
+// above this point (the compiler may otherwise hoist the pure integer ops above wgmma.wait_group,
+// rewriting A registers an in-flight wgmma still reads).
+__device__ __forceinline__ void pin_words(StageWords& w) {
+  for (uint4* v : {&w.codes[0], &w.codes[1]}) {
+    sm90::fence_operand(v->x);
+    sm90::fence_operand(v->y);
+    sm90::fence_operand(v->z);
+    sm90::fence_operand(v->w);
+  }
+}
+
+// One pass: per stage, the next stage's code words are loaded while the previous stage's wgmmas
+// run; then wait, free the previous stage, expand the words into the A registers (free only now),
+// fold the previous products, issue this stage's.
 template <int kWidth>
 __device__ __forceinline__ void consume_pass(const Ring& ring, int& stage, uint32_t& phase,
                                              const Params& p, const StageInfo pass) {
@@ -260,9 +275,10 @@ __device__ __forceinline__ void consume_pass(const Ring& ring, int& stage, uint3
   for (int kb = 1; kb < p.k_blocks; ++kb) {
     sm90::mbar_wait(ring.full(stage), phase);
     words = load_stage_words(ring.weight(stage), codes_at, scales_at);
-    expand_stage(words, a);
     sm90::wgmma_wait<0>();
     sm90::mbar_arrive(ring.empty(previous));
+    pin_words(words);
+    expand_stage(words, a);
     fold_stage(acc, part, held);
     issue_stage<kWidth>(desc_ring + stage * (kActTileBytes >> 4), a, part);
     held = words.scales;
