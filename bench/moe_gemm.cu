@@ -82,13 +82,27 @@ struct Row {
   std::string gemm;
   int tokens, touched, max_per_expert;
   double fp8_us, fp8_bytes, nvfp4_us, nvfp4_bytes, w4a8_us, w4a8_bytes;
+  std::string nvfp4_instance;  // the W4A16 instance auto picks for the row's busiest expert
+  // --nvfp4-instances: the W4A16 kernel with each instance forced (narrow, wide, prefill; 0 where
+  // not run: prefill needs N a multiple of 256)
+  double instance_us[3] = {0, 0, 0};
 };
+
+const char* instance_name(ops::cuda::Nvfp4StreamInstance i) {
+  switch (i) {
+    case ops::cuda::Nvfp4StreamInstance::kNarrow: return "narrow";
+    case ops::cuda::Nvfp4StreamInstance::kWide: return "wide";
+    case ops::cuda::Nvfp4StreamInstance::kPrefill: return "prefill";
+    default: return "auto";
+  }
+}
 
 struct Options {
   std::vector<std::string> presets = {"qwen3.5-35b-a3b", "kimi-k2.5-ep8"};
   std::vector<int> decode = {1, 2, 4, 8, 16, 32, 64, 128};
   int reps = 30;
   std::string out = "bench/results/h200";
+  bool instances = false;  // --nvfp4-instances
 };
 
 int parse(int argc, char** argv, Options& o) {
@@ -107,7 +121,13 @@ int parse(int argc, char** argv, Options& o) {
                    "  --decode LIST   decode token counts (default 1,2,4,8,16,32,64,128)\n"
                    "  --reps N        timed launches per row, each after an L2 flush (default 30)\n"
                    "  --out DIR       where moe_gemm_<preset>.{md,json} go (default "
-                   "bench/results/h200)\n";
+                   "bench/results/h200)\n"
+                   "  --nvfp4-instances  also time the W4A16 kernel with each of its instances "
+                   "forced\n"
+                   "                  (narrow: 64-row items, wide: 128-row items, both 32-token "
+                   "passes;\n"
+                   "                  prefill: 256-row x 128-token pass items), in a second "
+                   "table\n";
       return 0;
     } else if (a == "--preset") {
       o.presets.clear();
@@ -119,6 +139,8 @@ int parse(int argc, char** argv, Options& o) {
       o.reps = std::stoi(next());
     } else if (a == "--out") {
       o.out = next();
+    } else if (a == "--nvfp4-instances") {
+      o.instances = true;
     } else {
       std::cerr << "bench_moe_gemm: unknown option " << a << " (see --help)\n";
       return 2;
@@ -264,8 +286,25 @@ int run(const Options& o) {
         const double w4a8_bytes = touched * (static_cast<double>(expert_codes) * 0.5625 + N * 4.0) +
                                   static_cast<double>(r.P) * (K + 4) + out_bytes;
         rows.push_back({gemm, T, static_cast<int>(touched), max_per, fp8_us, fp8_bytes, nvfp4_us,
-                        nvfp4_bytes, w4a8_us, w4a8_bytes});
-        const Row& row = rows.back();
+                        nvfp4_bytes, w4a8_us, w4a8_bytes,
+                        instance_name(ops::cuda::nvfp4_stream_instance(a4))});
+        Row& row = rows.back();
+        if (o.instances) {
+          const ops::cuda::Nvfp4StreamInstance forced[3] = {
+              ops::cuda::Nvfp4StreamInstance::kNarrow, ops::cuda::Nvfp4StreamInstance::kWide,
+              ops::cuda::Nvfp4StreamInstance::kPrefill};
+          for (int i = 0; i < 3; ++i) {
+            if (forced[i] == ops::cuda::Nvfp4StreamInstance::kPrefill && N % 256 != 0) continue;
+            ops::cuda::MoeGemmNvfp4Args ai = a4;
+            ai.instance = forced[i];
+            row.instance_us[i] = time_us(
+                [&] { ops::cuda::launch_moe_gemm_nvfp4_stream(ai, dev.num_sms, false, stream.get()); },
+                o.reps, flush, stream.get());
+          }
+          std::printf("%-16s %-16s B=%4d nvfp4 instances (auto = %s): narrow %.1f  wide %.1f  prefill %.1f us\n",
+                      name.c_str(), gemm.c_str(), T, row.nvfp4_instance.c_str(), row.instance_us[0],
+                      row.instance_us[1], row.instance_us[2]);
+        }
         std::printf(
             "%-16s %-16s B=%4d experts %3d  fp8 %8.1f us (%3.0f %%)  nvfp4 %8.1f us (%3.0f %%)  "
             "x%.2f  w4a8 %8.1f us "
@@ -302,6 +341,20 @@ int run(const Options& o) {
           100.0 * r.w4a8_bytes / bw / (r.w4a8_us * 1e-6), r.fp8_us / r.w4a8_us);
       md << buf;
     }
+    if (o.instances) {
+      md << "\nThe W4A16 kernel with each instance forced (µs; auto = the instance the kernel picks "
+            "from the busiest expert's tokens, the NVFP4 column above):\n\n"
+         << "| GEMM | B | max tokens / expert | auto | narrow µs | wide µs | prefill µs |\n"
+         << "|---|---|---|---|---|---|---|\n";
+      for (const Row& r : rows) {
+        char prefill[32] = "-";  // not run where N is not a multiple of 256
+        if (r.instance_us[2] > 0) std::snprintf(prefill, sizeof prefill, "%.1f", r.instance_us[2]);
+        std::snprintf(buf, sizeof buf, "| %s | %d | %d | %s | %.1f | %.1f | %s |\n", r.gemm.c_str(),
+                      r.tokens, r.max_per_expert, r.nvfp4_instance.c_str(), r.instance_us[0],
+                      r.instance_us[1], prefill);
+        md << buf;
+      }
+    }
     std::ofstream js(base + ".json");
     js << "{\"preset\": \"" << json_escape(name) << "\", \"device\": \"" << json_escape(dev.name)
        << "\", \"copy_bandwidth_bytes_per_s\": " << bw << ", \"reps\": " << o.reps << ", \"rows\": [";
@@ -312,7 +365,12 @@ int run(const Options& o) {
          << ", \"max_tokens_per_expert\": " << r.max_per_expert << ", \"fp8_us\": " << r.fp8_us
          << ", \"fp8_bytes\": " << r.fp8_bytes << ", \"nvfp4_us\": " << r.nvfp4_us
          << ", \"nvfp4_bytes\": " << r.nvfp4_bytes << ", \"w4a8_us\": " << r.w4a8_us
-         << ", \"w4a8_bytes\": " << r.w4a8_bytes << "}";
+         << ", \"w4a8_bytes\": " << r.w4a8_bytes << ", \"nvfp4_instance\": \""
+         << r.nvfp4_instance << "\"";
+      if (o.instances)
+        js << ", \"narrow_us\": " << r.instance_us[0] << ", \"wide_us\": " << r.instance_us[1]
+           << ", \"prefill_us\": " << r.instance_us[2];
+      js << "}";
     }
     js << "]}\n";
     std::printf("wrote %s.{md,json}\n", base.c_str());

@@ -79,6 +79,11 @@ int main(int argc, char** argv) {
       // NVFP4 experts: rows and result files named <preset>-nvfp4 (the peer measured FP8 only)
       Preset p = *it;
       if (opt.nvfp4) p.name += "-nvfp4";
+      // a forced NVFP4 GEMM instance: rows and files named <preset>-nvfp4-<instance>
+      if (opt.nvfp4 && opt.nvfp4_instance != ops::cuda::Nvfp4StreamInstance::kAuto)
+        p.name += opt.nvfp4_instance == ops::cuda::Nvfp4StreamInstance::kNarrow ? "-narrow"
+                  : opt.nvfp4_instance == ops::cuda::Nvfp4StreamInstance::kWide ? "-wide"
+                                                                                 : "-prefill";
       // Expert parallel rank 0 of opt.ep: experts [0, E_local) of the E the router scores.
       if (p.E % opt.ep != 0 || p.Is % opt.ep != 0)
         throw std::runtime_error(p.name + ": --ep " + std::to_string(opt.ep) +
@@ -125,6 +130,7 @@ int main(int argc, char** argv) {
       layer.set_side_stream_scheduling(opt.side);
       layer.set_decode_lora_path(opt.decode_lora);
       layer.set_stream_gemm_schedule(opt.stream_schedule);
+      layer.set_nvfp4_instance(opt.nvfp4_instance);
       const int max_decode = opt.decode.empty() ? 0 : *std::max_element(opt.decode.begin(), opt.decode.end());
       std::unique_ptr<Baseline> baseline;
       // the baseline dequantizes FP8 experts (the bf16 shared expert's weights) and times decode

@@ -190,6 +190,14 @@ int parse_options(int argc, char** argv, Options& opt) {
         return 2;
       }
       opt.nvfp4 = v == "nvfp4";
+    } else if (a == "--nvfp4-instance") {
+      if (!pick_choice(a, next(),
+                       {{"auto", ops::cuda::Nvfp4StreamInstance::kAuto},
+                        {"narrow", ops::cuda::Nvfp4StreamInstance::kNarrow},
+                        {"wide", ops::cuda::Nvfp4StreamInstance::kWide},
+                        {"prefill", ops::cuda::Nvfp4StreamInstance::kPrefill}},
+                       opt.nvfp4_instance))
+        return 2;
     } else if (a == "--timeline") {
       opt.timeline = parse_list(next());
     } else if (a == "--decode-lora") {
@@ -290,6 +298,10 @@ int parse_options(int argc, char** argv, Options& opt) {
           "                      e4m3 scale per 16, the NVFP4 stream GEMM; rows and files named "
           "<preset>-nvfp4,\n"
           "                      no unfused baseline)\n"
+          "  --nvfp4-instance I  NVFP4 stream GEMM instance: auto (default; from the expected "
+          "tokens of\n"
+          "                      the busiest expert), narrow, wide or prefill (rows named "
+          "<preset>-nvfp4-I)\n"
           "  --timeline LIST     decode batch sizes whose kernel timeline (CUPTI: kernel, stream, "
           "start,\n"
           "                      end of the median of 5 replays) goes to timeline_<preset>.md\n"

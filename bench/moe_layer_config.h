@@ -49,6 +49,8 @@ struct Options {
   ops::cuda::GemmPath gemm_path = ops::cuda::GemmPath::kAuto;
   ops::cuda::RouterGemmPath router_gemm = ops::cuda::RouterGemmPath::kAuto;
   bool nvfp4 = false;  // NVFP4 routed experts (--experts nvfp4); FP8 otherwise
+  // --nvfp4-instance: the NVFP4 stream GEMMs' instance (MoeLayerCuda::set_nvfp4_instance)
+  ops::cuda::Nvfp4StreamInstance nvfp4_instance = ops::cuda::Nvfp4StreamInstance::kAuto;
   // --shared-in-experts: the shared expert (FP8, where Is = I and the layer holds every expert) as
   // one more expert of the routed GEMMs (MoeLayerConfig::shared_in_experts); no unfused baseline
   bool shared_in_experts = false;

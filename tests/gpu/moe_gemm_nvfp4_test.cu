@@ -332,6 +332,37 @@ TEST(Sm90_MoeGemmNvfp4Stream, RefusesBadArguments) {
   a = d.args;
   a.max_active_experts = 3;
   expect_refusal(a, "max_active_experts = 3");
+  a = d.args;  // N = 128
+  a.instance = ops::cuda::Nvfp4StreamInstance::kPrefill;
+  expect_refusal(a, "the prefill instance needs N a multiple of 256; N = 128");
+}
+
+// The instance rule (host only): the expected tokens of the busiest expert pick narrow (<= 16),
+// wide (17..64, or more where N is not a multiple of 256) or prefill; a forced instance is kept.
+TEST(Sm90_MoeGemmNvfp4Stream, InstanceRuleAndForcedInstances) {
+  using ops::cuda::Nvfp4StreamInstance;
+  ops::cuda::MoeGemmNvfp4Args a;
+  a.n = 512;
+  const std::vector<std::pair<int, Nvfp4StreamInstance>> rule = {
+      {1, Nvfp4StreamInstance::kNarrow},
+      {16, Nvfp4StreamInstance::kNarrow},
+      {17, Nvfp4StreamInstance::kWide},
+      {ops::cuda::kNvfp4PrefillMinTokens, Nvfp4StreamInstance::kWide},
+      {ops::cuda::kNvfp4PrefillMinTokens + 1, Nvfp4StreamInstance::kPrefill}};
+  for (const auto& [tokens, want] : rule) {
+    a.max_tokens_per_expert = tokens;
+    EXPECT_EQ(ops::cuda::nvfp4_stream_instance(a), want) << tokens << " tokens";
+  }
+  a.n = 384;  // no 256-row tiles: wide above 16 tokens
+  EXPECT_EQ(ops::cuda::nvfp4_stream_instance(a), Nvfp4StreamInstance::kWide);
+  a.max_tokens_per_expert = 1;
+  for (Nvfp4StreamInstance forced : {Nvfp4StreamInstance::kNarrow, Nvfp4StreamInstance::kWide}) {
+    a.instance = forced;
+    EXPECT_EQ(ops::cuda::nvfp4_stream_instance(a), forced);
+  }
+  a.n = 512;
+  a.instance = Nvfp4StreamInstance::kPrefill;
+  EXPECT_EQ(ops::cuda::nvfp4_stream_instance(a), Nvfp4StreamInstance::kPrefill);
 }
 
 // ---- W4A8 ----

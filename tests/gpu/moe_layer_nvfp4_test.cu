@@ -8,6 +8,7 @@
 //   - tokens of slot -1 mixed with adapters of ranks 5-16 (per-expert and shared-outer) and an
 //     empty slot, the single-adapter path, the no-LoRA pipeline, every GEMM path bit-equal;
 //   - CUDA-graph capture and replays with other inputs, bit-equal to eager forwards;
+//   - each NVFP4 GEMM instance forced, bit-equal to the automatic pick;
 //   - the configuration and weight checks.
 // Tolerance as moe_layer_bf16_test.cu (moe_layer_case.cuh): the activation rows are exact in f16,
 // the weights exact, so the layer rounds where the bf16-expert layer does.
@@ -91,6 +92,46 @@ TEST_F(Sm90_MoeLayerNvfp4, GraphReplaysMatchEager) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// The NVFP4 GEMMs' instance forced (MoeLayerCuda::set_nvfp4_instance, the benches' A/B switch):
+// narrow, wide and prefill sum every output in the same order, so a mixed-adapter forward gives
+// the auto instance's bits with each; the prefill instance is refused where a GEMM's N (here
+// GEMM2's, H = 384) is not a multiple of 256.
+TEST_F(Sm90_MoeLayerNvfp4, EveryForcedGemmInstanceGivesTheSameBits) {
+  std::mt19937_64 rng(test::test_seed(805));
+  LayerSpec s = nvfp4_spec(true);
+  s.max_tokens = 40;
+  LayerFixture lf = make_host_layer(s, rng);
+  ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
+  HostAdapter a0 = make_adapter(lf.config, 16, false, rng), a1 = make_adapter(lf.config, 8, true, rng);
+  layer.set_adapter(0, a0.gpu());
+  layer.set_adapter(1, a1.gpu());
+  const int T = 40;
+  const Tensor x = draw_x(T, lf, rng);
+  std::vector<int32_t> slots(T);
+  for (int t = 0; t < T; ++t) slots[t] = t % 3 - 1;  // base-only, adapter 0, adapter 1
+  const Tensor automatic = run(layer, x, slots);
+  check_against_reference(automatic, x, slots, lf, {a0.ref(), a1.ref()}, Tensor(), "auto instance");
+  for (auto [instance, name] : {std::pair{ops::cuda::Nvfp4StreamInstance::kNarrow, "narrow"},
+                                {ops::cuda::Nvfp4StreamInstance::kWide, "wide"},
+                                {ops::cuda::Nvfp4StreamInstance::kPrefill, "prefill"}}) {
+    layer.set_nvfp4_instance(instance);
+    EXPECT_EQ(test::max_abs_diff(run(layer, x, slots), automatic), 0.0) << name;
+  }
+
+  LayerSpec odd = nvfp4_spec(false);
+  odd.hidden = 384;
+  odd.shared_inter = 0;
+  odd.max_tokens = 4;
+  LayerFixture lo = make_host_layer(odd, rng);
+  ops::cuda::MoeLayerCuda narrow_h(lo.config, lo.host, main_->get(), side_->get());
+  narrow_h.set_nvfp4_instance(ops::cuda::Nvfp4StreamInstance::kPrefill);
+  const Tensor xo = draw_x(4, lo, rng);
+  const std::string msg = test::error_message([&] { run(narrow_h, xo, {-1, -1, -1, -1}); });
+  EXPECT_NE(msg.find("prefill instance needs N a multiple of 256; N = 384"), std::string::npos)
+      << msg;
+  main_->synchronize();
 }
 
 TEST_F(Sm90_MoeLayerNvfp4, ConfigurationChecks) {

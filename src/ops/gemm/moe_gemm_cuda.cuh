@@ -128,6 +128,12 @@ void check_moe_gemm_fp8_args(const MoeGemmFp8Args& args);
 // (ops/gemm/moe_gemm_nvfp4.h). Each code is expanded in registers to the f16 e2m1 * 2^-14 and
 // multiplied by its group scale (exact: at most 5 significant bits, never below 2^-24), then fed to
 // wgmma as the A operand; the row scales times 2^14 are applied once, in the epilogue.
+// Which instance of the NVFP4 stream kernel runs: kAuto picks from max_tokens_per_expert (below);
+// the others force one, for measurements (any routing is computed correctly by each, with the same
+// bits): kNarrow 64-row items and 32-token passes, kWide 128-row items and 32-token passes,
+// kPrefill 256-row x 128-token pass items (N a multiple of 256).
+enum class Nvfp4StreamInstance { kAuto, kNarrow, kWide, kPrefill };
+
 struct MoeGemmNvfp4Args {
   const __half* act = nullptr;         // f16 [act_rows, K], one row per sorted position
   const float* act_scale = nullptr;    // [act_rows] power-of-two row scales
@@ -148,9 +154,12 @@ struct MoeGemmNvfp4Args {
   int max_tokens_per_expert = 0;
   int act_rows = 0;                         // rows of act (the TMA view's extent)
   int* work_counters = nullptr;             // optional, as MoeGemmFp8Args::work_counters
+  Nvfp4StreamInstance instance = Nvfp4StreamInstance::kAuto;
 };
 
 constexpr int kNvfp4PrefillMinTokens = 64;
+// The instance launch_moe_gemm_nvfp4_stream runs for `args` (never kAuto).
+Nvfp4StreamInstance nvfp4_stream_instance(const MoeGemmNvfp4Args& args);
 
 // Persistent weight-streaming kernel as launch_moe_gemm_fp8_stream (swap-AB, passes of up to 32
 // tokens, items of 64 or 128 weight rows, weights of the first ring fill fetched before

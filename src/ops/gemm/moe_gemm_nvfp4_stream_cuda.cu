@@ -573,14 +573,30 @@ void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool p
   // 128-token stage is 4 copies instead of 32). Decode: two warpgroups per CTA once a pass may be
   // wider than 16 tokens (the activation bytes per weight byte then decide), one below (more,
   // smaller items for few tokens); they never read the wide map.
-  if (a.max_tokens_per_expert > kNvfp4PrefillMinTokens && a.n % Prefill::kBlockM == 0)
-    launch_instance<Prefill>(tma_x,
-                             activation_map(kWideBox, "the f16 activation rows (prefill boxes)"), a,
-                             num_sms, pdl, stream);
-  else if (a.max_tokens_per_expert > 16)
-    launch_instance<DecodeWide>(tma_x, tma_x, a, num_sms, pdl, stream);
-  else
-    launch_instance<DecodeNarrow>(tma_x, tma_x, a, num_sms, pdl, stream);
+  switch (nvfp4_stream_instance(a)) {
+    case Nvfp4StreamInstance::kPrefill:
+      launch_instance<Prefill>(tma_x,
+                               activation_map(kWideBox, "the f16 activation rows (prefill boxes)"),
+                               a, num_sms, pdl, stream);
+      break;
+    case Nvfp4StreamInstance::kWide:
+      launch_instance<DecodeWide>(tma_x, tma_x, a, num_sms, pdl, stream);
+      break;
+    default:
+      launch_instance<DecodeNarrow>(tma_x, tma_x, a, num_sms, pdl, stream);
+  }
+}
+
+Nvfp4StreamInstance nvfp4_stream_instance(const MoeGemmNvfp4Args& a) {
+  const bool prefill_fits = a.n % Prefill::kBlockM == 0;
+  if (a.instance == Nvfp4StreamInstance::kPrefill)
+    MOELORA_CHECK(prefill_fits, ErrorCode::kInvalidArgument,
+                  "NVFP4 stream GEMM: the prefill instance needs N a multiple of ", Prefill::kBlockM,
+                  "; N = ", a.n, " (use the narrow or wide instance, or auto)");
+  if (a.instance != Nvfp4StreamInstance::kAuto) return a.instance;
+  if (a.max_tokens_per_expert > kNvfp4PrefillMinTokens && prefill_fits)
+    return Nvfp4StreamInstance::kPrefill;
+  return a.max_tokens_per_expert > 16 ? Nvfp4StreamInstance::kWide : Nvfp4StreamInstance::kNarrow;
 }
 
 }  // namespace moelora::ops::cuda

@@ -19,6 +19,7 @@
 #include "core/cuda_utils.h"
 #include "core/lora.h"
 #include "core/tensor.h"
+#include "ops/gemm/moe_gemm_cuda.cuh"
 #include "ops/route/route.h"
 
 namespace moelora::ops::cuda {
@@ -298,6 +299,10 @@ class MoeLayerCuda {
   void set_side_stream_scheduling(const SideStreamScheduling& s);
   void set_decode_lora_path(DecodeLoraPath path) { decode_lora_ = path; }
   void set_stream_gemm_schedule(StreamGemmSchedule s) { stream_schedule_ = s; }
+  // The NVFP4 stream GEMMs' instance (measurements; kAuto picks it from the expected tokens of the
+  // busiest expert). A forced kPrefill is refused at forward time where H or 2I is not a multiple
+  // of 256.
+  void set_nvfp4_instance(Nvfp4StreamInstance i) { nvfp4_instance_ = i; }
   void set_router_gemm_path(RouterGemmPath path) { router_path_ = path; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
@@ -351,6 +356,7 @@ class MoeLayerCuda {
   SideStreamScheduling side_scheduling_;
   DecodeLoraPath decode_lora_ = DecodeLoraPath::kSideStream;
   StreamGemmSchedule stream_schedule_ = StreamGemmSchedule::kAuto;
+  Nvfp4StreamInstance nvfp4_instance_ = Nvfp4StreamInstance::kAuto;
   RouterGemmPath router_path_ = RouterGemmPath::kAuto;
 };
 

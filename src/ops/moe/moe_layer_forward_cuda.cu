@@ -466,6 +466,7 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     n1.k = H;
     n1.max_active_experts = max_active;
     n1.max_tokens_per_expert = max_tokens_per_expert;
+    n1.instance = nvfp4_instance_;
     const bool claimed = stream_schedule_ == StreamGemmSchedule::kClaimed ||
                          (stream_schedule_ == StreamGemmSchedule::kAuto && !lora);
     if (claimed) n1.work_counters = m.s<int32_t>(m.gemm_work);
