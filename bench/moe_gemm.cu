@@ -298,12 +298,16 @@ int run(const Options& o) {
             ops::cuda::MoeGemmNvfp4Args ai = a4;
             ai.instance = forced[i];
             row.instance_us[i] = time_us(
-                [&] { ops::cuda::launch_moe_gemm_nvfp4_stream(ai, dev.num_sms, false, stream.get()); },
+                [&] {
+                  ops::cuda::launch_moe_gemm_nvfp4_stream(ai, dev.num_sms, false, stream.get());
+                },
                 o.reps, flush, stream.get());
           }
-          std::printf("%-16s %-16s B=%4d nvfp4 instances (auto = %s): narrow %.1f  wide %.1f  prefill %.1f us\n",
-                      name.c_str(), gemm.c_str(), T, row.nvfp4_instance.c_str(), row.instance_us[0],
-                      row.instance_us[1], row.instance_us[2]);
+          std::printf(
+              "%-16s %-16s B=%4d nvfp4 instances (auto = %s): narrow %.1f  wide %.1f  prefill %.1f "
+              "us\n",
+              name.c_str(), gemm.c_str(), T, row.nvfp4_instance.c_str(), row.instance_us[0],
+              row.instance_us[1], row.instance_us[2]);
         }
         std::printf(
             "%-16s %-16s B=%4d experts %3d  fp8 %8.1f us (%3.0f %%)  nvfp4 %8.1f us (%3.0f %%)  "
@@ -342,7 +346,8 @@ int run(const Options& o) {
       md << buf;
     }
     if (o.instances) {
-      md << "\nThe W4A16 kernel with each instance forced (µs; auto = the instance the kernel picks "
+      md << "\nThe W4A16 kernel with each instance forced (µs; auto = the instance the kernel "
+            "picks "
             "from the busiest expert's tokens, the NVFP4 column above):\n\n"
          << "| GEMM | B | max tokens / expert | auto | narrow µs | wide µs | prefill µs |\n"
          << "|---|---|---|---|---|---|---|\n";
@@ -365,8 +370,8 @@ int run(const Options& o) {
          << ", \"max_tokens_per_expert\": " << r.max_per_expert << ", \"fp8_us\": " << r.fp8_us
          << ", \"fp8_bytes\": " << r.fp8_bytes << ", \"nvfp4_us\": " << r.nvfp4_us
          << ", \"nvfp4_bytes\": " << r.nvfp4_bytes << ", \"w4a8_us\": " << r.w4a8_us
-         << ", \"w4a8_bytes\": " << r.w4a8_bytes << ", \"nvfp4_instance\": \""
-         << r.nvfp4_instance << "\"";
+         << ", \"w4a8_bytes\": " << r.w4a8_bytes << ", \"nvfp4_instance\": \"" << r.nvfp4_instance
+         << "\"";
       if (o.instances)
         js << ", \"narrow_us\": " << r.instance_us[0] << ", \"wide_us\": " << r.instance_us[1]
            << ", \"prefill_us\": " << r.instance_us[2];

@@ -104,7 +104,8 @@ TEST_F(Sm90_MoeLayerNvfp4, EveryForcedGemmInstanceGivesTheSameBits) {
   s.max_tokens = 40;
   LayerFixture lf = make_host_layer(s, rng);
   ops::cuda::MoeLayerCuda layer(lf.config, lf.host, main_->get(), side_->get());
-  HostAdapter a0 = make_adapter(lf.config, 16, false, rng), a1 = make_adapter(lf.config, 8, true, rng);
+  HostAdapter a0 = make_adapter(lf.config, 16, false, rng),
+              a1 = make_adapter(lf.config, 8, true, rng);
   layer.set_adapter(0, a0.gpu());
   layer.set_adapter(1, a1.gpu());
   const int T = 40;

@@ -582,8 +582,7 @@ void launch_moe_gemm_nvfp4_stream(const MoeGemmNvfp4Args& a, int num_sms, bool p
     case Nvfp4StreamInstance::kWide:
       launch_instance<DecodeWide>(tma_x, tma_x, a, num_sms, pdl, stream);
       break;
-    default:
-      launch_instance<DecodeNarrow>(tma_x, tma_x, a, num_sms, pdl, stream);
+    default: launch_instance<DecodeNarrow>(tma_x, tma_x, a, num_sms, pdl, stream);
   }
 }
 
@@ -591,8 +590,8 @@ Nvfp4StreamInstance nvfp4_stream_instance(const MoeGemmNvfp4Args& a) {
   const bool prefill_fits = a.n % Prefill::kBlockM == 0;
   if (a.instance == Nvfp4StreamInstance::kPrefill)
     MOELORA_CHECK(prefill_fits, ErrorCode::kInvalidArgument,
-                  "NVFP4 stream GEMM: the prefill instance needs N a multiple of ", Prefill::kBlockM,
-                  "; N = ", a.n, " (use the narrow or wide instance, or auto)");
+                  "NVFP4 stream GEMM: the prefill instance needs N a multiple of ",
+                  Prefill::kBlockM, "; N = ", a.n, " (use the narrow or wide instance, or auto)");
   if (a.instance != Nvfp4StreamInstance::kAuto) return a.instance;
   if (a.max_tokens_per_expert > kNvfp4PrefillMinTokens && prefill_fits)
     return Nvfp4StreamInstance::kPrefill;
