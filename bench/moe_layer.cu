@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
       c.shared_gate = p.shared_gate;
       c.max_tokens = max_tokens;
       c.num_slots = 8;
-      c.max_rank = 64;
+      c.max_rank = adapter_pool_rank(opt);
       c.nvfp4_experts = opt.nvfp4;
       c.shared_in_experts = shared_in_experts;
       ops::cuda::MoeLayerCuda layer(c, ops::cuda::MoeLayerHostWeights{}, main_stream.get(), side_stream.get());
@@ -138,10 +138,10 @@ int main(int argc, char** argv) {
       if (opt.baseline && !opt.nvfp4 && opt.ep == 1 && !c.shared_in_experts && max_decode > 0)
         baseline = std::make_unique<Baseline>(p, max_decode, c.max_rank);
       std::fprintf(
-          stderr, "[%s] weights %.2f GB, workspace %.2f GB\n", p.name.c_str(),
+          stderr, "[%s] weights %.2f GB, workspace %.2f GB, adapter pool rank %d\n", p.name.c_str(),
           (layer.expert_bytes() * double(E_local) + layer.router_bytes() + layer.shared_bytes()) /
               1e9,
-          layer.workspace_bytes() / 1e9);
+          layer.workspace_bytes() / 1e9, c.max_rank);
 
       for (const auto& [mode, T] : modes) {
         // Inputs rotate over kSets sets so consecutive replays route differently.

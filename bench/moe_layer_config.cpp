@@ -111,6 +111,17 @@ double lora_bytes(const Preset& p, const LoraConfig& lc, const std::vector<int32
   return per_pair * pairs.size() + per_slot * slots_used.size();
 }
 
+int adapter_pool_rank(const Options& opt) {
+  int rank = 16;
+  for (const LoraConfig& lc : kLoraConfigs) {
+    const bool timed = (opt.lora.empty() || std::find(opt.lora.begin(), opt.lora.end(), lc.name) !=
+                                                opt.lora.end()) &&
+                       (!opt.quick || lc.name == "none" || lc.name == "1x r16");
+    if (timed && lc.adapters > 0) rank = std::max(rank, lc.rank);
+  }
+  return rank;
+}
+
 int parse_options(int argc, char** argv, Options& opt) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

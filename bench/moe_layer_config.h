@@ -67,6 +67,12 @@ struct Options {
 // 2 after a bad option, with a message on stderr).
 int parse_options(int argc, char** argv, Options& opt);
 
+// The adapter pool's rank R for the layers of a run: the largest rank among the LoRA
+// configurations it times (at least 16). A pool sized for r64 while r16 adapters run would time
+// other kernels than a server with --max-lora-rank 16 runs: the seam-2 expand folds into the
+// finalize only for pools of rank <= 32 (ops::cuda::kFinalizeFoldMaxRank).
+int adapter_pool_rank(const Options& opt);
+
 // The peer's µs for a routed-only row (0 when the peer was not measured there).
 double peer_us_for(const std::string& preset, int tokens, const std::string& lora,
                    bool routed_only);
