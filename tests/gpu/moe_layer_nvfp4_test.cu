@@ -96,8 +96,9 @@ TEST_F(Sm90_MoeLayerNvfp4, GraphReplaysMatchEager) {
 
 // The NVFP4 GEMMs' instance forced (MoeLayerCuda::set_nvfp4_instance, the benches' A/B switch):
 // narrow, wide and prefill sum every output in the same order, so a mixed-adapter forward gives
-// the auto instance's bits with each; the prefill instance is refused where a GEMM's N (here
-// GEMM2's, H = 384) is not a multiple of 256.
+// the auto instance's bits with each, and so does the seam-1 LoRA released after the align or
+// after the f16 rows kernel; the prefill instance is refused where a GEMM's N (here GEMM2's, H =
+// 384) is not a multiple of 256.
 TEST_F(Sm90_MoeLayerNvfp4, EveryForcedGemmInstanceGivesTheSameBits) {
   std::mt19937_64 rng(test::test_seed(805));
   LayerSpec s = nvfp4_spec(true);
@@ -120,6 +121,17 @@ TEST_F(Sm90_MoeLayerNvfp4, EveryForcedGemmInstanceGivesTheSameBits) {
     layer.set_nvfp4_instance(instance);
     EXPECT_EQ(test::max_abs_diff(run(layer, x, slots), automatic), 0.0) << name;
   }
+  layer.set_nvfp4_instance(ops::cuda::Nvfp4StreamInstance::kAuto);
+  // the seam-1 side work released after the align or after the f16 rows kernel (the rule picks
+  // the latter up to 32 tokens): only the order of launches differs
+  for (int after_rows : {0, 1}) {
+    ops::cuda::SideStreamScheduling side;
+    side.seam1_after_quant = after_rows;
+    layer.set_side_stream_scheduling(side);
+    EXPECT_EQ(test::max_abs_diff(run(layer, x, slots), automatic), 0.0)
+        << "seam1_after_quant " << after_rows;
+  }
+  layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{});
 
   LayerSpec odd = nvfp4_spec(false);
   odd.hidden = 384;

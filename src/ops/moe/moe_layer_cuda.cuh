@@ -190,7 +190,9 @@ struct SideStreamScheduling {
   // GEMM1, by the activation). 1 = on, 0 = off, -1 = on where it measured faster: layers whose
   // seam-1 shrink fits beside GEMM1's CTAs (hidden <= 4096, the register-bounded instance) and
   // that have no shared expert, or have it among the pairs with its LoRA on its own stream
-  // (shared_lora_stream). docs/gpu_moe.md §6.0d, §6.0g, §6.0i.
+  // (shared_lora_stream). docs/gpu_moe.md §6.0d, §6.0g, §6.0i. On NVFP4 experts the switch puts
+  // it after the f16 rows kernel; the rule there: decode forwards of up to 32 tokens
+  // (docs/gpu_nvfp4.md, "In the layer").
   int seam1_after_quant = -1;
   // Decode on FP8 / NVFP4 experts: the activation (after the seam-1 delta's event) and the
   // finalize (after the seam-2 delta's) stay programmatic dependents of the GEMM before them, so

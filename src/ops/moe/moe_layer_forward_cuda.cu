@@ -36,6 +36,13 @@ constexpr int kSeam2ExpandInFinalizeDefaultTokens = 64;
 // among the pairs with its LoRA on its own stream (otherwise its chain, after the routed experts'
 // on the side stream, ended after GEMM1: docs/gpu_moe.md §6.0g, §6.0i).
 constexpr int kSeam1AfterQuantMaxHidden = 4096;
+// ... and on NVFP4 experts, after the f16 rows kernel for decode forwards of up to this many
+// tokens. The NVFP4 GEMM's three CTAs per SM leave no room for the shrink's, so released after
+// the align its 896-1024 CTAs took the SMs first and GEMM1 started ~10 us later; released after
+// the rows kernel the shrink and expand run in GEMM1's tail. One H100, one r16 adapter: kimi-ep8
+// 466 -> 449 us at 16 tokens, 497 -> 489 at 32, 274 -> 270 at 4; qwen3.5 within 1 %; with eight
+// adapters at 64-128 tokens it was 1-5 % slower, hence the bound (docs/gpu_nvfp4.md).
+constexpr int kNvfp4Seam1AfterRowsMaxTokens = 32;
 // SideStreamScheduling::seam2_shrink_in_activation = -1: whether the seam-2 shrinks run in the
 // activation kernel wherever the seam-2 expand is formed in the finalize. Off: on the H100 it
 // measured 0.5-1.9 % slower on Qwen3-30B-A3B and within -1.5 / +0.7 % on Qwen3.5-35B-A3B
@@ -268,9 +275,15 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // The side stream's seam-1 work starts after the align, or (SideStreamScheduling::
   // seam1_after_quant, decode on FP8 experts) after the quant kernel, so that GEMM1's CTAs reach
   // the SMs before the shrink's.
+  // NVFP4 decode: after the f16 rows kernel, by rule for forwards of up to
+  // kNvfp4Seam1AfterRowsMaxTokens tokens (the shrink does not fit beside the NVFP4 GEMM's CTAs;
+  // it then runs in GEMM1's tail instead of holding GEMM1's start back).
+  const bool nvfp4_decode = nvfp4 && decode;
   const bool seam1_after_quant =
-      stream && resolve_setting(side_scheduling_.seam1_after_quant,
-                                (!shared || shared_on_side2) && H <= kSeam1AfterQuantMaxHidden);
+      (stream && resolve_setting(side_scheduling_.seam1_after_quant,
+                                 (!shared || shared_on_side2) && H <= kSeam1AfterQuantMaxHidden)) ||
+      (nvfp4_decode &&
+       resolve_setting(side_scheduling_.seam1_after_quant, T <= kNvfp4Seam1AfterRowsMaxTokens));
   if (side_work && !seam1_after_quant) m.ev_route.record(m.main);
 
   // side stream, seam 1 (and the shared expert's gate/up LoRA)
@@ -452,6 +465,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
     cx.scale = m.x<float>(m.sxh);
     cx.pdl = true;
     launch_rows_to_f16_pow2(cx, m.main);
+    if (side_work && seam1_after_quant) {
+      m.ev_route.record(m.main);
+      enqueue_seam1_side();
+    }
     n1.act = m.x<__half>(m.xh);
     n1.act_scale = m.x<float>(m.sxh);
     n1.act_rows = m.P;
