@@ -114,8 +114,8 @@ double lora_bytes(const Preset& p, const LoraConfig& lc, const std::vector<int32
 int adapter_pool_rank(const Options& opt) {
   int rank = 16;
   for (const LoraConfig& lc : kLoraConfigs) {
-    const bool timed = (opt.lora.empty() || std::find(opt.lora.begin(), opt.lora.end(), lc.name) !=
-                                                opt.lora.end()) &&
+    const bool timed = (opt.lora.empty() ||
+                        std::find(opt.lora.begin(), opt.lora.end(), lc.name) != opt.lora.end()) &&
                        (!opt.quick || lc.name == "none" || lc.name == "1x r16");
     if (timed && lc.adapters > 0) rank = std::max(rank, lc.rank);
   }
