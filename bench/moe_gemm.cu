@@ -88,15 +88,6 @@ struct Row {
   double instance_us[3] = {0, 0, 0};
 };
 
-const char* instance_name(ops::cuda::Nvfp4StreamInstance i) {
-  switch (i) {
-    case ops::cuda::Nvfp4StreamInstance::kNarrow: return "narrow";
-    case ops::cuda::Nvfp4StreamInstance::kWide: return "wide";
-    case ops::cuda::Nvfp4StreamInstance::kPrefill: return "prefill";
-    default: return "auto";
-  }
-}
-
 struct Options {
   std::vector<std::string> presets = {"qwen3.5-35b-a3b", "kimi-k2.5-ep8"};
   std::vector<int> decode = {1, 2, 4, 8, 16, 32, 64, 128};
@@ -285,9 +276,10 @@ int run(const Options& o) {
                                    static_cast<double>(r.P) * (K * 2 + 4) + out_bytes;
         const double w4a8_bytes = touched * (static_cast<double>(expert_codes) * 0.5625 + N * 4.0) +
                                   static_cast<double>(r.P) * (K + 4) + out_bytes;
-        rows.push_back({gemm, T, static_cast<int>(touched), max_per, fp8_us, fp8_bytes, nvfp4_us,
-                        nvfp4_bytes, w4a8_us, w4a8_bytes,
-                        instance_name(ops::cuda::nvfp4_stream_instance(a4))});
+        rows.push_back(
+            {gemm, T, static_cast<int>(touched), max_per, fp8_us, fp8_bytes, nvfp4_us, nvfp4_bytes,
+             w4a8_us, w4a8_bytes,
+             ops::cuda::nvfp4_stream_instance_name(ops::cuda::nvfp4_stream_instance(a4))});
         Row& row = rows.back();
         if (o.instances) {
           const ops::cuda::Nvfp4StreamInstance forced[3] = {

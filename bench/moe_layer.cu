@@ -81,9 +81,7 @@ int main(int argc, char** argv) {
       if (opt.nvfp4) p.name += "-nvfp4";
       // a forced NVFP4 GEMM instance: rows and files named <preset>-nvfp4-<instance>
       if (opt.nvfp4 && opt.nvfp4_instance != ops::cuda::Nvfp4StreamInstance::kAuto)
-        p.name += opt.nvfp4_instance == ops::cuda::Nvfp4StreamInstance::kNarrow ? "-narrow"
-                  : opt.nvfp4_instance == ops::cuda::Nvfp4StreamInstance::kWide ? "-wide"
-                                                                                : "-prefill";
+        p.name += std::string("-") + ops::cuda::nvfp4_stream_instance_name(opt.nvfp4_instance);
       // Expert parallel rank 0 of opt.ep: experts [0, E_local) of the E the router scores.
       if (p.E % opt.ep != 0 || p.Is % opt.ep != 0)
         throw std::runtime_error(p.name + ": --ep " + std::to_string(opt.ep) +

@@ -97,8 +97,8 @@ TEST_F(Sm90_MoeLayerNvfp4, GraphReplaysMatchEager) {
 // The NVFP4 GEMMs' instance forced (MoeLayerCuda::set_nvfp4_instance, the benches' A/B switch):
 // narrow, wide and prefill sum every output in the same order, so a mixed-adapter forward gives
 // the auto instance's bits with each, and so does the seam-1 LoRA released after the align or
-// after the f16 rows kernel; the prefill instance is refused where a GEMM's N (here GEMM2's, H =
-// 384) is not a multiple of 256.
+// after the f16 rows kernel; the layer refuses the prefill instance where a GEMM's N (here
+// GEMM2's, H = 384) is not a multiple of 256, before any forward.
 TEST_F(Sm90_MoeLayerNvfp4, EveryForcedGemmInstanceGivesTheSameBits) {
   std::mt19937_64 rng(test::test_seed(805));
   LayerSpec s = nvfp4_spec(true);
@@ -139,12 +139,12 @@ TEST_F(Sm90_MoeLayerNvfp4, EveryForcedGemmInstanceGivesTheSameBits) {
   odd.max_tokens = 4;
   LayerFixture lo = make_host_layer(odd, rng);
   ops::cuda::MoeLayerCuda narrow_h(lo.config, lo.host, main_->get(), side_->get());
-  narrow_h.set_nvfp4_instance(ops::cuda::Nvfp4StreamInstance::kPrefill);
-  const Tensor xo = draw_x(4, lo, rng);
-  const std::string msg = test::error_message([&] { run(narrow_h, xo, {-1, -1, -1, -1}); });
-  EXPECT_NE(msg.find("prefill instance needs N a multiple of 256; N = 384"), std::string::npos)
+  const std::string msg = test::error_message(
+      [&] { narrow_h.set_nvfp4_instance(ops::cuda::Nvfp4StreamInstance::kPrefill); });
+  EXPECT_NE(msg.find("prefill instance needs H and 2I multiples of 256; H = 384, 2I = 256"),
+            std::string::npos)
       << msg;
-  main_->synchronize();
+  narrow_h.set_nvfp4_instance(ops::cuda::Nvfp4StreamInstance::kWide);  // accepted
 }
 
 TEST_F(Sm90_MoeLayerNvfp4, ConfigurationChecks) {

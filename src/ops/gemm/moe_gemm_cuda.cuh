@@ -120,20 +120,31 @@ void launch_moe_gemm_fp8_prefill(const MoeGemmFp8Args& args, const MoeGemmPrefil
 void check_moe_gemm_fp8_args(const MoeGemmFp8Args& args);
 
 // ---- NVFP4 experts, decode (moe_gemm_nvfp4_stream_cuda.cu) ----
-//
+
+// Which instance of the NVFP4 stream kernel runs: kAuto picks from max_tokens_per_expert (below);
+// the others force one, for measurements (any routing is computed correctly by each, with the same
+// bits): kNarrow 64-row items and 32-token passes, kWide 128-row items and 32-token passes,
+// kPrefill 256-row x 128-token pass items (N a multiple of 256).
+enum class Nvfp4StreamInstance { kAuto, kNarrow, kWide, kPrefill };
+// "auto", "narrow", "wide" or "prefill" (bench rows and file names).
+inline const char* nvfp4_stream_instance_name(Nvfp4StreamInstance i) {
+  switch (i) {
+    case Nvfp4StreamInstance::kNarrow: return "narrow";
+    case Nvfp4StreamInstance::kWide: return "wide";
+    case Nvfp4StreamInstance::kPrefill: return "prefill";
+    default: return "auto";
+  }
+}
+
+// clang-format off
 //   out[q, n] = act_scale[q] * row_scale[e, n] * sum_k act[q, k] * e2m1(W[e, n, k]) * e4m3(s[e, n, k/16])
+// clang-format on
 //
 // W4A16 on f16 tensor cores: the activation rows come from rows_to_f16_pow2 (f16 values times a
 // power-of-two row scale, exact for bf16 inputs), the weights from pack_nvfp4_for_stream
 // (ops/gemm/moe_gemm_nvfp4.h). Each code is expanded in registers to the f16 e2m1 * 2^-14 and
 // multiplied by its group scale (exact: at most 5 significant bits, never below 2^-24), then fed to
 // wgmma as the A operand; the row scales times 2^14 are applied once, in the epilogue.
-// Which instance of the NVFP4 stream kernel runs: kAuto picks from max_tokens_per_expert (below);
-// the others force one, for measurements (any routing is computed correctly by each, with the same
-// bits): kNarrow 64-row items and 32-token passes, kWide 128-row items and 32-token passes,
-// kPrefill 256-row x 128-token pass items (N a multiple of 256).
-enum class Nvfp4StreamInstance { kAuto, kNarrow, kWide, kPrefill };
-
 struct MoeGemmNvfp4Args {
   const __half* act = nullptr;         // f16 [act_rows, K], one row per sorted position
   const float* act_scale = nullptr;    // [act_rows] power-of-two row scales

@@ -436,6 +436,15 @@ MoeLayerCuda::MoeLayerCuda(const MoeLayerConfig& config, const MoeLayerHostWeigh
 
 MoeLayerCuda::~MoeLayerCuda() = default;
 
+void MoeLayerCuda::set_nvfp4_instance(Nvfp4StreamInstance i) {
+  MOELORA_CHECK(i != Nvfp4StreamInstance::kPrefill ||
+                    (config_.hidden % 256 == 0 && 2 * config_.inter % 256 == 0),
+                ErrorCode::kInvalidArgument,
+                "MoeLayerCuda: the NVFP4 prefill instance needs H and 2I multiples of 256; H = ",
+                config_.hidden, ", 2I = ", 2 * config_.inter);
+  nvfp4_instance_ = i;
+}
+
 void MoeLayerCuda::set_side_stream_scheduling(const SideStreamScheduling& s) {
   // The switches: 1 = on, 0 = off, -1 = the layer's rule.
   auto check_switch = [](int value, const char* field) {

@@ -302,9 +302,9 @@ class MoeLayerCuda {
   void set_decode_lora_path(DecodeLoraPath path) { decode_lora_ = path; }
   void set_stream_gemm_schedule(StreamGemmSchedule s) { stream_schedule_ = s; }
   // The NVFP4 stream GEMMs' instance (measurements; kAuto picks it from the expected tokens of the
-  // busiest expert). A forced kPrefill is refused at forward time where H or 2I is not a multiple
-  // of 256.
-  void set_nvfp4_instance(Nvfp4StreamInstance i) { nvfp4_instance_ = i; }
+  // busiest expert). Refuses kPrefill where H or 2I (GEMM2's and GEMM1's N) is not a multiple of
+  // 256, here rather than halfway through a forward.
+  void set_nvfp4_instance(Nvfp4StreamInstance i);
   void set_router_gemm_path(RouterGemmPath path) { router_path_ = path; }
   const MoeLayerConfig& config() const { return config_; }
   // Bytes of the weights a forward of `active_experts` distinct experts must read (FP8 experts
