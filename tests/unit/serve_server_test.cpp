@@ -637,9 +637,12 @@ TEST(ServeServerLimits, FullQueueAnswers503WithRetryAfter) {
   }
   ASSERT_EQ(s->engine().stats().waiting, 2);
   httplib::Client cli("127.0.0.1", port);
+  // The answer is immediate, but a loaded machine (sanitizers, tests in parallel) may not run the
+  // server's handler within httplib's default 5 s.
+  cli.set_read_timeout(std::chrono::seconds(120));
   auto r =
       cli.Post("/v1/completions", R"({"prompt": [1, 2], "max_tokens": 1})", "application/json");
-  ASSERT_TRUE(r);
+  ASSERT_TRUE(r) << "no answer: " << httplib::to_string(r.error());
   EXPECT_EQ(r->status, 503);
   EXPECT_EQ(r->get_header_value("Retry-After"), "1");
   EXPECT_EQ(json::parse(r->body)["error"]["code"], "queue_full");
