@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <numeric>
@@ -314,7 +315,9 @@ int run(const Options& o) {
     }
     // Markdown + JSON
     const std::string base = o.out + "/moe_gemm_" + name;
+    std::filesystem::create_directories(o.out);
     std::ofstream md(base + ".md");
+    if (!md) throw std::runtime_error("cannot write " + base + ".md (check --out)");
     md << "# bench_moe_gemm " << name << " (" << dev.name << ", copy bandwidth " << bw / 1e12
        << " TB/s)\n\n"
        << "Decode expert GEMMs alone, each launch after an L2 flush; median of " << o.reps
@@ -370,6 +373,9 @@ int run(const Options& o) {
       js << "}";
     }
     js << "]}\n";
+    md.flush();
+    js.flush();
+    if (!md || !js) throw std::runtime_error("writing " + base + ".{md,json} failed (disk full?)");
     std::printf("wrote %s.{md,json}\n", base.c_str());
   }
   return 0;

@@ -209,6 +209,15 @@ TEST(Sm90_MoeGemmNvfp4Stream, DecodeShapesManyExperts) {
   check_problem({64, 1024, 2048, tokens}, 82);
 }
 
+TEST(Sm90_MoeGemmNvfp4Stream, DecodeManyExpertsSomeWithTwoPasses) {
+  MOELORA_REQUIRE_SM90();
+  // Kimi-K2.5's EP8 rank at 128 tokens in miniature: 48 experts of 14..45 tokens, so a third have
+  // a second 32-token pass, more items than CTAs
+  std::vector<int> tokens(48);
+  for (int e = 0; e < 48; ++e) tokens[e] = 14 + (e * 7) % 32;
+  check_problem({48, 512, 512, tokens}, 87);
+}
+
 TEST(Sm90_MoeGemmNvfp4Stream, NarrowKWideN) {
   MOELORA_REQUIRE_SM90();
   // GEMM2's shape: K = one stage, N wide
