@@ -48,7 +48,8 @@
 // Output: a Markdown table on stdout, a progress bar per run on stderr, and with --json FILE one
 // object: {"benchmark", "date", "host", "device", "threads", "model", "input_len", "output_len",
 // "seed", "max_batch_tokens", "prefill_chunk", "adapter_slots", "max_lora_rank", "kv_cache_pages",
-// "kv_page_size", "attention_kernel", "moe_shared_expert_in_experts",
+// "kv_page_size", "attention_kernel", "moe_shared_expert_in_experts", "moe_scheduling"
+// {"seam1_after_quant", "seam2_in_finalize", "stream_schedule"},
 // "moe_shared_experts_in_experts_layers", "adapters", "adapter_dist", "base_share", "runs":
 // [{"batch_size", "lora", "adapters_in_batch", "base_requests", "prefill_tokens_per_s",
 // "decode_tokens_per_s", "overall_tokens_per_s", "latency_s", "ttft_ms": {"mean", "p50", "max"},
@@ -290,6 +291,12 @@ int run_bench(const BenchArgs& arg_in) {
                 "--max-layers fit needs --device cuda and either --random-weights or --model DIR "
                 "(the layers that fit are chosen from the device's free memory)");
   MOELORA_CHECK(a.synth_rank >= 1, bad, "--synth-rank must be >= 1, got ", a.synth_rank);
+  // The scheduling switches act on the GPU's MoE layers only; on the CPU they would be ignored.
+  const bool moe_switches = a.moe_seam1_after_quant != -1 || a.moe_seam2_in_finalize != -1 ||
+                            a.moe_stream_schedule != "auto";
+  MOELORA_CHECK(gpu || !moe_switches, bad,
+                "--moe-seam1-after-quant, --moe-seam2-in-finalize and --moe-stream-schedule "
+                "schedule the GPU's MoE kernels: use them with --device cuda, or drop them");
   MOELORA_CHECK(a.adapter_slots >= 0 && a.adapter_slots <= INT32_MAX && a.max_lora_rank >= 0, bad,
                 "--adapter-slots and --max-lora-rank must be >= 0 (0 = sized from the run), got ",
                 a.adapter_slots, " and ", a.max_lora_rank);
@@ -435,6 +442,11 @@ int run_bench(const BenchArgs& arg_in) {
   options.gpu_memory_fraction = a.gpu_memory_fraction;
   options.attention = a.attention;
   options.moe_shared_expert_in_experts = a.moe_shared_expert_in_experts;
+  options.moe_seam1_after_quant = a.moe_seam1_after_quant;
+  options.moe_seam2_in_finalize_max_tokens = a.moe_seam2_in_finalize;
+  options.moe_stream_schedule = a.moe_stream_schedule == "claimed"       ? 1
+                                : a.moe_stream_schedule == "round-robin" ? 0
+                                                                         : -1;
   if (gpu) options.max_seq_len = std::max<int64_t>(a.input_len + a.output_len, 64);
   if (fit_layers) {
     // The free memory now (the bandwidth probe's buffers are gone), as the executor will see it.
@@ -491,6 +503,11 @@ int run_bench(const BenchArgs& arg_in) {
       static_cast<long long>(config.num_experts_per_tok), static_cast<long long>(config.vocab_size),
       a.device.c_str(), moelora::num_threads(), options.adapter_slots, options.max_loras_per_batch,
       static_cast<long long>(options.max_lora_rank), engine.model_info().attention_kernel.c_str());
+  if (moe_switches)
+    std::printf(
+        "MoE decode scheduling: seam-1 after quant %d, seam-2 in finalize %d, stream "
+        "schedule %s (-1 / auto: the layers' rules)\n",
+        a.moe_seam1_after_quant, a.moe_seam2_in_finalize, a.moe_stream_schedule.c_str());
   const moelora::ModelInfo& info = engine.model_info();
   BenchSetup setup;
   setup.gpu = gpu;
@@ -660,6 +677,23 @@ std::function<int()> setup_bench(CLI::App& app) {
                "routed GEMMs (the default; the byte roofline counts it in FP8 where the engine "
                "took it, ModelInfo::moe_shared_experts_in_experts); --moe-shared-expert-separate "
                "keeps it a separate bf16 MLP");
+  app.add_option("--moe-seam1-after-quant", a->moe_seam1_after_quant,
+                 "GPU MoE decode with LoRA: release the seam-1 LoRA kernels after the activation "
+                 "quant (1, the expert GEMM reaches the SMs first) or after the align (0); -1 = "
+                 "the layers' rule (docs/gpu_moe.md 6.0d)")
+      ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
+  app.add_option("--moe-seam2-in-finalize", a->moe_seam2_in_finalize,
+                 "GPU MoE decode with LoRA: form the seam-2 expand in the finalize kernel for "
+                 "steps of at most N tokens (0 = never, on the side stream); -1 = the layers' "
+                 "default (docs/gpu_moe.md 6.0g)")
+      ->check(CLI::Range(-1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--moe-stream-schedule", a->moe_stream_schedule,
+                 "GPU MoE decode GEMMs: work items claimed from a counter (claimed), a fixed "
+                 "share per CTA (round-robin), or the layers' rule (auto)")
+      ->check(CLI::IsMember({"auto", "claimed", "round-robin"}))
+      ->capture_default_str();
   app.add_option("--seed", a->seed,
                  "Seed of the prompts (and of --preset / --synth-adapters weights)")
       ->capture_default_str();

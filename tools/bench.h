@@ -47,6 +47,12 @@ struct BenchArgs {
   int64_t max_lora_rank = 0;       // 0 = the run's largest rank, rounded up to a multiple of 8
   std::string attention = "auto";  // EngineOptions::attention
   bool moe_shared_expert_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
+  // The MoE layers' decode scheduling on the GPU, for A/B runs of the engine headline
+  // (EngineOptions::moe_seam1_after_quant, moe_seam2_in_finalize_max_tokens, moe_stream_schedule;
+  // -1 / "auto" = the layers' measured rules).
+  int moe_seam1_after_quant = -1;
+  int moe_seam2_in_finalize = -1;
+  std::string moe_stream_schedule = "auto";
 };
 
 struct Ttft {

@@ -193,6 +193,9 @@ nlohmann::json bench_json(const BenchArgs& a, const BenchSetup& s,
   j["kv_page_size"] = s.kv_page_size;
   j["attention_kernel"] = s.attention_kernel;
   j["moe_shared_expert_in_experts"] = a.moe_shared_expert_in_experts;
+  j["moe_scheduling"] = {{"seam1_after_quant", a.moe_seam1_after_quant},
+                         {"seam2_in_finalize", a.moe_seam2_in_finalize},
+                         {"stream_schedule", a.moe_stream_schedule}};
   j["moe_shared_experts_in_experts_layers"] = s.moe_shared_experts_in_experts;
   j["adapters"] = nlohmann::json::array();
   for (const auto& spec : s.specs) {

@@ -58,6 +58,9 @@ TEST(BenchCli, TableAndJson) {
   EXPECT_EQ(j["adapter_slots"], 2);
   EXPECT_EQ(j["max_lora_rank"], pool_rank);
   EXPECT_EQ(j["attention_kernel"], "reference");  // the CPU backend
+  EXPECT_EQ(j["moe_scheduling"], (nlohmann::json{{"seam1_after_quant", -1},
+                                                 {"seam2_in_finalize", -1},
+                                                 {"stream_schedule", "auto"}}));
   EXPECT_EQ(j["moe_shared_expert_in_experts"], true);  // the engine's default
   EXPECT_EQ(j["moe_shared_experts_in_experts_layers"], 0);
   EXPECT_EQ(j["kv_cache_pages"], 0);              // the CPU backend has no page pool
@@ -213,6 +216,12 @@ TEST(BenchCli, ErrorsAreOneClearLine) {
        "--max-layers: expected a layer count >= 0 (0 = all) or 'fit', got '-1'"},
       {"bench --device cpu --model " + quote(q) + " --max-layers fit",
        "--max-layers fit needs --device cuda"},
+      {"bench --device cpu --model " + quote(q) + " --moe-seam1-after-quant 1",
+       "schedule the GPU's MoE kernels: use them with --device cuda"},
+      {"bench --device cpu --model " + quote(q) + " --moe-stream-schedule fifo",
+       "--moe-stream-schedule: fifo not in {auto,claimed,round-robin}"},
+      {"bench --device cpu --model " + quote(q) + " --moe-seam1-after-quant 2",
+       "--moe-seam1-after-quant: Value 2 not in range"},
   };
   if (!cuda_device_available())
     cases.push_back({"bench --model " + quote(q) + " --device cuda", "device 'cuda'"});
