@@ -209,7 +209,8 @@ struct SideStreamScheduling {
   // expand is formed in the finalize kernel from the shrink's partials
   // (MoeFinalizeArgs::lora_expand), its B rows loaded while GEMM2 runs, so the side stream runs
   // only the seam-2 shrink and the expand's grid no longer shares the SMs with GEMM2. The same bits
-  // either way. 0 = never; -1 = kSeam2ExpandInFinalizeDefaultTokens (docs/gpu_moe.md §6.0g).
+  // either way. 0 = never; -1 = up to 64 tokens and 32 x 7168 tokens x hidden (the B rows the
+  // finalize loads grow with both; docs/gpu_moe.md §6.0g, §6.0n).
   int seam2_expand_in_finalize_max_tokens = -1;
   // Where the seam-2 expand is formed in the finalize (above): the seam-2 shrinks run in the
   // activation kernel (its shrink-only instance: each CTA shrinks the activation row it has just

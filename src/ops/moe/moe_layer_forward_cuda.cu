@@ -28,8 +28,15 @@ using moe_layer_internal::round_up;
 // 42.4 -> 45.8 / 66.2 -> 71.3 us, so small batches keep the unbounded one).
 constexpr int kLoraExpandBesideGemmTokens = 32;
 // SideStreamScheduling::seam2_expand_in_finalize_max_tokens = -1: the seam-2 expand is formed in
-// the finalize for decode forwards of up to this many tokens (docs/gpu_moe.md §6.0g).
+// the finalize for decode forwards of up to this many tokens (docs/gpu_moe.md §6.0g) ...
 constexpr int kSeam2ExpandInFinalizeDefaultTokens = 64;
+// ... whose tokens x hidden size stays within this bound: each finalize CTA loads the B rows
+// [H x r] of its token's k pairs, so the fold reads T k H r bf16 values of B where the side
+// expand reads each segment's once. At kimi-ep8's H = 7168 and 64 tokens (117 MB of B) the fold
+// ended 44 us after GEMM2; without it one H100, one r16 adapter: 807.9 -> 781.1 us, eight
+// adapters 863.2 -> 862.9 (qwen3.5's H = 2048 keeps the fold to 64 tokens, where it was measured;
+// docs/gpu_moe.md §6.0n).
+constexpr long kSeam2ExpandInFinalizeMaxTokenHidden = 32L * 7168;
 // SideStreamScheduling::seam1_after_quant = -1: the seam-1 side work after the quant kernel for
 // layers whose hidden size keeps the seam-1 shrink in its register-bounded instance (K <= 4096:
 // shrink_vec <= 2), which starts beside GEMM1's CTAs, and that have no shared expert or have it
@@ -553,9 +560,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
 
   // Seam 2's expand in the finalize (SideStreamScheduling::seam2_expand_in_finalize_max_tokens):
   // the side stream keeps only the shrink.
-  const int seam2_max_tokens = side_scheduling_.seam2_expand_in_finalize_max_tokens < 0
-                                   ? kSeam2ExpandInFinalizeDefaultTokens
-                                   : side_scheduling_.seam2_expand_in_finalize_max_tokens;
+  const int seam2_max_tokens =
+      side_scheduling_.seam2_expand_in_finalize_max_tokens >= 0
+          ? side_scheduling_.seam2_expand_in_finalize_max_tokens
+          : static_cast<int>(std::min<long>(kSeam2ExpandInFinalizeDefaultTokens,
+                                            kSeam2ExpandInFinalizeMaxTokenHidden / H));
   // The finalize must be a programmatic dependent of GEMM2 (no separate shared expert) for its B
   // loads to overlap GEMM2; after the shared expert's cuBLAS kernels they would follow GEMM2.
   const bool seam2_in_finalize = lora && chain_pdl && !lora_mma && !fused_shrink &&
