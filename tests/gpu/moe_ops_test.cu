@@ -197,43 +197,118 @@ TEST(Sm90_MoeAlign, PrefillSizedBatch) {
   check_align(4096, 4096, 256, 8, 8, 205);
 }
 
-TEST(Sm90_QuantFp8, BitExactPerTokenAndPermuted) {
-  MOELORA_REQUIRE_SM90();
-  std::mt19937_64 rng(test::test_seed(301));
-  const int rows = 19, cols = 300, padded = 384;
+// quantize_fp8_rows against quantize_fp8_per_token_ref, bit for bit, in its three forms: identity
+// rows, gathered rows with a device row count (rows past it untouched), and the scatter (each
+// input row quantized once, stored to the output rows it lists; unlisted rows untouched); scales
+// row-major or k-major (scale_ld).
+void check_quant_fp8_rows(int cols, uint64_t seed_tag) {
+  SCOPED_TRACE(::testing::Message() << "cols " << cols);
+  std::mt19937_64 rng(test::test_seed(seed_tag));
+  const int rows = 19, padded = (cols + 127) / 128 * 128, groups = padded / 128;
   Tensor x = test::random_normal({rows, cols}, rng, 3.0f).to(DType::kBF16);  // bf16 values
   x.data<uint16_t>()[5 * cols + 7] = 0;  // zeros and an all-zero group must work
-  for (int c = 128; c < 256; ++c) x.data<uint16_t>()[2 * cols + c] = 0;
-  std::vector<int32_t> gather = {3, 3, 0, 18, 7};
+  for (int c = 128; c < std::min(256, cols); ++c) x.data<uint16_t>()[2 * cols + c] = 0;
   Tensor xf = x.to_f32();
   auto ref = ops::quantize_fp8_per_token_ref(xf);
   auto x_d = cuda::to_device(x);
+  const std::vector<int32_t> gather = {3, 3, 0, 18, 7, 11};
+  const std::vector<int32_t> device_rows = {static_cast<int32_t>(gather.size()) - 1};
+  // scatter: 3 output rows per input row at most, rows of a random permutation, some dropped
+  const int width = 3, scatter_out = rows * width;
+  std::vector<int32_t> perm(scatter_out);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> scatter(perm),
+      source(scatter_out, -1);  // source: input row of each output row
+  for (int i = 0; i < scatter_out; ++i) {
+    if (i % 7 == 3) scatter[i] = -1;  // a pair on another rank's expert
+    if (scatter[i] >= 0) source[scatter[i]] = i / width;
+  }
   auto g_d = upload_vector(gather);
-  for (bool permuted : {false, true}) {
-    const int out_rows = permuted ? static_cast<int>(gather.size()) : rows;
-    cuda::DeviceBuffer q_d(static_cast<size_t>(out_rows) * padded), s_d(static_cast<size_t>(out_rows) * 3 * 4);
-    ops::cuda::QuantFp8DeviceArgs a;
-    a.x = x_d.as<__nv_bfloat16>();
-    a.gather = permuted ? g_d.as<int32_t>() : nullptr;
-    a.max_rows = out_rows;
-    a.cols = cols;
-    a.cols_padded = padded;
-    a.q = q_d.as<uint8_t>();
-    a.scale = s_d.as<float>();
-    ops::cuda::launch_quantize_fp8_rows(a, nullptr);
-    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-    auto q = download_vector<uint8_t>(q_d, static_cast<size_t>(out_rows) * padded);
-    auto s = download_vector<float>(s_d, static_cast<size_t>(out_rows) * 3);
-    for (int r = 0; r < out_rows; ++r) {
-      const int src = permuted ? gather[r] : r;
-      for (int g = 0; g < 3; ++g)
-        ASSERT_EQ(s[r * 3 + g], ref.scale.data<float>()[src * 3 + g]) << "row " << r << " group " << g;
-      for (int c = 0; c < padded; ++c) {
-        const uint8_t want = c < cols ? ref.q.data<uint8_t>()[src * cols + c] : 0;
-        ASSERT_EQ(q[static_cast<size_t>(r) * padded + c], want) << "row " << r << " col " << c;
+  auto n_d = upload_vector(device_rows);
+  auto sc_d = upload_vector(scatter);
+  for (const char* form : {"identity", "gather", "scatter"}) {
+    for (bool k_major : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << form << ", k-major scales " << k_major);
+      const bool gathered = std::string(form) == "gather",
+                 scattered = std::string(form) == "scatter";
+      const int out_rows = gathered    ? static_cast<int>(gather.size())
+                           : scattered ? scatter_out
+                                       : rows;
+      const int scale_ld = k_major ? out_rows + 3 : 0;
+      const size_t scale_count =
+          k_major ? static_cast<size_t>(groups) * scale_ld : static_cast<size_t>(out_rows) * groups;
+      // poisoned outputs: padding codes must be written as zeros, rows not produced not at all
+      const std::vector<uint8_t> q_poison(static_cast<size_t>(out_rows) * padded, 0xAB);
+      const std::vector<float> s_poison(scale_count, -1.f);
+      auto q_d = upload_vector(q_poison);
+      auto s_d = upload_vector(s_poison);
+      ops::cuda::QuantFp8DeviceArgs a;
+      a.x = x_d.as<__nv_bfloat16>();
+      a.gather = gathered ? g_d.as<int32_t>() : nullptr;
+      a.num_rows = gathered ? n_d.as<int32_t>() : nullptr;
+      a.max_rows = out_rows;
+      a.cols = cols;
+      a.cols_padded = padded;
+      a.q = q_d.as<uint8_t>();
+      a.scale = s_d.as<float>();
+      a.scale_ld = scale_ld;
+      if (scattered) {
+        a.scatter = sc_d.as<int32_t>();
+        a.scatter_rows = rows;
+        a.scatter_width = width;
+      }
+      ops::cuda::launch_quantize_fp8_rows(a, nullptr);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      auto q = download_vector<uint8_t>(q_d, q_poison.size());
+      auto sc = download_vector<float>(s_d, scale_count);
+      for (int r = 0; r < out_rows; ++r) {
+        const int src = gathered ? gather[r] : scattered ? source[r] : r;
+        const bool written = gathered ? r < device_rows[0] : src >= 0;
+        for (int g = 0; g < groups; ++g) {
+          const float got = sc[k_major ? static_cast<size_t>(g) * scale_ld + r
+                                       : static_cast<size_t>(r) * groups + g];
+          const float want =
+              written ? ref.scale.data<float>()[static_cast<size_t>(src) * groups + g] : -1.f;
+          ASSERT_EQ(got, want) << "row " << r << " group " << g;
+        }
+        for (int c = 0; c < padded; ++c) {
+          const uint8_t want = !written ? 0xAB
+                               : c < cols
+                                   ? ref.q.data<uint8_t>()[static_cast<size_t>(src) * cols + c]
+                                   : 0;
+          ASSERT_EQ(q[static_cast<size_t>(r) * padded + c], want) << "row " << r << " col " << c;
+        }
       }
     }
   }
+}
+
+TEST(Sm90_QuantFp8, BitExactIdentityGatherScatter) {
+  MOELORA_REQUIRE_SM90();
+  check_quant_fp8_rows(300, 301);   // a partial last group
+  check_quant_fp8_rows(262, 302);   // cols % 4 != 0: the scatter's scalar loads
+  check_quant_fp8_rows(2048, 304);  // Qwen3 / Qwen3.5 hidden
+  check_quant_fp8_rows(7168, 305);  // DeepSeek-V3 / Kimi hidden: 7 CTAs of 8 groups per row
+}
+
+TEST(Sm90_QuantFp8, ScatterRefusesGatherOrNoWidth) {
+  MOELORA_REQUIRE_SM90();
+  cuda::DeviceBuffer x_d(64 * 2), q_d(128), s_d(16), idx_d(16);
+  ops::cuda::QuantFp8DeviceArgs a;
+  a.x = x_d.as<__nv_bfloat16>();
+  a.max_rows = 1;
+  a.cols = 64;
+  a.cols_padded = 128;
+  a.q = q_d.as<uint8_t>();
+  a.scale = s_d.as<float>();
+  a.scatter = idx_d.as<int32_t>();
+  a.scatter_rows = 1;
+  a.scatter_width = 0;
+  EXPECT_THROW(ops::cuda::launch_quantize_fp8_rows(a, nullptr), Error);
+  a.scatter_width = 1;
+  a.gather = idx_d.as<int32_t>();
+  EXPECT_THROW(ops::cuda::launch_quantize_fp8_rows(a, nullptr), Error);
 }
 
 // A per-expert adapter pool on the device: the factors (bf16 A [S, E, R, in] and B [S, E, out, R],

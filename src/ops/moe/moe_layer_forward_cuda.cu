@@ -464,6 +464,9 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (nvfp4) {
     RowsToF16Args cx;
     cx.x = f.x;
+    // Per pair, not per token as the FP8 quant: a row's scale is row-wide, so a token is one CTA,
+    // and one CTA storing its k rows was slower (kimi-ep8 NVFP4 at 1 token 125 -> 130 us, 128
+    // tokens 541 -> 546; bench/results/h200/h100/quant_scatter/).
     cx.gather = m.x<int32_t>(m.sorted_token);
     cx.num_rows = num_pairs;
     cx.max_rows = P;
@@ -515,9 +518,20 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   if (!c.bf16_experts && !nvfp4) {
     QuantFp8DeviceArgs qa;
     qa.x = f.x;
-    qa.gather = register_decode ? nullptr : m.x<int32_t>(m.sorted_token);
+    // Pair rows in expert order: each token quantized once and stored to its pairs' rows (the
+    // scatter form), or per pair through the gather where the fused LoRA shrink needs a pair row
+    // per CTA. Register decode reads token rows as they are. Per pair, kimi-ep8's 128 tokens were
+    // 7,168 CTAs that filled the SMs for 19 us and held GEMM1 back until 20.7 us; per token 896,
+    // GEMM1 starts at 10.3 (one H100, bench/results/h200/h100/quant_scatter/).
+    const bool scatter = !register_decode && !fused_shrink;
+    qa.gather = register_decode || scatter ? nullptr : m.x<int32_t>(m.sorted_token);
     qa.num_rows = register_decode ? f.num_tokens : num_pairs;
     qa.max_rows = register_decode ? T : P;
+    if (scatter) {
+      qa.scatter = m.x<int32_t>(m.pair_pos);
+      qa.scatter_rows = T;
+      qa.scatter_width = kp;  // pairs per token: k, + 1 with the shared expert among them
+    }
     qa.cols = H;
     qa.cols_padded = m.Hp;
     qa.q = m.x<uint8_t>(m.xq);

@@ -1,5 +1,9 @@
 // One warp per (row, 128-column group); 8 warps per CTA cover 8 groups of a row. With LoRA the
 // CTA also writes the seam-1 shrink partials of its row and 1024 columns (lora_row_fused.cuh).
+// With a scatter (QuantFp8DeviceArgs::scatter) the grid's rows are input rows, each quantized
+// once and stored to its listed output rows.
+#include <cstdint>
+
 #include "core/cuda_launch.cuh"
 #include "core/cuda_utils.h"
 #include "core/sm90_ptx.cuh"
@@ -13,6 +17,43 @@ namespace {
 constexpr int kWarps = 8;
 
 static_assert(kWarps == kRowShrinkWarps, "the fused LoRA shrink covers one CTA's 8 column groups");
+
+// Input row blockIdx.x, columns [1024 blockIdx.y, + 1024): each warp quantizes one 128-column
+// group (quantize_group_128, the arithmetic of the per-row kernel below) and stores its codes and
+// scale to every output row the scatter lists for this input row.
+__global__ void __launch_bounds__(32 * kWarps)
+    quantize_fp8_scatter_kernel(const QuantFp8DeviceArgs a) {
+  ::moelora::cuda::sm90::grid_dependency_wait();
+  ::moelora::cuda::sm90::launch_dependents();
+  const int in_row = blockIdx.x;
+  const int groups = a.cols_padded / 128;
+  const int group = blockIdx.y * kWarps + threadIdx.x / 32;
+  if (group >= groups) return;  // whole warps: no shuffle partner leaves early
+  const int lane = threadIdx.x % 32;
+  const int c0 = group * 128 + lane * 4;
+  const __nv_bfloat16* x = a.x + static_cast<size_t>(in_row) * a.cols;
+  float v[4];
+  if (a.cols % 4 == 0 && c0 < a.cols) {  // 8-byte load (rows start 8-byte aligned)
+    const uint2 raw = *reinterpret_cast<const uint2*>(x + c0);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = c0 + i < a.cols ? __bfloat162float(x[c0 + i]) : 0.f;
+  }
+  uint32_t codes;
+  const float s = quantize_group_128(v, codes);
+  const int32_t* out_rows = a.scatter + static_cast<size_t>(in_row) * a.scatter_width;
+  for (int j = 0; j < a.scatter_width; ++j) {
+    const int row = out_rows[j];
+    if (row < 0) continue;
+    *reinterpret_cast<uint32_t*>(a.q + static_cast<size_t>(row) * a.cols_padded + c0) = codes;
+    if (lane == 0)
+      a.scale[a.scale_ld > 0 ? static_cast<size_t>(group) * a.scale_ld + row
+                             : static_cast<size_t>(row) * groups + group] = s;
+  }
+}
 
 // kLora: the instance with the fused LoRA shrink (the plain one keeps its small register count).
 template <bool kLora>
@@ -67,6 +108,20 @@ void launch_quantize_fp8_rows(const QuantFp8DeviceArgs& a, cudaStream_t stream) 
                 kRowShrinkMaxSlots, " slots (got ", a.lora.pool.num_slots, "), row_capacity >= max_rows (",
                 a.lora.row_capacity, " vs ", a.max_rows, ") and in_features = cols (", a.lora.pool.in_features,
                 " vs ", a.cols, ")");
+  if (a.scatter) {
+    MOELORA_CHECK(!a.gather && !a.lora.partial && a.scatter_width > 0 && a.scatter_rows >= 0,
+                  ErrorCode::kInvalidArgument, "quantize_fp8_rows: a scatter (width ",
+                  a.scatter_width, ", rows ", a.scatter_rows,
+                  ") takes a width > 0 and neither a gather nor the fused LoRA shrink");
+    MOELORA_CHECK(
+        a.cols % 4 != 0 || reinterpret_cast<uintptr_t>(a.x) % 8 == 0, ErrorCode::kInvalidArgument,
+        "quantize_fp8_rows: x must be 8-byte aligned for the scatter form's 8-byte loads");
+    if (a.scatter_rows == 0) return;
+    const dim3 grid(a.scatter_rows, (a.cols_padded / 128 + kWarps - 1) / kWarps);
+    ::moelora::cuda::launch_kernel(quantize_fp8_scatter_kernel, grid, dim3(32 * kWarps), 0, stream,
+                                   a.pdl, a);
+    return;
+  }
   if (a.max_rows == 0) return;
   dim3 grid(a.max_rows, (a.cols_padded / 128 + kWarps - 1) / kWarps);
   if (a.lora.partial)

@@ -30,6 +30,15 @@ struct QuantFp8DeviceArgs {
   // decode MoE layer's seam-1 A factors, partials [ceil(cols / 1024), capacity, R] with
   // lora.row_token = gather. Rows are the sorted (token, expert) pairs.
   LoraRowShrinkArgs lora;
+  // Optional scatter (no LoRA shrink, no gather): input row t is quantized once and written to
+  // the output rows scatter[t * scatter_width + j] (j < scatter_width; -1 = none), one grid row
+  // per input row (scatter_rows of them). The decode MoE layer passes pair_pos: a token's codes
+  // are the same in each of its k pair rows, so quantizing per pair did k times the work (at
+  // kimi-ep8 128 tokens 7,168 CTAs for 128 tokens). The rows written, and their bits, are those
+  // of the gather form with gather = the scatter's inverse (sorted_token).
+  const int32_t* scatter = nullptr;  // [scatter_rows, scatter_width]
+  int scatter_rows = 0;
+  int scatter_width = 0;
 };
 
 // args.pdl: launch with programmatic stream serialization (after the align kernel). The kernel
