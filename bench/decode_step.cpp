@@ -42,6 +42,7 @@
 #include "io/hf_config.h"
 #include "kernel_timeline.h"
 #include "moelora/engine.h"
+#include "runtime/gpu_executor.h"
 #include "synth.h"
 
 namespace fs = std::filesystem;
@@ -293,9 +294,8 @@ int run(const Options& o) {
       options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
       options.moe_seam2_shrink_in_activation = o.seam2_shrink_in_activation;
       options.moe_shared_lora_stream = o.shared_lora_stream;
-      options.moe_stream_schedule = o.stream_schedule == "auto"      ? -1
-                                    : o.stream_schedule == "claimed" ? 1
-                                                                     : 0;
+      options.moe_stream_schedule =
+          moelora::runtime::moe_stream_schedule_from_name(o.stream_schedule);
       options.moe_activation_pdl_with_shared_pairs = o.activation_pdl_shared;
       options.moe_shared_expert_in_experts = o.shared_in_experts;
       options.gdn_lora_delta_in_mix = o.gdn_delta_in_mix;

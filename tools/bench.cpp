@@ -444,9 +444,8 @@ int run_bench(const BenchArgs& arg_in) {
   options.moe_shared_expert_in_experts = a.moe_shared_expert_in_experts;
   options.moe_seam1_after_quant = a.moe_seam1_after_quant;
   options.moe_seam2_in_finalize_max_tokens = a.moe_seam2_in_finalize;
-  options.moe_stream_schedule = a.moe_stream_schedule == "claimed"       ? 1
-                                : a.moe_stream_schedule == "round-robin" ? 0
-                                                                         : -1;
+  options.moe_stream_schedule =
+      moelora::runtime::moe_stream_schedule_from_name(a.moe_stream_schedule);
   if (gpu) options.max_seq_len = std::max<int64_t>(a.input_len + a.output_len, 64);
   if (fit_layers) {
     // The free memory now (the bandwidth probe's buffers are gone), as the executor will see it.

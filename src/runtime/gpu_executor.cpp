@@ -458,6 +458,18 @@ int64_t gpu_layers_that_fit(const io::ModelConfig& config, const GpuExecutorOpti
   return lo;
 }
 
+int moe_stream_schedule_from_name(std::string_view name) {
+  if (name == "auto") return -1;
+  if (name == "round-robin") return 0;
+  if (name == "claimed") return 1;
+  MOELORA_THROW(ErrorCode::kInvalidArgument, "MoE stream schedule '", std::string(name),
+                "': expected auto, claimed or round-robin");
+}
+
+const char* moe_stream_schedule_name(int schedule) {
+  return schedule == 0 ? "round-robin" : schedule == 1 ? "claimed" : "auto";
+}
+
 // ============================================================================ stubs
 
 #if !MOELORA_WITH_CUDA

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -32,6 +33,17 @@ TEST(GpuExecutorHost, DecodeBuckets) {
   EXPECT_EQ(decode_bucket(97, b), 100);
   EXPECT_EQ(decode_bucket(101, b), -1);
   EXPECT_EQ(decode_bucket(1, std::vector<int>{}), -1);
+}
+
+TEST(GpuExecutorHost, MoeStreamScheduleNames) {
+  for (const char* name : {"auto", "round-robin", "claimed"})
+    EXPECT_STREQ(moe_stream_schedule_name(moe_stream_schedule_from_name(name)), name);
+  EXPECT_EQ(moe_stream_schedule_from_name("auto"), -1);
+  EXPECT_EQ(moe_stream_schedule_from_name("round-robin"), 0);
+  EXPECT_EQ(moe_stream_schedule_from_name("claimed"), 1);
+  const std::string message = error_of([] { moe_stream_schedule_from_name("roundrobin"); });
+  EXPECT_TRUE(contains(message, "'roundrobin'")) << message;
+  EXPECT_TRUE(contains(message, "auto, claimed or round-robin")) << message;
 }
 
 TEST(GpuExecutorHost, PageAllocator) {
