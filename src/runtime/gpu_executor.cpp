@@ -466,10 +466,6 @@ int moe_stream_schedule_from_name(std::string_view name) {
                 "': expected auto, claimed or round-robin");
 }
 
-const char* moe_stream_schedule_name(int schedule) {
-  return schedule == 0 ? "round-robin" : schedule == 1 ? "claimed" : "auto";
-}
-
 // ============================================================================ stubs
 
 #if !MOELORA_WITH_CUDA

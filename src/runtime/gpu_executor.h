@@ -93,10 +93,9 @@ inline constexpr int64_t kDefaultMaxSeqLen = 8192;
 // The GPU executor's options of an engine's (model, limits, KV budget, graphs, kernels).
 GpuExecutorOptions gpu_executor_options(const EngineOptions& options);
 
-// GpuExecutorOptions::moe_stream_schedule from its command-line name and back: "auto" -1 (the
-// layers' rule), "round-robin" 0, "claimed" 1; another name is an Error that lists the three.
+// GpuExecutorOptions::moe_stream_schedule from its command-line name: "auto" -1 (the layers'
+// rule), "round-robin" 0, "claimed" 1; another name is an Error that lists the three.
 int moe_stream_schedule_from_name(std::string_view name);
-const char* moe_stream_schedule_name(int schedule);
 
 // What make_gpu_executor plans for the device memory of `config` (already cut to
 // options.max_layers and to the rank's share), from the shapes alone: the model
