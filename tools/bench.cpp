@@ -685,7 +685,8 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--moe-seam2-in-finalize", a->moe_seam2_in_finalize,
                  "GPU MoE decode with LoRA: form the seam-2 expand in the finalize kernel for "
                  "steps of at most N tokens (0 = never, on the side stream); -1 = the layers' "
-                 "default (docs/gpu_moe.md 6.0g)")
+                 "default (64 tokens, at most 32 x 7168 tokens x hidden; docs/gpu_moe.md 6.0g, "
+                 "6.0n)")
       ->check(CLI::Range(-1, 1 << 20))
       ->capture_default_str();
   app.add_option("--moe-stream-schedule", a->moe_stream_schedule,

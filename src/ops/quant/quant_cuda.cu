@@ -32,18 +32,17 @@ __global__ void __launch_bounds__(32 * kWarps)
   const int lane = threadIdx.x % 32;
   const int c0 = group * 128 + lane * 4;
   const __nv_bfloat16* x = a.x + static_cast<size_t>(in_row) * a.cols;
-  float v[4];
-  if (a.cols % 4 == 0 && c0 < a.cols) {  // 8-byte load (rows start 8-byte aligned)
-    const uint2 raw = *reinterpret_cast<const uint2*>(x + c0);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
-    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  uint32_t codes;
+  float s;
+  if (a.cols % 4 == 0) {  // one 8-byte load (rows start 8-byte aligned); padding lanes read zeros
+    const uint2 raw = c0 < a.cols ? *reinterpret_cast<const uint2*>(x + c0) : make_uint2(0u, 0u);
+    s = quantize_bf16_group_128(raw, codes);
   } else {
+    float v[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = c0 + i < a.cols ? __bfloat162float(x[c0 + i]) : 0.f;
+    s = quantize_group_128(v, codes);
   }
-  uint32_t codes;
-  const float s = quantize_group_128(v, codes);
   const int32_t* out_rows = a.scatter + static_cast<size_t>(in_row) * a.scatter_width;
   for (int j = 0; j < a.scatter_width; ++j) {
     const int row = out_rows[j];
