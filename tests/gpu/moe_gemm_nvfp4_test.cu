@@ -260,22 +260,26 @@ TEST(Sm90_MoeGemmNvfp4Stream, GraphReplayBitEqualToEager) {
 // The activation-row kernels of both NVFP4 GEMMs against their references, bit for bit: gathered
 // rows (one repeated), a zero row, a row with one huge value, rows past the device row count left
 // untouched; then a refusal. Bits: the stored element type (uint16_t for f16, uint8_t for e4m3).
+// cols picks the kernel's form (rows held in registers, 1 / 2 / 4 / 8 vectors per thread, or read
+// twice past 8192 columns); the huge value sits in the row's last vector, which only the widest
+// thread of the form holds.
 template <class Bits, class Args, class Rows>
 void check_rows_kernel(void (*launch)(const Args&, cudaStream_t),
                        Rows (*reference)(const Tensor&, const std::vector<int32_t>&, int64_t),
-                       uint64_t seed_fallback) {
+                       uint64_t seed_fallback, int cols = 520) {
+  SCOPED_TRACE("cols " + std::to_string(cols));
   std::mt19937_64 rng(test::test_seed(seed_fallback));
-  Tensor x = test::random_normal({6, 520}, rng, 50.0f);
-  for (int k = 0; k < 520; ++k) x.data<float>()[2 * 520 + k] = 0.0f;
-  x.data<float>()[4 * 520 + 3] = 3.0e5f;
-  x.data<float>()[1 * 520 + 7] = 448.0f;
+  Tensor x = test::random_normal({6, cols}, rng, 50.0f);
+  for (int k = 0; k < cols; ++k) x.data<float>()[2 * cols + k] = 0.0f;
+  x.data<float>()[4 * cols + cols - 3] = 3.0e5f;
+  x.data<float>()[1 * cols + 7] = 448.0f;
   x = x.to(DType::kBF16);
   const std::vector<int32_t> gather = {5, 2, 4, 4, 0, 1, 3};
   const int valid = 5;  // rows 5 and 6 must stay untouched
   auto xd = cuda::to_device(x);
   auto gd = test::upload_vector(gather);
   auto nd = test::upload_vector(std::vector<int32_t>{valid});
-  cuda::DeviceBuffer out(7 * 520 * sizeof(Bits)), scale(7 * 4);
+  cuda::DeviceBuffer out(7 * cols * sizeof(Bits)), scale(7 * 4);
   MOELORA_CUDA_CHECK(cudaMemset(out.get(), 0x11, out.bytes()));
   MOELORA_CUDA_CHECK(cudaMemset(scale.get(), 0x22, scale.bytes()));
   Args a;
@@ -283,23 +287,23 @@ void check_rows_kernel(void (*launch)(const Args&, cudaStream_t),
   a.gather = gd.as<int32_t>();
   a.num_rows = nd.as<int32_t>();
   a.max_rows = 7;
-  a.cols = 520;
+  a.cols = cols;
   a.out = reinterpret_cast<decltype(a.out)>(out.get());
   a.scale = scale.as<float>();
   launch(a, nullptr);
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
   const Rows want = reference(x, {gather.begin(), gather.begin() + valid}, valid);
-  const auto got = test::download_vector<Bits>(out, 7 * 520);
+  const auto got = test::download_vector<Bits>(out, 7 * cols);
   const auto got_scale = test::download_vector<float>(scale, 7);
-  EXPECT_EQ(std::vector<Bits>(got.begin(), got.begin() + valid * 520),
+  EXPECT_EQ(std::vector<Bits>(got.begin(), got.begin() + valid * cols),
             std::vector<Bits>(want.rows.template data<Bits>(),
-                              want.rows.template data<Bits>() + valid * 520));
+                              want.rows.template data<Bits>() + valid * cols));
   EXPECT_EQ(std::vector<float>(got_scale.begin(), got_scale.begin() + valid),
             std::vector<float>(want.scale.template data<float>(),
                                want.scale.template data<float>() + valid));
   Bits untouched;
   std::memset(&untouched, 0x11, sizeof untouched);
-  for (size_t i = valid * 520; i < got.size(); ++i)
+  for (size_t i = valid * cols; i < got.size(); ++i)
     ASSERT_EQ(got[i], untouched) << "row past the count written";
   a.cols = 12;
   EXPECT_THROW(launch(a, nullptr), Error);
@@ -308,6 +312,15 @@ void check_rows_kernel(void (*launch)(const Args&, cudaStream_t),
 TEST(Sm90_RowsToF16Pow2, GatheredRowsAndDeviceRowCount) {
   MOELORA_REQUIRE_SM90();
   check_rows_kernel<uint16_t>(ops::cuda::launch_rows_to_f16_pow2, ops::rows_to_f16_pow2_ref, 85);
+}
+
+// Each register form of the kernel and the two-read form past 8192 columns (the widths that
+// cross a form's bound, and the models' 2048 / 7168 hidden sizes).
+TEST(Sm90_RowsToF16Pow2, EveryRowLengthForm) {
+  MOELORA_REQUIRE_SM90();
+  for (int cols : {8, 1024, 1032, 2048, 4096, 4104, 7168, 8192, 8200, 10240})
+    check_rows_kernel<uint16_t>(ops::cuda::launch_rows_to_f16_pow2, ops::rows_to_f16_pow2_ref, 87,
+                                cols);
 }
 
 TEST(Sm90_MoeGemmNvfp4Stream, RefusesBadArguments) {
@@ -520,6 +533,13 @@ TEST(Sm90_MoeGemmNvfp4W4a8, GraphReplayBitEqualToEager) {
 TEST(Sm90_RowsToE4m3Pow2, GatheredRowsAndDeviceRowCount) {
   MOELORA_REQUIRE_SM90();
   check_rows_kernel<uint8_t>(ops::cuda::launch_rows_to_e4m3_pow2, ops::rows_to_e4m3_pow2_ref, 95);
+}
+
+TEST(Sm90_RowsToE4m3Pow2, EveryRowLengthForm) {
+  MOELORA_REQUIRE_SM90();
+  for (int cols : {8, 1032, 2048, 7168, 8200})
+    check_rows_kernel<uint8_t>(ops::cuda::launch_rows_to_e4m3_pow2, ops::rows_to_e4m3_pow2_ref, 97,
+                               cols);
 }
 
 TEST(Sm90_MoeGemmNvfp4W4a8, RefusesBadArguments) {

@@ -276,8 +276,10 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   aa.token_shared_row = lora && shared_pairs ? m.x<int32_t>(m.token_shared_row) : nullptr;
   // Decode on FP8 experts chains route -> align -> quant -> GEMM1 -> activation -> GEMM2 ->
   // finalize with programmatic dependent launches (each kernel's launch and prologue overlap its
-  // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait).
-  aa.pdl = stream;
+  // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait). NVFP4 experts
+  // chain the same way (the align reads nothing before its wait), so the align is resident when
+  // the route kernel ends instead of launching after it.
+  aa.pdl = chain_pdl;
   launch_moe_align(aa, m.main);
   // The side stream's seam-1 work starts after the align, or (SideStreamScheduling::
   // seam1_after_quant, decode on FP8 experts) after the quant kernel, so that GEMM1's CTAs reach

@@ -194,6 +194,180 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
   }
 }
 
+// Decode sizes (at most kRankPairs pairs): the pairs sorted by rank instead of by bin counts. Each
+// thread holds one pair's key (bin << 16 | p; bin = e (S + 1) + slot + 1 as above) and its sorted
+// position is the number of smaller keys, so the bins are never materialised: E (S + 1) bins of
+// counters, three block scans and ~20 barriers of 1,024 threads (most of the kernel's time at
+// one to 32 tokens, and the more slots the more bins) become three barriers, whatever S. Offsets,
+// active experts and segments come from the sorted keys (binary searches and warp ballots). The
+// order inside a bin is ascending p, the CPU reference's.
+constexpr int kRankPairs = 512;  // = the CTA's threads; T * kp up to this
+constexpr int kRankWarps = kRankPairs / 32;
+constexpr uint32_t kNoKey = 0xffffffffu;
+
+// First index in sorted[0, n) whose key is >= key.
+__device__ __forceinline__ int lower_bound_key(const uint32_t* sorted, int n, uint32_t key) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (sorted[mid] < key)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// Number of keys in keys[0, n) (n a multiple of 4, 16-byte aligned) below `key`.
+__device__ __forceinline__ int count_below(const uint32_t* keys, int n, uint32_t key) {
+  int below = 0;
+  const uint4* k4 = reinterpret_cast<const uint4*>(keys);
+#pragma unroll 4
+  for (int i = 0; i < n / 4; ++i) {
+    const uint4 v = k4[i];
+    below += (v.x < key) + (v.y < key) + (v.z < key) + (v.w < key);
+  }
+  return below;
+}
+
+// Exclusive prefixes over the CTA of kFlags flags per thread (ballots, warp totals in
+// warp_counts[f]); total[f] gets the CTA's sum. One barrier: every thread calls it.
+template <int kFlags>
+__device__ __forceinline__ void block_flag_prefix(const bool (&flag)[kFlags],
+                                                  int (*warp_counts)[kRankWarps],
+                                                  int (&before)[kFlags], int (&total)[kFlags]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  unsigned ballot[kFlags];
+#pragma unroll
+  for (int f = 0; f < kFlags; ++f) {
+    ballot[f] = __ballot_sync(0xffffffffu, flag[f]);
+    if (lane == 0) warp_counts[f][warp] = __popc(ballot[f]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int f = 0; f < kFlags; ++f) {
+    int b = 0, t = 0;
+#pragma unroll
+    for (int w = 0; w < kRankWarps; ++w) {
+      const int c = warp_counts[f][w];
+      b += w < warp ? c : 0;
+      t += c;
+    }
+    before[f] = b + __popc(ballot[f] & ((1u << lane) - 1u));
+    total[f] = t;
+  }
+}
+
+__global__ void __launch_bounds__(kRankPairs) moe_align_rank_kernel(const MoeAlignDeviceArgs a) {
+  __shared__ alignas(16) uint32_t pair_key[kRankPairs];    // by pair, then sorted
+  __shared__ alignas(16) uint32_t sorted_key[kRankPairs];  // [total]
+  __shared__ alignas(16) uint32_t token_key[kRankPairs];   // by token: (slot + 1) << 16 | t
+  __shared__ alignas(16) uint32_t sorted_token_key[kRankPairs];
+  __shared__ int pair_rank[kRankPairs];
+  __shared__ int warp_counts[3][kRankWarps];
+  const int S1 = a.num_slots + 1;
+  const int kp = a.top_k + (a.shared_expert >= 0 ? 1 : 0);
+  const int P = a.max_tokens * kp, T = a.max_tokens;
+  const int tid = threadIdx.x;
+  const bool token_sort = a.token_sorted && a.num_slots > 0;
+  ::moelora::cuda::sm90::launch_dependents();
+  ::moelora::cuda::sm90::grid_dependency_wait();
+  const int valid_tokens = a.num_tokens ? *a.num_tokens : a.max_tokens;
+
+  // 1. keys. Keys past P (and pairs without a local expert) are kNoKey: they rank after all.
+  uint32_t key = kNoKey;
+  int slot = -1, expert = -1;
+  if (tid < P) {
+    const int t = tid / kp, j = tid % kp;
+    if (j == a.top_k) {  // the shared expert's pair: base bin, valid tokens only
+      expert = t < valid_tokens ? a.shared_expert : -1;
+    } else {
+      const int e = a.topk_ids[t * a.top_k + j] - a.expert_begin;
+      slot = a.slot ? a.slot[t] : -1;
+      expert = e >= 0 && e < a.num_experts ? e : -1;
+    }
+    if (expert >= 0) key = static_cast<uint32_t>(expert * S1 + slot + 1) << 16 | tid;
+  }
+  pair_key[tid] = key;
+  if (token_sort) {
+    uint32_t tk = kNoKey;
+    if (tid < valid_tokens && tid < T)
+      tk = static_cast<uint32_t>((a.slot ? a.slot[tid] : -1) + 1) << 16 | tid;
+    token_key[tid] = tk;
+  }
+  int ignored[1], valid_pairs[1];
+  block_flag_prefix<1>({key != kNoKey}, &warp_counts[0], ignored, valid_pairs);  // keys stored
+  const int total = valid_pairs[0];
+
+  // 2. ranks and the scatter.
+  const int round_p = (P + 3) & ~3;
+  int rank = -1;
+  if (key != kNoKey) {
+    rank = count_below(pair_key, round_p, key);
+    sorted_key[rank] = key;
+    a.sorted_pair[rank] = tid;
+    a.sorted_token[rank] = tid / kp;
+    if (a.sorted_slot_expert) a.sorted_slot_expert[rank] = make_int2(slot, expert);
+  }
+  if (tid < P) a.pair_pos[tid] = rank;
+  pair_rank[tid] = rank;
+  int token_rank = -1;
+  if (token_sort && tid < valid_tokens && tid < T) {
+    token_rank = count_below(token_key, (T + 3) & ~3, token_key[tid]);
+    sorted_token_key[token_rank] = token_key[tid];
+  }
+  __syncthreads();  // sorted keys (and pair ranks) complete
+
+  // 3. expert offsets: the first sorted key of each expert's bins.
+  for (int e = tid; e <= a.num_experts; e += kRankPairs)
+    a.expert_offsets[e] = e == a.num_experts ? total
+                                             : lower_bound_key(sorted_key, total,
+                                                               static_cast<uint32_t>(e * S1) << 16);
+  // Active experts and LoRA segments: the sorted positions where an expert / a slotted bin starts.
+  const int q = tid;
+  const uint32_t bin = q < total ? sorted_key[q] >> 16 : 0;
+  const uint32_t prev_bin = q > 0 && q < total ? sorted_key[q - 1] >> 16 : 0xffffu;
+  const int e_q = static_cast<int>(bin) / S1, s_q = static_cast<int>(bin) % S1 - 1;
+  const bool expert_start = q < total && (q == 0 || static_cast<int>(prev_bin) / S1 != e_q);
+  const bool segment_start =
+      a.num_slots > 0 && q < total && s_q >= 0 && (q == 0 || prev_bin != bin);
+  int index[2], count[2];
+  block_flag_prefix<2>({expert_start, segment_start}, &warp_counts[1], index, count);
+  const int active_index = index[0], num_active = count[0];
+  const int segment_index = index[1], num_segments = count[1];
+  if (expert_start) a.active_experts[active_index] = e_q;
+  for (int i = num_active + tid; i < a.num_experts; i += kRankPairs) a.active_experts[i] = -1;
+  if (tid == 0) *a.num_active = num_active;
+  if (a.lora_segments && a.num_slots > 0) {
+    if (segment_start && segment_index < a.max_lora_segments)
+      a.lora_segments[segment_index] =
+          make_int4(s_q, e_q, q, lower_bound_key(sorted_key, total, (bin + 1) << 16));
+    if (tid == 0) *a.num_lora_segments = min(num_segments, a.max_lora_segments);
+  } else if (a.num_lora_segments && tid == 0) {
+    *a.num_lora_segments = 0;
+  }
+
+  // Tokens by slot: ascending token inside a slot (the key's low bits), padding tokens -1.
+  if (token_sort) {
+    const int valid = min(valid_tokens, T);
+    if (tid < T) a.token_pos[tid] = token_rank;
+    if (token_rank >= 0) {
+      a.token_sorted[token_rank] = tid;
+      if (a.token_shared_row) a.token_shared_row[token_rank] = pair_rank[tid * kp + a.top_k];
+    }
+    if (tid == 0) {
+      int segments = 0;
+      for (int s1 = 1; s1 < S1; ++s1) {
+        const int begin = lower_bound_key(sorted_token_key, valid, static_cast<uint32_t>(s1) << 16);
+        const int end =
+            lower_bound_key(sorted_token_key, valid, static_cast<uint32_t>(s1 + 1) << 16);
+        if (end > begin) a.token_segments[segments++] = make_int4(s1 - 1, 0, begin, end);
+      }
+      *a.num_token_segments = segments;
+    }
+  }
+}
+
 }  // namespace
 
 size_t moe_align_smem_bytes(int num_experts, int num_slots) {
@@ -229,6 +403,14 @@ void launch_moe_align(const MoeAlignDeviceArgs& a, cudaStream_t stream) {
     return true;
   }();
   (void)opted_in;
+  // Decode sizes take the ranked form (its keys hold the bin in 16 bits and the pair in 16).
+  const int kp = a.top_k + (a.shared_expert >= 0 ? 1 : 0);
+  if (static_cast<int64_t>(a.max_tokens) * kp <= kRankPairs &&
+      static_cast<int64_t>(a.num_experts) * (a.num_slots + 1) < (1 << 16) - 1) {
+    ::moelora::cuda::launch_kernel(moe_align_rank_kernel, dim3(1), dim3(kRankPairs), 0, stream,
+                                   a.pdl, a);
+    return;
+  }
   ::moelora::cuda::launch_kernel(moe_align_kernel, dim3(1), dim3(kThreads), smem, stream, a.pdl, a);
 }
 

@@ -1,7 +1,8 @@
 // Activation rows with power-of-two row scales for the NVFP4 expert GEMMs (quant_cuda.cuh): f16
 // rows for the W4A16 kernel (launch_rows_to_f16_pow2), e4m3 rows for the W4A8 one
 // (launch_rows_to_e4m3_pow2). One CTA per output row: the row's largest magnitude, then the row
-// divided by its power-of-two scale (exact) and rounded to the format.
+// divided by its power-of-two scale (exact) and rounded to the format; rows of up to 8192 columns
+// are read once and held in registers.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -53,7 +54,35 @@ struct E4m3Format {
   }
 };
 
+// Eight bf16 values of x as floats times `inverse` (a power of two: exact), into the format.
 template <class Format>
+__device__ __forceinline__ void store_scaled(void* out, size_t at, const uint4& w, float inverse) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+  float values[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    values[2 * i] = f.x * inverse;
+    values[2 * i + 1] = f.y * inverse;
+  }
+  Format::store(out, at, values);
+}
+
+__device__ __forceinline__ float amax8(float amax, const uint4& w) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+  return amax;
+}
+
+// kHeld > 0: each thread holds its kHeld 16-byte vectors of the row in registers between the
+// amax and the store (rows of up to kHeld x 128 x 8 columns), so the row is read once: at kimi
+// shapes (7168 columns, 128 tokens x 8 pairs) the second read was half of the kernel's L2 traffic
+// and GEMM1's first stages wait for this kernel. kHeld = 0: any width, the row read twice.
+template <class Format, int kHeld>
 __global__ void __launch_bounds__(kThreads) rows_pow2_kernel(const RowsPow2Params a) {
   ::moelora::cuda::sm90::grid_dependency_wait();
   ::moelora::cuda::sm90::launch_dependents();
@@ -64,14 +93,17 @@ __global__ void __launch_bounds__(kThreads) rows_pow2_kernel(const RowsPow2Param
   const uint4* src = reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(row) * a.cols);
   const int vectors = a.cols / 8;
   float amax = 0.f;
-  for (int v = threadIdx.x; v < vectors; v += kThreads) {
-    const uint4 w = src[v];
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+  uint4 held[kHeld > 0 ? kHeld : 1];
+  if constexpr (kHeld > 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    for (int i = 0; i < kHeld; ++i) {
+      const int v = threadIdx.x + i * kThreads;
+      held[i] = v < vectors ? src[v] : make_uint4(0u, 0u, 0u, 0u);  // zeros leave amax alone
     }
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) amax = amax8(amax, held[i]);
+  } else {
+    for (int v = threadIdx.x; v < vectors; v += kThreads) amax = amax8(amax, src[v]);
   }
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   __shared__ float warp_max[kThreads / 32];
@@ -87,17 +119,16 @@ __global__ void __launch_bounds__(kThreads) rows_pow2_kernel(const RowsPow2Param
   const int e = scaled ? Format::scale_exponent(mantissa, exponent) : 0;
   const float inverse = ldexpf(1.f, -e);  // exact: a power of two
   if (threadIdx.x == 0) a.scale[q] = ldexpf(1.f, e);
-  for (int v = threadIdx.x; v < vectors; v += kThreads) {
-    const uint4 w = src[v];
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
-    float values[8];
+  const size_t row_at = static_cast<size_t>(q) * a.cols;
+  if constexpr (kHeld > 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      values[2 * i] = f.x * inverse;
-      values[2 * i + 1] = f.y * inverse;
+    for (int i = 0; i < kHeld; ++i) {
+      const int v = threadIdx.x + i * kThreads;
+      if (v < vectors) store_scaled<Format>(a.out, row_at + 8 * v, held[i], inverse);
     }
-    Format::store(a.out, static_cast<size_t>(q) * a.cols + 8 * v, values);
+  } else {
+    for (int v = threadIdx.x; v < vectors; v += kThreads)
+      store_scaled<Format>(a.out, row_at + 8 * v, src[v], inverse);
   }
 }
 
@@ -112,8 +143,14 @@ void launch_rows_pow2(const Args& a, const char* what, cudaStream_t stream) {
       ErrorCode::kInvalidArgument, what, ": x and out must be 16-byte aligned");
   if (a.max_rows <= 0) return;
   const RowsPow2Params p{a.x, a.gather, a.num_rows, a.max_rows, a.cols, a.out, a.scale};
-  ::moelora::cuda::launch_kernel(rows_pow2_kernel<Format>, dim3(a.max_rows), dim3(kThreads), 0,
-                                 stream, a.pdl, p);
+  // The fewest held vectors per thread that cover the row (rows_pow2_kernel).
+  const int per_thread = (a.cols / 8 + kThreads - 1) / kThreads;
+  auto kernel = per_thread <= 1   ? rows_pow2_kernel<Format, 1>
+                : per_thread <= 2 ? rows_pow2_kernel<Format, 2>
+                : per_thread <= 4 ? rows_pow2_kernel<Format, 4>
+                : per_thread <= 8 ? rows_pow2_kernel<Format, 8>
+                                  : rows_pow2_kernel<Format, 0>;
+  ::moelora::cuda::launch_kernel(kernel, dim3(a.max_rows), dim3(kThreads), 0, stream, a.pdl, p);
 }
 
 }  // namespace
