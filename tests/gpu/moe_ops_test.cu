@@ -192,16 +192,17 @@ TEST(Sm90_MoeAlign, SharedExpertAsOneMorePairPerToken) {
   check_align(2048, 2048, 128, 8, 2, 212, 0, 0, /*shared=*/true);
 }
 
-// Both forms of the kernel at their bound: up to 512 pairs (T x kp) the ranked form, past it the
+// Both forms of the kernel at their bound: up to 128 pairs (T x kp) the ranked form, past it the
 // counted one; with slots, padding tokens and the shared expert's pairs on either side.
 TEST(Sm90_MoeAlign, RankedAndCountedFormsAtTheirBound) {
   MOELORA_REQUIRE_SM90();
-  check_align(64, 61, 256, 8, 8, 213);                         // 512 pairs: ranked
-  check_align(65, 65, 256, 8, 8, 214);                         // 520: counted
-  check_align(56, 50, 256, 8, 4, 215, 0, 0, /*shared=*/true);  // 504: ranked
-  check_align(57, 57, 256, 8, 4, 216, 0, 0, /*shared=*/true);  // 513: counted
+  check_align(16, 13, 256, 8, 8, 213);                         // 128 pairs: ranked
+  check_align(17, 17, 256, 8, 8, 214);                         // 136: counted
+  check_align(14, 12, 256, 8, 4, 215, 0, 0, /*shared=*/true);  // 126: ranked
+  check_align(15, 15, 256, 8, 4, 216, 0, 0, /*shared=*/true);  // 135: counted
   check_align(2, 1, 384, 8, 8, 217, 0, 0, /*shared=*/true);    // one valid token of two
   check_align(16, 16, 48, 8, 8, 218, 384, 336);                // the last EP8 rank's experts
+  check_align(128, 128, 8, 1, 8, 219);                         // 128 tokens of one pair each
 }
 
 TEST(Sm90_MoeAlign, PrefillSizedBatch) {

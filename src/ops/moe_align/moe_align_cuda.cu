@@ -196,12 +196,16 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
 
 // Decode sizes (at most kRankPairs pairs): the pairs sorted by rank instead of by bin counts. Each
 // thread holds one pair's key (bin << 16 | p; bin = e (S + 1) + slot + 1 as above) and its sorted
-// position is the number of smaller keys, so the bins are never materialised: E (S + 1) bins of
-// counters, three block scans and ~20 barriers of 1,024 threads (most of the kernel's time at
-// one to 32 tokens, and the more slots the more bins) become three barriers, whatever S. Offsets,
-// active experts and segments come from the sorted keys (binary searches and warp ballots). The
-// order inside a bin is ascending p, the CPU reference's.
-constexpr int kRankPairs = 512;  // = the CTA's threads; T * kp up to this
+// position is the number of smaller keys, so the bins are never materialised: E (S + 1) bin
+// counters, three block scans and ~20 barriers of 1,024 threads become three barriers of 128
+// threads, whatever S. Offsets, active experts and the pair and token segments come from the
+// sorted keys (binary searches and warp ballots). The order inside a bin is ascending p, the CPU
+// reference's.
+// kRankPairs = the CTA's threads; T * kp up to this. With 512 (one H100,
+// bench/results/h200/h100/align_ranked/) the ranked form was 1-4.6 us faster than the counted one
+// at 1-8 tokens, even at 16, 0.5-2 us slower at 32 and 4-5 us at 64 tokens (k = 8), where each
+// thread's rank loop reads 512 keys.
+constexpr int kRankPairs = 128;
 constexpr int kRankWarps = kRankPairs / 32;
 constexpr uint32_t kNoKey = 0xffffffffu;
 
@@ -264,7 +268,7 @@ __global__ void __launch_bounds__(kRankPairs) moe_align_rank_kernel(const MoeAli
   __shared__ alignas(16) uint32_t token_key[kRankPairs];   // by token: (slot + 1) << 16 | t
   __shared__ alignas(16) uint32_t sorted_token_key[kRankPairs];
   __shared__ int pair_rank[kRankPairs];
-  __shared__ int warp_counts[3][kRankWarps];
+  __shared__ int warp_counts[4][kRankWarps];
   const int S1 = a.num_slots + 1;
   const int kp = a.top_k + (a.shared_expert >= 0 ? 1 : 0);
   const int P = a.max_tokens * kp, T = a.max_tokens;
@@ -331,8 +335,14 @@ __global__ void __launch_bounds__(kRankPairs) moe_align_rank_kernel(const MoeAli
   const bool expert_start = q < total && (q == 0 || static_cast<int>(prev_bin) / S1 != e_q);
   const bool segment_start =
       a.num_slots > 0 && q < total && s_q >= 0 && (q == 0 || prev_bin != bin);
-  int index[2], count[2];
-  block_flag_prefix<2>({expert_start, segment_start}, &warp_counts[1], index, count);
+  // Token segments: the sorted token positions where a slot >= 0 starts.
+  const int valid = min(valid_tokens, T);
+  const uint32_t token_slot1 = token_sort && q < valid ? sorted_token_key[q] >> 16 : 0;
+  const bool token_segment_start =
+      token_slot1 > 0 && (q == 0 || (sorted_token_key[q - 1] >> 16) != token_slot1);
+  int index[3], count[3];
+  block_flag_prefix<3>({expert_start, segment_start, token_segment_start}, &warp_counts[1], index,
+                       count);
   const int active_index = index[0], num_active = count[0];
   const int segment_index = index[1], num_segments = count[1];
   if (expert_start) a.active_experts[active_index] = e_q;
@@ -349,22 +359,16 @@ __global__ void __launch_bounds__(kRankPairs) moe_align_rank_kernel(const MoeAli
 
   // Tokens by slot: ascending token inside a slot (the key's low bits), padding tokens -1.
   if (token_sort) {
-    const int valid = min(valid_tokens, T);
     if (tid < T) a.token_pos[tid] = token_rank;
     if (token_rank >= 0) {
       a.token_sorted[token_rank] = tid;
       if (a.token_shared_row) a.token_shared_row[token_rank] = pair_rank[tid * kp + a.top_k];
     }
-    if (tid == 0) {
-      int segments = 0;
-      for (int s1 = 1; s1 < S1; ++s1) {
-        const int begin = lower_bound_key(sorted_token_key, valid, static_cast<uint32_t>(s1) << 16);
-        const int end =
-            lower_bound_key(sorted_token_key, valid, static_cast<uint32_t>(s1 + 1) << 16);
-        if (end > begin) a.token_segments[segments++] = make_int4(s1 - 1, 0, begin, end);
-      }
-      *a.num_token_segments = segments;
-    }
+    if (token_segment_start)
+      a.token_segments[index[2]] = make_int4(
+          static_cast<int>(token_slot1) - 1, 0, q,
+          lower_bound_key(sorted_token_key, valid, (token_slot1 + 1) << 16));
+    if (tid == 0) *a.num_token_segments = count[2];
   }
 }
 
