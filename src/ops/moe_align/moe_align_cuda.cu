@@ -365,9 +365,9 @@ __global__ void __launch_bounds__(kRankPairs) moe_align_rank_kernel(const MoeAli
       if (a.token_shared_row) a.token_shared_row[token_rank] = pair_rank[tid * kp + a.top_k];
     }
     if (token_segment_start)
-      a.token_segments[index[2]] = make_int4(
-          static_cast<int>(token_slot1) - 1, 0, q,
-          lower_bound_key(sorted_token_key, valid, (token_slot1 + 1) << 16));
+      a.token_segments[index[2]] =
+          make_int4(static_cast<int>(token_slot1) - 1, 0, q,
+                    lower_bound_key(sorted_token_key, valid, (token_slot1 + 1) << 16));
     if (tid == 0) *a.num_token_segments = count[2];
   }
 }
