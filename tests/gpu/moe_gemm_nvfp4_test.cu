@@ -318,7 +318,7 @@ TEST(Sm90_RowsToF16Pow2, GatheredRowsAndDeviceRowCount) {
 // cross a form's bound, and the models' 2048 / 7168 hidden sizes).
 TEST(Sm90_RowsToF16Pow2, EveryRowLengthForm) {
   MOELORA_REQUIRE_SM90();
-  for (int cols : {8, 1024, 1032, 2048, 4096, 4104, 7168, 8192, 8200, 10240})
+  for (int cols : {8, 1024, 1032, 2048, 3000, 4096, 4104, 7168, 8192, 8200, 10240})
     check_rows_kernel<uint16_t>(ops::cuda::launch_rows_to_f16_pow2, ops::rows_to_f16_pow2_ref, 87,
                                 cols);
 }
@@ -537,7 +537,7 @@ TEST(Sm90_RowsToE4m3Pow2, GatheredRowsAndDeviceRowCount) {
 
 TEST(Sm90_RowsToE4m3Pow2, EveryRowLengthForm) {
   MOELORA_REQUIRE_SM90();
-  for (int cols : {8, 1032, 2048, 7168, 8200})
+  for (int cols : {8, 1032, 2048, 3000, 7168, 8200, 10240})
     check_rows_kernel<uint8_t>(ops::cuda::launch_rows_to_e4m3_pow2, ops::rows_to_e4m3_pow2_ref, 97,
                                cols);
 }

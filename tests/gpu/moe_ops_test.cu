@@ -166,9 +166,9 @@ TEST(Sm90_MoeAlign, DecodeBatchesWithSlots) {
   check_align(64, 64, 256, 8, 8, 202);
   check_align(128, 100, 384, 8, 4, 203);  // padding tokens
   check_align(33, 33, 48, 8, 0, 204);     // no LoRA at all
-  // 4084 bins: 49,040 bytes of dynamic shared memory, under 48 KB alone but past it with the
-  // kernel's static part (the launch must opt in to more).
-  check_align(8, 8, 1021, 4, 3, 206);
+  // 4084 bins: 49,040 bytes of dynamic shared memory for the counted form (132 pairs), under 48 KB
+  // alone but past it with the kernel's static part (the launch must opt in to more).
+  check_align(33, 33, 1021, 4, 3, 206);
 }
 
 // Expert parallelism: 384 routed experts, this rank's 48 of them (the first, a middle and the
@@ -193,7 +193,8 @@ TEST(Sm90_MoeAlign, SharedExpertAsOneMorePairPerToken) {
 }
 
 // Both forms of the kernel at their bound: up to 128 pairs (T x kp) the ranked form, past it the
-// counted one; with slots, padding tokens and the shared expert's pairs on either side.
+// counted one; slots, padding tokens and the shared expert's pairs in the ranked form, slots and
+// the shared expert's pairs in the counted one; the ranked form without slots.
 TEST(Sm90_MoeAlign, RankedAndCountedFormsAtTheirBound) {
   MOELORA_REQUIRE_SM90();
   check_align(16, 13, 256, 8, 8, 213);                         // 128 pairs: ranked
@@ -203,6 +204,7 @@ TEST(Sm90_MoeAlign, RankedAndCountedFormsAtTheirBound) {
   check_align(2, 1, 384, 8, 8, 217, 0, 0, /*shared=*/true);    // one valid token of two
   check_align(16, 16, 48, 8, 8, 218, 384, 336);                // the last EP8 rank's experts
   check_align(128, 128, 8, 1, 8, 219);                         // 128 tokens of one pair each
+  check_align(16, 11, 256, 8, 0, 220);                         // no LoRA: S = 0
 }
 
 TEST(Sm90_MoeAlign, PrefillSizedBatch) {

@@ -201,10 +201,11 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
 // threads, whatever S. Offsets, active experts and the pair and token segments come from the
 // sorted keys (binary searches and warp ballots). The order inside a bin is ascending p, the CPU
 // reference's.
-// kRankPairs = the CTA's threads; T * kp up to this. With 512 (one H100,
-// bench/results/h200/h100/align_ranked/) the ranked form was 1-4.6 us faster than the counted one
-// at 1-8 tokens, even at 16, 0.5-2 us slower at 32 and 4-5 us at 64 tokens (k = 8), where each
-// thread's rank loop reads 512 keys.
+// kRankPairs = the CTA's threads; T * kp up to this (16 tokens at k = 8; 14 with a shared expert
+// among the pairs). With 512 (one H100, bench/results/h200/h100/align_ranked/c1) the ranked form
+// was 1-3.6 us faster than the counted one at 1-8 tokens of qwen3.5 (two-round means), even at
+// 16, 0.5-2 us slower at 32 and 4-9 us at 64 tokens (k = 8), where each thread's rank loop reads
+// 512 keys.
 constexpr int kRankPairs = 128;
 constexpr int kRankWarps = kRankPairs / 32;
 constexpr uint32_t kNoKey = 0xffffffffu;
@@ -263,7 +264,7 @@ __device__ __forceinline__ void block_flag_prefix(const bool (&flag)[kFlags],
 }
 
 __global__ void __launch_bounds__(kRankPairs) moe_align_rank_kernel(const MoeAlignDeviceArgs a) {
-  __shared__ alignas(16) uint32_t pair_key[kRankPairs];    // by pair, then sorted
+  __shared__ alignas(16) uint32_t pair_key[kRankPairs];    // by pair
   __shared__ alignas(16) uint32_t sorted_key[kRankPairs];  // [total]
   __shared__ alignas(16) uint32_t token_key[kRankPairs];   // by token: (slot + 1) << 16 | t
   __shared__ alignas(16) uint32_t sorted_token_key[kRankPairs];

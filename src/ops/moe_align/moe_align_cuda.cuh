@@ -1,7 +1,8 @@
 // Pair grouping on the GPU (one launch, one CTA): the device version of ops/moe_align/moe_align.h.
-// Bins are (expert, slot + 1), counted with shared-memory atomics, so the order of pairs inside
-// one bin may differ from run to run; every pair's own result is independent of its position
-// (GEMM rows and LoRA rows never mix), so layer outputs stay bitwise deterministic.
+// Bins are (expert, slot + 1). Up to 128 pairs (decode) the pairs are ranked by (bin, pair), the
+// reference's order; past that they are counted into the bins with shared-memory atomics, so the
+// order of pairs inside one bin may differ from run to run. Every pair's own result is independent
+// of its position (GEMM rows and LoRA rows never mix), so layer outputs stay bitwise deterministic.
 #pragma once
 
 #include <cuda_runtime.h>
