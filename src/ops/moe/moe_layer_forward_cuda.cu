@@ -277,9 +277,11 @@ void MoeLayerCuda::forward(const MoeForwardArgs& f) {
   // Decode on FP8 experts chains route -> align -> quant -> GEMM1 -> activation -> GEMM2 ->
   // finalize with programmatic dependent launches (each kernel's launch and prologue overlap its
   // predecessor's tail; docs/gpu_moe.md §1 says what each may read before its wait). NVFP4 experts
-  // chain the same way (the align reads nothing before its wait), so the align is resident when
-  // the route kernel ends instead of launching after it.
-  aa.pdl = chain_pdl;
+  // at decode sizes chain the same way (the align reads nothing before its wait), so the align is
+  // resident when the route kernel ends instead of launching after it; at prefill its counted
+  // form may hold up to 200 KB of shared memory, which would sit on an SM for the route's whole
+  // run (not measured), so it launches after it as on FP8 experts.
+  aa.pdl = stream || (nvfp4 && decode);
   launch_moe_align(aa, m.main);
   // The side stream's seam-1 work starts after the align, or (SideStreamScheduling::
   // seam1_after_quant, decode on FP8 experts) after the quant kernel, so that GEMM1's CTAs reach
