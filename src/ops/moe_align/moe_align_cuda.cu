@@ -408,10 +408,11 @@ void launch_moe_align(const MoeAlignDeviceArgs& a, cudaStream_t stream) {
     return true;
   }();
   (void)opted_in;
-  // Decode sizes take the ranked form (its keys hold the bin in 16 bits and the pair in 16).
+  // Decode sizes take the ranked form. Its keys hold the bin in 16 bits and the pair in 16: the
+  // shared-memory bound above already keeps E * (S + 1) under 17,067 bins.
+  static_assert(200 * 1024 / (3 * sizeof(int)) < (1 << 16) - 1);
   const int kp = a.top_k + (a.shared_expert >= 0 ? 1 : 0);
-  if (static_cast<int64_t>(a.max_tokens) * kp <= kRankPairs &&
-      static_cast<int64_t>(a.num_experts) * (a.num_slots + 1) < (1 << 16) - 1) {
+  if (static_cast<int64_t>(a.max_tokens) * kp <= kRankPairs) {
     ::moelora::cuda::launch_kernel(moe_align_rank_kernel, dim3(1), dim3(kRankPairs), 0, stream,
                                    a.pdl, a);
     return;
