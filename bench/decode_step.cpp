@@ -67,6 +67,7 @@ struct Options {
   int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
   int seam2_shrink_in_activation = -1;  // EngineOptions::moe_seam2_shrink_in_activation
   int shared_lora_stream = -1;          // EngineOptions::moe_shared_lora_stream
+  int lora_side_ctas = -2;              // EngineOptions::moe_lora_side_ctas
   std::string stream_schedule = "auto";  // EngineOptions::moe_stream_schedule
   int activation_pdl_shared = -1;       // EngineOptions::moe_activation_pdl_with_shared_pairs
   bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
@@ -241,6 +242,7 @@ int run(const Options& o) {
            : "") +
       (o.shared_lora_stream >= 0 ? "_shared_lora_stream_" + std::to_string(o.shared_lora_stream)
                                  : "") +
+      (o.lora_side_ctas != -2 ? "_lora_side_ctas_" + std::to_string(o.lora_side_ctas) : "") +
       (o.stream_schedule == "auto" ? "" : "_stream_schedule_" + o.stream_schedule) +
       (o.activation_pdl_shared >= 0
            ? "_activation_pdl_shared_" + std::to_string(o.activation_pdl_shared)
@@ -263,7 +265,8 @@ int run(const Options& o) {
       (o.pdl_after_side_join ? "" : " --no-pdl-after-side-join") + " --seam2-in-finalize " +
       std::to_string(o.seam2_in_finalize) + " --seam2-shrink-in-activation " +
       std::to_string(o.seam2_shrink_in_activation) + " --shared-lora-stream " +
-      std::to_string(o.shared_lora_stream) + " --stream-schedule " + o.stream_schedule +
+      std::to_string(o.shared_lora_stream) + " --lora-side-ctas " +
+      std::to_string(o.lora_side_ctas) + " --stream-schedule " + o.stream_schedule +
       " --activation-pdl-with-shared-pairs " + std::to_string(o.activation_pdl_shared) +
       (o.shared_in_experts ? "" : " --shared-expert-separate") +
       (o.gdn_delta_in_mix ? " --gdn-delta-in-mix" : "") +
@@ -294,6 +297,7 @@ int run(const Options& o) {
       options.moe_seam2_in_finalize_max_tokens = o.seam2_in_finalize;
       options.moe_seam2_shrink_in_activation = o.seam2_shrink_in_activation;
       options.moe_shared_lora_stream = o.shared_lora_stream;
+      options.moe_lora_side_ctas = o.lora_side_ctas;
       options.moe_stream_schedule =
           moelora::runtime::moe_stream_schedule_from_name(o.stream_schedule);
       options.moe_activation_pdl_with_shared_pairs = o.activation_pdl_shared;
@@ -411,6 +415,7 @@ int run(const Options& o) {
                           {"seam2_in_finalize", o.seam2_in_finalize},
                           {"seam2_shrink_in_activation", o.seam2_shrink_in_activation},
                           {"shared_lora_stream", o.shared_lora_stream},
+                          {"lora_side_ctas", o.lora_side_ctas},
                           {"stream_schedule", o.stream_schedule},
                           {"activation_pdl_with_shared_pairs", o.activation_pdl_shared},
                           {"shared_expert_in_experts", o.shared_in_experts},
@@ -488,6 +493,13 @@ int main(int argc, char** argv) {
                  "the side stream (0); -1 = the layer's rule (SideStreamScheduling::"
                  "shared_lora_stream, docs/gpu_moe.md §6.0i)")
       ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
+  app.add_option("--lora-side-ctas", o.lora_side_ctas,
+                 "MoE layers: grid cap of the decode LoRA kernels on the side stream: -2 = the "
+                 "layer's rule (one CTA per SM up to 32 tokens where hidden <= 4096), -1 = one "
+                 "CTA per SM, 0 = one CTA per work unit, N = at most N CTAs "
+                 "(SideStreamScheduling::lora_max_ctas, docs/gpu_moe.md §6.0q)")
+      ->check(CLI::Range(-2, 1 << 20))
       ->capture_default_str();
   app.add_option("--stream-schedule", o.stream_schedule,
                  "MoE layers' stream GEMMs: work items claimed from a counter (claimed) or a fixed "

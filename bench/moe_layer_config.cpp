@@ -250,10 +250,11 @@ int parse_options(int argc, char** argv, Options& opt) {
       opt.side.activation_pdl_with_shared_pairs = 0;
     } else if (a == "--lora-side-ctas") {
       const std::string v = next();
-      opt.side.lora_max_ctas = v == "sms" ? -1 : std::stoi(v);
-      if (opt.side.lora_max_ctas < -1) {
+      opt.side.lora_max_ctas = v == "sms" ? -1 : v == "rule" ? -2 : std::stoi(v);
+      if (opt.side.lora_max_ctas < -2) {
         std::fprintf(stderr,
-                     "bench_moe_layer: --lora-side-ctas must be sms, 0 or a CTA count, got '%s'\n",
+                     "bench_moe_layer: --lora-side-ctas must be rule, sms, 0 or a CTA count, got "
+                     "'%s'\n",
                      v.c_str());
         return 2;
       }
@@ -366,9 +367,11 @@ int parse_options(int argc, char** argv, Options& opt) {
           "                      activation is a programmatic launch after its LoRA events (or a "
           "plain one);\n"
           "                      default: the layer's rule\n"
-          "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: 0 "
-          "(default, one\n"
-          "                      CTA per work unit), sms (one CTA per SM) or a CTA count\n"
+          "  --lora-side-ctas N  grid cap of the decode LoRA kernels on the side stream: rule "
+          "(default: one CTA\n"
+          "                      per SM up to 32 tokens where hidden <= 4096, else uncapped), 0 "
+          "(one CTA per\n"
+          "                      work unit), sms (one CTA per SM) or a CTA count\n"
           "  --ep N              expert parallelism: time rank 0 of N ranks (experts [0, E / N) "
           "of the E the router\n"
           "                      scores, 1 / N of the shared expert); rows named "

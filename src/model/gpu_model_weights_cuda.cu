@@ -480,6 +480,7 @@ void GpuModelImpl::configure_moe(ops::cuda::MoeLayerCuda& moe) const {
   side.seam2_shrink_in_activation = options_.moe_seam2_shrink_in_activation;
   side.shared_lora_stream = options_.moe_shared_lora_stream;
   side.activation_pdl_with_shared_pairs = options_.moe_activation_pdl_with_shared_pairs;
+  side.lora_max_ctas = options_.moe_lora_side_ctas;
   moe.set_side_stream_scheduling(side);
 }
 

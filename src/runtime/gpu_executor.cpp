@@ -358,6 +358,7 @@ GpuExecutorOptions gpu_executor_options(const EngineOptions& options) {
   g.moe_seam2_shrink_in_activation = options.moe_seam2_shrink_in_activation;
   g.moe_shared_lora_stream = options.moe_shared_lora_stream;
   g.moe_activation_pdl_with_shared_pairs = options.moe_activation_pdl_with_shared_pairs;
+  g.moe_lora_side_ctas = options.moe_lora_side_ctas;
   g.moe_stream_schedule = options.moe_stream_schedule;
   g.moe_shared_expert_in_experts = options.moe_shared_expert_in_experts;
   g.gdn_lora_delta_in_mix = options.gdn_lora_delta_in_mix;

@@ -64,13 +64,14 @@ struct GpuExecutorOptions {
   bool router_in_route = true;  // model::GpuModelOptions::router_in_route
   // model::GpuModelOptions::moe_seam1_after_quant, moe_pdl_after_side_join,
   // moe_seam2_in_finalize_max_tokens, moe_seam2_shrink_in_activation, moe_shared_lora_stream,
-  // moe_activation_pdl_with_shared_pairs
+  // moe_activation_pdl_with_shared_pairs, moe_lora_side_ctas
   int moe_seam1_after_quant = -1;
   bool moe_pdl_after_side_join = true;
   int moe_seam2_in_finalize_max_tokens = -1;
   int moe_seam2_shrink_in_activation = -1;
   int moe_shared_lora_stream = -1;
   int moe_activation_pdl_with_shared_pairs = -1;
+  int moe_lora_side_ctas = -2;
   int moe_stream_schedule = -1;  // model::GpuModelOptions::moe_stream_schedule
   // model::GpuModelOptions::moe_shared_expert_in_experts, gdn_lora_delta_in_mix
   bool moe_shared_expert_in_experts = true;

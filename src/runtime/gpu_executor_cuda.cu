@@ -560,6 +560,7 @@ std::unique_ptr<Executor> make_gpu_executor(const GpuExecutorOptions& o) {
   mo.moe_seam2_shrink_in_activation = o.moe_seam2_shrink_in_activation;
   mo.moe_shared_lora_stream = o.moe_shared_lora_stream;
   mo.moe_activation_pdl_with_shared_pairs = o.moe_activation_pdl_with_shared_pairs;
+  mo.moe_lora_side_ctas = o.moe_lora_side_ctas;
   mo.moe_stream_schedule = o.moe_stream_schedule;
   mo.moe_shared_expert_in_experts = o.moe_shared_expert_in_experts;
   mo.gdn_lora_delta_in_mix = o.gdn_lora_delta_in_mix;

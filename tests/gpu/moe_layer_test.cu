@@ -251,7 +251,7 @@ TEST_F(Sm90_MoeLayer, DeterministicAndBaseTokensUntouched) {
   }
   layer.set_decode_lora_path(ops::cuda::DecodeLoraPath::kSideStream);
   // The side stream's grid caps (down to one CTA) change timing only: bitwise the same output.
-  for (const int cap : {1, 5, -1, 0}) {
+  for (const int cap : {1, 5, -1, 0, -2}) {  // -2: the rule
     layer.set_side_stream_scheduling(ops::cuda::SideStreamScheduling{cap});
     EXPECT_EQ(test::max_abs_diff(run(layer, x, mixed, logits), m1), 0.0) << "lora_max_ctas " << cap;
   }

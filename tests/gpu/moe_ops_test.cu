@@ -197,13 +197,19 @@ TEST(Sm90_MoeAlign, SharedExpertAsOneMorePairPerToken) {
 // the shared expert's pairs in the counted one; the ranked form without slots.
 TEST(Sm90_MoeAlign, RankedAndCountedFormsAtTheirBound) {
   MOELORA_REQUIRE_SM90();
-  check_align(16, 13, 256, 8, 8, 213);                         // 128 pairs: ranked
-  check_align(17, 17, 256, 8, 8, 214);                         // 136: counted
-  check_align(14, 12, 256, 8, 4, 215, 0, 0, /*shared=*/true);  // 126: ranked
-  check_align(15, 15, 256, 8, 4, 216, 0, 0, /*shared=*/true);  // 135: counted
+  // The ranked form takes up to kMoeAlignRankedMaxPairs (160) pairs, the counted one past it.
+  static_assert(ops::cuda::kMoeAlignRankedMaxPairs == 160, "update the bound cases below");
+  check_align(20, 17, 256, 8, 8, 213);                         // 160 pairs: ranked
+  check_align(21, 21, 256, 8, 8, 214);                         // 168: counted
+  check_align(16, 14, 256, 8, 8, 221);                         // 128: the fifth warp holds no pair
+  check_align(17, 17, 256, 8, 4, 215, 0, 0, /*shared=*/true);  // 153: ranked
+  check_align(16, 16, 256, 8, 8, 222, 0, 0, /*shared=*/true);  // 144: Qwen3.5 at 16 sequences
+  check_align(18, 18, 256, 8, 4, 216, 0, 0, /*shared=*/true);  // 162: counted
   check_align(2, 1, 384, 8, 8, 217, 0, 0, /*shared=*/true);    // one valid token of two
   check_align(16, 16, 48, 8, 8, 218, 384, 336);                // the last EP8 rank's experts
-  check_align(128, 128, 8, 1, 8, 219);                         // 128 tokens of one pair each
+  check_align(20, 20, 48, 8, 8, 223, 384, 336);                // ... at the bound
+  check_align(160, 160, 8, 1, 8, 219);                         // 160 tokens of one pair each
+  check_align(161, 161, 8, 1, 8, 224);                         // 161: counted
   check_align(16, 11, 256, 8, 0, 220);                         // no LoRA: S = 0
 }
 

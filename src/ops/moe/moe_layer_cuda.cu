@@ -460,9 +460,9 @@ void MoeLayerCuda::set_side_stream_scheduling(const SideStreamScheduling& s) {
                 "SideStreamScheduling::seam2_expand_in_finalize_max_tokens = ",
                 s.seam2_expand_in_finalize_max_tokens,
                 " must be -1 (the default), 0 or a token count");
-  MOELORA_CHECK(s.lora_max_ctas >= -1, ErrorCode::kInvalidArgument,
+  MOELORA_CHECK(s.lora_max_ctas >= -2, ErrorCode::kInvalidArgument,
                 "SideStreamScheduling::lora_max_ctas = ", s.lora_max_ctas,
-                " must be -1 (one CTA per SM), 0 or a CTA count");
+                " must be -2 (the layer's rule), -1 (one CTA per SM), 0 or a CTA count");
   side_scheduling_ = s;
 }
 

@@ -59,6 +59,11 @@ struct MoeAlignDeviceArgs {
 // Shared memory the launch needs (3 int32 per bin, bins = E * (S + 1), plus 2 per slot); at most
 // 200 KB.
 size_t moe_align_smem_bytes(int num_experts, int num_slots);
+// Forwards of up to this many (token, expert) pairs (max_tokens x (top_k + 1 with a shared
+// expert)) take the ranked form: one CTA of this many threads that sorts the pairs by rank instead
+// of counting them into bins. 160 covers 20 tokens at k = 8 and 16 with the shared expert among
+// the pairs (Qwen3.5's engine layers at 16 sequences).
+constexpr int kMoeAlignRankedMaxPairs = 160;
 void launch_moe_align(const MoeAlignDeviceArgs& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda
