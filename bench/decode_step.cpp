@@ -67,7 +67,7 @@ struct Options {
   int seam2_in_finalize = -1;  // EngineOptions::moe_seam2_in_finalize_max_tokens
   int seam2_shrink_in_activation = -1;  // EngineOptions::moe_seam2_shrink_in_activation
   int shared_lora_stream = -1;          // EngineOptions::moe_shared_lora_stream
-  int lora_side_ctas = -2;              // EngineOptions::moe_lora_side_ctas
+  int lora_side_ctas = 0;               // EngineOptions::moe_lora_side_ctas
   std::string stream_schedule = "auto";  // EngineOptions::moe_stream_schedule
   int activation_pdl_shared = -1;       // EngineOptions::moe_activation_pdl_with_shared_pairs
   bool shared_in_experts = true;  // EngineOptions::moe_shared_expert_in_experts
@@ -242,7 +242,9 @@ int run(const Options& o) {
            : "") +
       (o.shared_lora_stream >= 0 ? "_shared_lora_stream_" + std::to_string(o.shared_lora_stream)
                                  : "") +
-      (o.lora_side_ctas != -2 ? "_lora_side_ctas_" + std::to_string(o.lora_side_ctas) : "") +
+      (o.lora_side_ctas == -2  ? "_lora_side_ctas_rule"
+       : o.lora_side_ctas != 0 ? "_lora_side_ctas_" + std::to_string(o.lora_side_ctas)
+                               : "") +
       (o.stream_schedule == "auto" ? "" : "_stream_schedule_" + o.stream_schedule) +
       (o.activation_pdl_shared >= 0
            ? "_activation_pdl_shared_" + std::to_string(o.activation_pdl_shared)
@@ -495,9 +497,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(-1, 1))
       ->capture_default_str();
   app.add_option("--lora-side-ctas", o.lora_side_ctas,
-                 "MoE layers: grid cap of the decode LoRA kernels on the side stream: -2 = the "
-                 "layer's rule (one CTA per SM up to 32 tokens where hidden <= 4096), -1 = one "
-                 "CTA per SM, 0 = one CTA per work unit, N = at most N CTAs "
+                 "MoE layers: grid cap of the decode LoRA kernels on the side stream: 0 = one CTA "
+                 "per work unit (the default), -1 = one CTA per SM, -2 = the opt-in rule (one CTA "
+                 "per SM up to 16 tokens where hidden <= 4096), N = at most N CTAs "
                  "(SideStreamScheduling::lora_max_ctas, docs/gpu_moe.md §6.0q)")
       ->check(CLI::Range(-2, 1 << 20))
       ->capture_default_str();

@@ -12,8 +12,8 @@ import pathlib
 import re
 import sys
 
-# "<preset> decode <B> <lora> routed <us> us ... ratio <r> (ideal <i>, <share>)"
-ROW = re.compile(r"(\S+)\s+decode\s+(\d+)\s+(none|\d+x r\d+)\s+routed\s+([\d.]+) us.*?"
+# "<preset> decode <B> <lora> routed|full <us> us ... ratio <r> (ideal <i>, <share>)"
+ROW = re.compile(r"(\S+)\s+decode\s+(\d+)\s+(none|\d+x r\d+)\s+(?:routed|full)\s+([\d.]+) us.*?"
                  r"ratio ([\d.]+) \(ideal ([\d.]+), ([\d.]+)\)")
 
 

@@ -153,10 +153,10 @@ struct EngineOptions {
   // activation_pdl_with_shared_pairs).
   int moe_shared_lora_stream = -1;
   int moe_activation_pdl_with_shared_pairs = -1;
-  // MoE layers: the grid cap of the decode LoRA kernels on the side stream (A/B runs): -2 = the
-  // layer's rule, -1 = one CTA per SM, 0 = one CTA per work unit, N = at most N CTAs
+  // MoE layers: the grid cap of the decode LoRA kernels on the side stream (A/B runs): 0 = one CTA
+  // per work unit (the default), -1 = one CTA per SM, -2 = the opt-in rule, N = at most N CTAs
   // (ops::cuda::SideStreamScheduling::lora_max_ctas).
-  int moe_lora_side_ctas = -2;
+  int moe_lora_side_ctas = 0;
   // MoE layers' stream GEMMs (A/B runs of the benchmarks): work items claimed from a counter (1) or
   // round-robin (0); -1 = the layer's rule (ops::cuda::StreamGemmSchedule::kAuto).
   int moe_stream_schedule = -1;

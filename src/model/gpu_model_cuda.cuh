@@ -91,8 +91,8 @@ struct GpuModelOptions {
   int moe_shared_lora_stream = -1;
   int moe_activation_pdl_with_shared_pairs = -1;
   // The grid cap of the decode LoRA kernels on the side stream (ops::cuda::SideStreamScheduling::
-  // lora_max_ctas: -2 = the layer's rule, -1 = one CTA per SM, 0 = uncapped, N CTAs).
-  int moe_lora_side_ctas = -2;
+  // lora_max_ctas: 0 = uncapped, the default; -1 = one CTA per SM, -2 = the opt-in rule, N CTAs).
+  int moe_lora_side_ctas = 0;
   // The stream GEMMs' work items: claimed (1) or round-robin (0); -1 = the layer's rule
   // (ops::cuda::StreamGemmSchedule::kAuto).
   int moe_stream_schedule = -1;

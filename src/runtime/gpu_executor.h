@@ -71,7 +71,7 @@ struct GpuExecutorOptions {
   int moe_seam2_shrink_in_activation = -1;
   int moe_shared_lora_stream = -1;
   int moe_activation_pdl_with_shared_pairs = -1;
-  int moe_lora_side_ctas = -2;
+  int moe_lora_side_ctas = 0;
   int moe_stream_schedule = -1;  // model::GpuModelOptions::moe_stream_schedule
   // model::GpuModelOptions::moe_shared_expert_in_experts, gdn_lora_delta_in_mix
   bool moe_shared_expert_in_experts = true;

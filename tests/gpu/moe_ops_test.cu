@@ -197,19 +197,20 @@ TEST(Sm90_MoeAlign, SharedExpertAsOneMorePairPerToken) {
 // the shared expert's pairs in the counted one; the ranked form without slots.
 TEST(Sm90_MoeAlign, RankedAndCountedFormsAtTheirBound) {
   MOELORA_REQUIRE_SM90();
-  // The ranked form takes up to kMoeAlignRankedMaxPairs (160) pairs, the counted one past it.
-  static_assert(ops::cuda::kMoeAlignRankedMaxPairs == 160, "update the bound cases below");
-  check_align(20, 17, 256, 8, 8, 213);                         // 160 pairs: ranked
-  check_align(21, 21, 256, 8, 8, 214);                         // 168: counted
-  check_align(16, 14, 256, 8, 8, 221);                         // 128: the fifth warp holds no pair
-  check_align(17, 17, 256, 8, 4, 215, 0, 0, /*shared=*/true);  // 153: ranked
-  check_align(16, 16, 256, 8, 8, 222, 0, 0, /*shared=*/true);  // 144: Qwen3.5 at 16 sequences
-  check_align(18, 18, 256, 8, 4, 216, 0, 0, /*shared=*/true);  // 162: counted
+  // The ranked form takes up to kMoeAlignRankedMaxPairs pairs, the counted one past it; the cases
+  // follow the bound (128 today: 16 / 17 tokens at k = 8, 14 / 15 with the shared expert).
+  constexpr int bound = ops::cuda::kMoeAlignRankedMaxPairs;
+  check_align(bound / 8, bound / 8 - 3, 256, 8, 8, 213);      // ranked, padding tokens
+  check_align(bound / 8 + 1, bound / 8 + 1, 256, 8, 8, 214);  // counted
+  check_align(bound / 8 - 4, bound / 8 - 6, 256, 8, 8, 221);  // ranked, the last warp idle
+  check_align(bound / 9, bound / 9 - 2, 256, 8, 4, 215, 0, 0, /*shared=*/true);      // ranked
+  check_align(bound / 9 + 1, bound / 9 + 1, 256, 8, 4, 216, 0, 0, /*shared=*/true);  // counted
+  check_align(16, 16, 256, 8, 8, 222, 0, 0, /*shared=*/true);  // Qwen3.5 at 16 sequences
   check_align(2, 1, 384, 8, 8, 217, 0, 0, /*shared=*/true);    // one valid token of two
   check_align(16, 16, 48, 8, 8, 218, 384, 336);                // the last EP8 rank's experts
-  check_align(20, 20, 48, 8, 8, 223, 384, 336);                // ... at the bound
-  check_align(160, 160, 8, 1, 8, 219);                         // 160 tokens of one pair each
-  check_align(161, 161, 8, 1, 8, 224);                         // 161: counted
+  check_align(bound / 8, bound / 8, 48, 8, 8, 223, 384, 336);  // ... at the bound
+  check_align(bound, bound, 8, 1, 8, 219);                     // one pair per token
+  check_align(bound + 1, bound + 1, 8, 1, 8, 224);             // ... one past the bound
   check_align(16, 11, 256, 8, 0, 220);                         // no LoRA: S = 0
 }
 

@@ -179,15 +179,15 @@ enum class RouterGemmPath { kAuto, kCublas };
 
 // How the decode LoRA kernels on the side stream share the GPU with the expert GEMMs on the main
 // stream. lora_max_ctas: the grid cap of the segment kernels (LoraSegmentsView::max_ctas). The
-// stream GEMM is a persistent grid of two CTAs per SM; at 16-32 tokens of layers with hidden size
-// up to 4096 the uncapped seam-1 grids queue behind its CTAs and end after GEMM1, and one CTA per
-// SM ends them sooner; past 32 tokens with several adapters the capped chain is the longer one
-// (docs/gpu_moe.md §6.0q, §6.1).
+// stream GEMM is a persistent grid of two CTAs per SM; capping the side grids to leave it room was
+// measured slower on the H200 (the side chain gets longer and the GEMM no faster, docs/gpu_moe.md
+// §6.1), so the default is uncapped; at 16 tokens of layers with hidden size up to 4096 one CTA
+// per SM measured faster in one H100 run (§6.0q), the opt-in rule below.
 struct SideStreamScheduling {
-  // -2 = the layer's rule (one CTA per SM on FP8 experts for decode forwards of up to 32 tokens
-  // and hidden size <= 4096, otherwise uncapped), -1 = one CTA per SM, 0 = one CTA per work unit,
-  // N = at most N CTAs.
-  int lora_max_ctas = -2;
+  // 0 = one CTA per work unit (the default), -1 = one CTA per SM, N = at most N CTAs, -2 = the
+  // rule (one CTA per SM on FP8 experts for decode forwards of up to kLoraSideCtasCapMaxTokens
+  // (16) tokens and hidden size <= 4096, otherwise uncapped; moe_layer_rules_cuda.cuh).
+  int lora_max_ctas = 0;
   // Decode on FP8 experts: the side stream's seam-1 kernels start after the quant kernel instead
   // of after the align, so that the persistent GEMM1 (a programmatic dependent of the quant
   // kernel) takes its SMs first and the shrink runs beside it (its result is needed only after

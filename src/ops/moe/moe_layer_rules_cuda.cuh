@@ -48,14 +48,16 @@ constexpr bool kSeam2ShrinkInActivationDefault = false;
 // (docs/gpu_moe.md §6.0i).
 constexpr bool kSharedLoraStreamDefault = true;
 constexpr bool kActivationPdlWithSharedPairsDefault = true;
-// SideStreamScheduling::lora_max_ctas = -2: the decode LoRA segment kernels beside the FP8 stream
-// GEMM get at most one CTA per SM in forwards of up to this many tokens and layers of hidden size
-// up to kSeam1AfterQuantMaxHidden (the layers whose seam-1 shrink runs beside GEMM1): there the
-// uncapped grids (up to 1,024 CTAs of the seam-1 shrink and expand) queue behind GEMM1's CTAs and
-// end after it; capped, each CTA walks several work units and the chain ends sooner. Past 32
-// tokens, with eight adapters, the capped chain got longer than GEMM1 (64 tokens 318 -> 345 us,
-// 128: 405 -> 517 on one H100), so larger forwards stay uncapped (docs/gpu_moe.md §6.0q).
-constexpr int kLoraSideCtasCapMaxTokens = 32;
+// SideStreamScheduling::lora_max_ctas = -2 (opt-in): the decode LoRA segment kernels beside the
+// FP8 stream GEMM get at most one CTA per SM in forwards of up to this many tokens and layers of
+// hidden size up to kSeam1AfterQuantMaxHidden (the layers whose seam-1 shrink runs beside GEMM1),
+// where the uncapped grids (up to 1,024 CTAs of the seam-1 shrink and expand) queue behind GEMM1's
+// CTAs. One H100 run, qwen3.5 routed experts: 16 tokens 158.6 -> 154.0 us with one r16 adapter,
+// 159.7 -> 156.9 with eight; 32 tokens 235.6 -> 230.3 with one but 236.5 -> 240.8 with eight, and
+// 64 / 128 tokens with eight 318 -> 345 / 405 -> 517, hence the bound; 1-4 tokens within 1 us
+// either way. One run of one build, so the default stays uncapped until the rule is measured
+// beside it (docs/gpu_moe.md §6.0q).
+constexpr int kLoraSideCtasCapMaxTokens = 16;
 
 // A SideStreamScheduling switch: 1 = on, 0 = off, -1 = the layer's default.
 inline bool resolve_setting(int value, bool layer_default) {

@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
 // Decode sizes (at most kRankPairs pairs): the pairs sorted by rank instead of by bin counts. Each
 // thread holds one pair's key (bin << 16 | p; bin = e (S + 1) + slot + 1 as above) and its sorted
 // position is the number of smaller keys, so the bins are never materialised: E (S + 1) bin
-// counters, three block scans and ~20 barriers of 1,024 threads become three barriers of 160
+// counters, three block scans and ~20 barriers of 1,024 threads become three barriers of 128
 // threads, whatever S. Offsets, active experts and the pair and token segments come from the
 // sorted keys (binary searches and warp ballots). The order inside a bin is ascending p, the CPU
 // reference's.
@@ -205,8 +205,7 @@ __global__ void __launch_bounds__(kThreads) moe_align_kernel(const MoeAlignDevic
 // bench/results/h200/h100/align_ranked/c1) the ranked form was 1-3.6 us faster than the counted
 // one at 1-8 tokens of qwen3.5 (two-round means), even at 16, 0.5-2 us slower at 32 and 4-9 us at
 // 64 tokens (k = 8), where each thread's rank loop reads 512 keys; 128 (c2) took 3-4.7 us off the
-// LoRA rows at 1-16 tokens; 160 lets Qwen3.5's 16 tokens with the shared expert among the pairs
-// (144) rank too (align_ranked/c3).
+// LoRA rows at 1-16 tokens.
 constexpr int kRankPairs = kMoeAlignRankedMaxPairs;
 static_assert(kRankPairs % 32 == 0 && kRankPairs <= 1024);
 constexpr int kRankWarps = kRankPairs / 32;

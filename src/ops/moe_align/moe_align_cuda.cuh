@@ -60,10 +60,11 @@ struct MoeAlignDeviceArgs {
 // 200 KB.
 size_t moe_align_smem_bytes(int num_experts, int num_slots);
 // Forwards of up to this many (token, expert) pairs (max_tokens x (top_k + 1 with a shared
-// expert)) take the ranked form: one CTA of this many threads that sorts the pairs by rank instead
-// of counting them into bins. 160 covers 20 tokens at k = 8 and 16 with the shared expert among
-// the pairs (Qwen3.5's engine layers at 16 sequences).
-constexpr int kMoeAlignRankedMaxPairs = 160;
+// expert)) take the ranked form: one CTA of this many threads (a multiple of 32) that sorts the
+// pairs by rank instead of counting them into bins: 16 tokens at k = 8, 14 with the shared expert
+// among the pairs. 160 would let Qwen3.5's engine layers at 16 sequences (144 pairs) rank too;
+// that build is not measured yet (docs/gpu_moe.md §6.0p).
+constexpr int kMoeAlignRankedMaxPairs = 128;
 void launch_moe_align(const MoeAlignDeviceArgs& args, cudaStream_t stream);
 
 }  // namespace moelora::ops::cuda
