@@ -7,6 +7,8 @@
 #include <initializer_list>
 #include <map>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "bench_util.h"
@@ -122,9 +124,14 @@ int adapter_pool_rank(const Options& opt) {
   return rank;
 }
 
-int parse_options(int argc, char** argv, Options& opt) {
+namespace {
+
+// parse_options without its guard: std::stoi / std::stod throw on a value that is not a number;
+// `option` names the option being read.
+int parse_options_or_throw(int argc, char** argv, Options& opt, std::string& option) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    option = a;
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "bench_moe_layer: %s needs a value\n", a.c_str());
@@ -390,6 +397,19 @@ int parse_options(int argc, char** argv, Options& opt) {
     }
   }
   return -1;
+}
+
+}  // namespace
+
+int parse_options(int argc, char** argv, Options& opt) {
+  std::string option;
+  try {
+    return parse_options_or_throw(argc, argv, opt, option);
+  } catch (const std::logic_error& e) {  // std::invalid_argument, std::out_of_range
+    std::fprintf(stderr, "bench_moe_layer: %s needs a number in range (%s); see --help\n",
+                 option.c_str(), e.what());
+    return 2;
+  }
 }
 
 }  // namespace moelora::bench

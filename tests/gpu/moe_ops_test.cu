@@ -208,7 +208,7 @@ TEST(Sm90_MoeAlign, RankedAndCountedFormsAtTheirBound) {
   check_align(16, 16, 256, 8, 8, 222, 0, 0, /*shared=*/true);  // Qwen3.5 at 16 sequences
   check_align(2, 1, 384, 8, 8, 217, 0, 0, /*shared=*/true);    // one valid token of two
   check_align(16, 16, 48, 8, 8, 218, 384, 336);                // the last EP8 rank's experts
-  check_align(bound / 8, bound / 8, 48, 8, 8, 223, 384, 336);  // ... at the bound
+  check_align(bound / 8 + 1, bound / 8 + 1, 48, 8, 8, 223, 384, 336);  // ... one past the bound
   check_align(bound, bound, 8, 1, 8, 219);                     // one pair per token
   check_align(bound + 1, bound + 1, 8, 1, 8, 224);             // ... one past the bound
   check_align(16, 11, 256, 8, 0, 220);                         // no LoRA: S = 0
